@@ -1,0 +1,52 @@
+"""tensordiff: find where two training runs first part ways, layer by layer.
+
+Capture::
+
+    with tensordiff.capture(model, "run.h5", steps=2, optimizer=opt) as cap:
+        for batch in data:
+            loss = model(batch).mean()
+            loss.backward()
+            opt.step(); opt.zero_grad()
+            cap.step(loss)
+
+Then ``tensordiff diff a.h5 b.h5 --first-divergence``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = ["capture", "__version__"]
+
+
+def _is_torch_module(obj: Any) -> bool:
+    return any(c.__module__.startswith("torch.nn") and c.__name__ == "Module" for c in type(obj).__mro__)
+
+
+def capture(model: Any, path: str | None = None, steps: int | None = None, *, optimizer: Any = None,
+            tensors: str | None = None, inputs: bool = True, grads: bool = True, background: bool = True,
+            meta: dict | None = None) -> Any:
+    """Record the first ``steps`` training steps of ``model`` into the HDF5 file ``path``.
+
+    Returns a context manager with ``step(loss=None)``, ``loss(value)`` and ``close()``.
+    ``tensordiff capture -o FILE --steps N -- cmd`` sets FILE, N and the tensor mode
+    through the environment, overriding the arguments; with no path at all the
+    capture is off and the returned object records nothing.
+    """
+    from ._capture_common import NullCapture, options_from_env
+
+    options = options_from_env(path, steps, tensors, inputs=inputs, grads=grads, background=background)
+    if options is None:
+        return NullCapture()
+    if _is_torch_module(model):
+        from .torch import TorchCapture
+
+        return TorchCapture(model, options, optimizer=optimizer, meta=meta)
+    from .errors import UsageError
+
+    raise UsageError(
+        f"cannot capture a {type(model).__module__}.{type(model).__name__}: expected a torch.nn.Module "
+        "(MindSpore cells come with the MindSpore adapter)"
+    )

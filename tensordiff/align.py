@@ -1,0 +1,239 @@
+"""Line up the records of two captures, in documented passes.
+
+1. exact: same phase, module name, call index, kind and slot;
+2. wrapper prefixes: names equal once ``module.`` / ``_orig_mod.`` wrappers are dropped
+   (Megatron's Float16Module, DDP, torch.compile);
+3. rules: the mapping file's rename rules (regex on B's module name -> A's), which may
+   also rename slots and name layout transforms for B's tensors;
+4. order: what is left, per phase, matched in execution order where kind and shape agree
+   (off with ``order_fallback: false`` in the mapping, or ``--no-order``).
+
+Whatever is still unmatched is reported as unmatched, never as passing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from .errors import MappingError
+from .record import PHASES, Record
+from .transforms import Op, parse_op
+
+_WRAPPERS = ("module.", "_orig_mod.")
+_PARAM_KINDS = ("param", "grad")
+
+
+@dataclass(frozen=True)
+class Pair:
+    a: Record | None
+    b: Record | None
+    how: str = ""
+    """'exact', 'prefix', 'rule', 'order', or '' for unmatched."""
+    ops: tuple[Op, ...] = ()
+    """transforms that bring B's tensor into A's layout."""
+
+    @property
+    def matched(self) -> bool:
+        return self.a is not None and self.b is not None
+
+
+@dataclass
+class Rule:
+    b: re.Pattern
+    a: str
+    phases: frozenset[str] | None = None
+    kinds: frozenset[str] | None = None
+    slots: dict[str, str] = field(default_factory=dict)
+    activations: tuple[Op, ...] = ()
+    params: dict[str, tuple[Op, ...]] = field(default_factory=dict)
+
+    def target(self, rec: Record) -> tuple[tuple, tuple[Op, ...]] | None:
+        if self.phases is not None and rec.phase not in self.phases:
+            return None
+        if self.kinds is not None and rec.kind not in self.kinds:
+            return None
+        m = self.b.fullmatch(rec.module)
+        if not m:
+            return None
+        name = m.expand(self.a)
+        slot = self.slots.get(rec.slot, rec.slot)
+        ops = self.params.get(rec.slot, ()) if rec.kind in _PARAM_KINDS else self.activations
+        return (rec.phase, name, rec.call, rec.kind, slot), ops
+
+
+@dataclass
+class Mapping:
+    """Rename rules from B's names to A's (a YAML file; see docs/mapping.md)."""
+
+    rules: list[Rule] = field(default_factory=list)
+    order_fallback: bool = True
+    ignore_a: list[re.Pattern] = field(default_factory=list)
+    ignore_b: list[re.Pattern] = field(default_factory=list)
+    description: str = ""
+    path: str = ""
+
+    @classmethod
+    def load(cls, path: str, variables: dict[str, str] | None = None) -> "Mapping":
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except OSError as err:
+            raise MappingError(f"{path}: cannot read the mapping file ({err.strerror}); check the --mapping path") from None
+        return cls.from_text(text, path, variables)
+
+    @classmethod
+    def from_text(cls, text: str, path: str = "<mapping>", variables: dict[str, str] | None = None) -> "Mapping":
+        try:
+            doc = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise MappingError(f"{path}: not valid YAML{where}; fix the syntax of the mapping file") from None
+        if not isinstance(doc, dict) or "rules" not in doc:
+            raise MappingError(f"{path}: a mapping file is a YAML mapping with a 'rules:' list (see docs/mapping.md)")
+        values = {str(k): str(v) for k, v in (doc.get("vars") or {}).items()}
+        values.update(variables or {})
+
+        def subst(text: Any, where: str) -> str:
+            def repl(m: re.Match) -> str:
+                if m.group(1) not in values:
+                    raise MappingError(f"{path}: {where} uses ${{{m.group(1)}}} but no value is set; add it under vars: or pass --var {m.group(1)}=VALUE")
+                return values[m.group(1)]
+            return re.sub(r"\$\{(\w+)\}", repl, str(text))
+
+        def ops(items: Any, where: str) -> tuple[Op, ...]:
+            if items is None:
+                return ()
+            if isinstance(items, str):
+                items = [items]
+            return tuple(parse_op(subst(i, where), f"{path}: {where}") for i in items)
+
+        def patterns(items: Any, where: str) -> list[re.Pattern]:
+            out = []
+            for item in items or []:
+                try:
+                    out.append(re.compile(str(item)))
+                except re.error as err:
+                    raise MappingError(f"{path}: {where}: bad regular expression {item!r} ({err})") from None
+            return out
+
+        rules = []
+        for i, raw in enumerate(doc["rules"] or []):
+            where = f"rule {i + 1}"
+            if not isinstance(raw, dict) or "a" not in raw or "b" not in raw:
+                raise MappingError(f"{path}: {where} needs both 'a:' (A's module name) and 'b:' (a regex on B's module name)")
+            try:
+                pattern = re.compile(subst(raw["b"], where))
+            except re.error as err:
+                raise MappingError(f"{path}: {where}: bad regular expression {raw['b']!r} ({err})") from None
+            phases = raw.get("phases")
+            if phases is not None:
+                unknown = set(phases) - set(PHASES)
+                if unknown:
+                    raise MappingError(f"{path}: {where}: unknown phase(s) {sorted(unknown)}; phases are {', '.join(PHASES)}")
+            rules.append(
+                Rule(
+                    b=pattern,
+                    a=subst(raw["a"], where),
+                    phases=frozenset(phases) if phases is not None else None,
+                    kinds=frozenset(raw["kinds"]) if raw.get("kinds") is not None else None,
+                    slots={str(k): str(v) for k, v in (raw.get("slots") or {}).items()},
+                    activations=ops(raw.get("activations"), where),
+                    params={str(k): ops(v, where) for k, v in (raw.get("params") or {}).items()},
+                )
+            )
+        return cls(
+            rules=rules,
+            order_fallback=bool(doc.get("order_fallback", True)),
+            ignore_a=patterns(doc.get("ignore_a"), "ignore_a"),
+            ignore_b=patterns(doc.get("ignore_b"), "ignore_b"),
+            description=str(doc.get("description", "")),
+            path=path,
+        )
+
+
+def _strip_wrappers(name: str) -> str:
+    changed = True
+    while changed:
+        changed = False
+        for prefix in _WRAPPERS:
+            if name.startswith(prefix):
+                name, changed = name[len(prefix):], True
+        if name in ("module", "_orig_mod"):
+            name, changed = "", True
+    return name
+
+
+def align_step(recs_a: list[Record], recs_b: list[Record], mapping: Mapping | None = None,
+               order_fallback: bool = True) -> list[Pair]:
+    """Pairs for one step, in A's order; unmatched B records appended per phase."""
+    mapping = mapping or Mapping()
+    a_list = [r for r in recs_a if not any(p.fullmatch(r.module) for p in mapping.ignore_a)]
+    b_list = [r for r in recs_b if not any(p.fullmatch(r.module) for p in mapping.ignore_b)]
+    partner: dict[int, tuple[Record, str, tuple[Op, ...]]] = {}  # a.seq -> (b, how, ops)
+    taken_b: set[int] = set()
+
+    def run_pass(key_a, key_b, how: str) -> None:
+        index: dict[tuple, Record] = {}
+        for ra in a_list:
+            if ra.seq not in partner:
+                index.setdefault(key_a(ra), ra)
+        for rb in b_list:
+            if rb.seq in taken_b:
+                continue
+            found = key_b(rb)
+            if found is None:
+                continue
+            key, ops = found
+            ra = index.pop(key, None)
+            if ra is not None:
+                partner[ra.seq] = (rb, how, ops)
+                taken_b.add(rb.seq)
+
+    run_pass(lambda r: r.key, lambda r: (r.key, ()), "exact")
+    run_pass(lambda r: (r.phase, _strip_wrappers(r.module), r.call, r.kind, r.slot),
+             lambda r: ((r.phase, _strip_wrappers(r.module), r.call, r.kind, r.slot), ()), "prefix")
+
+    def by_rules(rb: Record):
+        for rule in mapping.rules:
+            hit = rule.target(rb)
+            if hit is not None:
+                return hit
+        return None
+
+    if mapping.rules:
+        run_pass(lambda r: (r.phase, _strip_wrappers(r.module), r.call, r.kind, r.slot),
+                 lambda r: by_rules(r) if by_rules(r) is None else
+                 ((lambda k, o: ((k[0], _strip_wrappers(k[1]), *k[2:]), o))(*by_rules(r))), "rule")
+
+    if order_fallback and mapping.order_fallback:
+        for phase in PHASES:
+            rest_a = [r for r in a_list if r.phase == phase and r.seq not in partner]
+            rest_b = [r for r in b_list if r.phase == phase and r.seq not in taken_b]
+            if not rest_a or not rest_b:
+                continue
+            tok_a = [(r.kind, r.shape) for r in rest_a]
+            tok_b = [(r.kind, r.shape) for r in rest_b]
+            matcher = difflib.SequenceMatcher(a=tok_a, b=tok_b, autojunk=False)
+            for block in matcher.get_matching_blocks():
+                for i in range(block.size):
+                    ra, rb = rest_a[block.a + i], rest_b[block.b + i]
+                    partner[ra.seq] = (rb, "order", ())
+                    taken_b.add(rb.seq)
+
+    pairs: list[Pair] = []
+    for phase in PHASES:
+        for ra in a_list:
+            if ra.phase != phase:
+                continue
+            hit = partner.get(ra.seq)
+            pairs.append(Pair(ra, hit[0], hit[1], hit[2]) if hit else Pair(ra, None))
+        for rb in b_list:
+            if rb.phase == phase and rb.seq not in taken_b:
+                pairs.append(Pair(None, rb))
+    return pairs

@@ -1,0 +1,210 @@
+"""Command line: ``tensordiff capture | diff | ls | show``.
+
+Exit codes: 0 no divergence (or success), 1 divergence found, 2 bad input or error.
+Errors print one line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from typing import Sequence
+
+from . import __version__
+from ._capture_common import ENV_OUTPUT, ENV_STEPS, ENV_TENSORS, TENSOR_MODES
+from .errors import TensordiffError, UsageError
+
+EXAMPLE = "example: tensordiff capture -o a.h5 --steps 2 -- python train.py; tensordiff diff a.h5 b.h5 --first-divergence"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tensordiff", description="Find where two training runs first part ways, layer by layer.",
+                                epilog=EXAMPLE)
+    p.add_argument("--version", action="version", version=f"tensordiff {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    c = sub.add_parser("capture", help="run a training command with capture on",
+                       description="Run COMMAND with capture turned on. The program must call tensordiff.capture(model, ...) "
+                                   "or run through a hooks/ entry point; -o, --steps and --tensors override its arguments.",
+                       epilog="example: tensordiff capture -o run.h5 --steps 2 -- python train.py --lr 1e-4")
+    c.add_argument("-o", "--output", required=True, help="HDF5 file to write ('{rank}' is replaced by the rank)")
+    c.add_argument("--steps", type=int, default=1, help="training steps to capture (default 1)")
+    c.add_argument("--tensors", choices=TENSOR_MODES, default="first", help="store full tensors for the first step (default), all steps, or none")
+    c.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the training command")
+
+    d = sub.add_parser("diff", help="compare two captures and name the first divergence",
+                       description="Compare capture B against capture A. Exit 0: no divergence, 1: divergence, 2: error.",
+                       epilog="example: tensordiff diff a.h5 b.h5 --first-divergence --json report.json")
+    d.add_argument("a", help="capture A (the reference)")
+    d.add_argument("b", help="capture B")
+    d.add_argument("--first-divergence", action="store_true", help="show only the table of the phase holding the first divergence")
+    d.add_argument("--mapping", help="YAML rename rules from B's names to A's (see docs/mapping.md)")
+    d.add_argument("--var", action="append", default=[], metavar="NAME=VALUE", help="value for ${NAME} in the mapping file")
+    d.add_argument("--rtol", type=float, help="one relative-L2 tolerance for every float pair (default: by dtype)")
+    d.add_argument("--noise", nargs=2, metavar=("R1", "R2"), help="two captures of the same run: their differences set a per-tensor noise floor")
+    d.add_argument("--noise-factor", type=float, default=3.0, help="allowed multiple of the measured noise (default 3)")
+    d.add_argument("--jump", type=float, default=3.0, help="error growth that counts as introduced (default 3x)")
+    d.add_argument("--no-order", action="store_true", help="do not match leftovers by execution order and shape")
+    d.add_argument("--phase", action="append", help="show only this phase (repeatable)")
+    d.add_argument("--step", type=int, action="append", help="compare only this step (repeatable)")
+    d.add_argument("--max-rows", type=int, default=40, help="rows per table before ok rows collapse (0: all)")
+    d.add_argument("--json", metavar="FILE", help="also write a machine-readable report")
+    d.add_argument("--width", type=int, help="table width (default: the terminal's)")
+    d.add_argument("--no-color", action="store_true", help="plain text output")
+
+    ls = sub.add_parser("ls", help="list the steps and phases of a capture")
+    ls.add_argument("file")
+
+    sh = sub.add_parser("show", help="show the records of a capture, with their statistics")
+    sh.add_argument("file")
+    sh.add_argument("pattern", nargs="?", default="", help="only modules whose name contains this text")
+    sh.add_argument("--step", type=int, default=None, help="step to show (default: the first)")
+    sh.add_argument("--phase", action="append", help="only this phase (repeatable)")
+    sh.add_argument("--width", type=int)
+    sh.add_argument("--no-color", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command is None:
+        _parser().print_help()
+        return 2
+    try:
+        return {"capture": _capture, "diff": _diff, "ls": _ls, "show": _show}[args.command](args)
+    except TensordiffError as err:
+        print(f"tensordiff: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tensordiff: interrupted", file=sys.stderr)
+        return 2
+
+
+def _capture(args: argparse.Namespace) -> int:
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        raise UsageError("no training command given; put it after '--', e.g. tensordiff capture -o run.h5 -- python train.py")
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps}: capture at least 1 step")
+    out = os.path.abspath(args.output)
+    if os.path.exists(out):
+        os.remove(out)
+    env = dict(os.environ, **{ENV_OUTPUT: out, ENV_STEPS: str(args.steps), ENV_TENSORS: args.tensors})
+    try:
+        code = subprocess.call(cmd, env=env)
+    except FileNotFoundError:
+        raise UsageError(f"cannot run {cmd[0]!r}: no such program; check the command after '--'") from None
+    if code != 0:
+        print(f"tensordiff: the training command exited with code {code}", file=sys.stderr)
+        return code if 0 < code < 256 else 2
+    if not os.path.exists(out) and "{rank}" not in out:
+        raise UsageError(f"{cmd[0]} ran but wrote no capture to {out}: the program must call tensordiff.capture(model, ...) "
+                         "or be started through a hooks/ entry point (see docs/guide.md)")
+    if os.path.exists(out):
+        from .store import Capture
+
+        with Capture(out) as cap:
+            print(f"tensordiff: wrote {out}: {len(cap.steps)} step(s), {sum(len(cap.records(s)) for s in cap.steps)} records, "
+                  f"{cap.nbytes() / 1e6:.1f} MB")
+    return 0
+
+
+def _console(args: argparse.Namespace):
+    from .report import make_console
+
+    return make_console(width=args.width, color=False if args.no_color or os.environ.get("NO_COLOR") else None)
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from .align import Mapping
+    from .engine import DiffOptions, diff, measure_noise
+    from .report import DiffReport
+    from .tolerance import Tolerances
+
+    variables = {}
+    for item in args.var:
+        name, eq, value = item.partition("=")
+        if not eq or not name:
+            raise UsageError(f"--var {item!r}: expected NAME=VALUE, e.g. --var heads=12")
+        variables[name] = value
+    mapping = Mapping.load(args.mapping, variables) if args.mapping else None
+    tolerances = Tolerances(override=args.rtol, noise_factor=args.noise_factor)
+    if args.noise:
+        tolerances.noise = measure_noise(args.noise[0], args.noise[1], mapping=None)
+    options = DiffOptions(mapping=mapping, tolerances=tolerances, order_fallback=not args.no_order, jump=args.jump,
+                          steps=args.step)
+    result = diff(args.a, args.b, options)
+    report = DiffReport(result, max_rows=args.max_rows, phases=args.phase, first_only=args.first_divergence)
+    _console(args).print(report)
+    if args.json:
+        report.write_json(args.json)
+    return 1 if result.first is not None else 0
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from .record import PHASES
+    from .store import Capture
+
+    console = _console(argparse.Namespace(width=None, no_color=False))
+    with Capture(args.file) as cap:
+        console.print(f"{args.file}: {cap.nbytes() / 1e6:.2f} MB, format {cap.attrs.get('tensordiff_format')}")
+        for key in ("framework", "framework_version", "megatron_core_version", "transformers_version", "model_class",
+                    "rank", "world_size", "created", "argv"):
+            if key in cap.attrs:
+                console.print(f"  {key}: {cap.attrs[key]}")
+        table = Table(title="steps", title_justify="left")
+        table.add_column("step", justify="right")
+        for phase in PHASES:
+            table.add_column(phase, justify="right")
+        table.add_column("tensors", justify="right")
+        table.add_column("loss", justify="right")
+        for step in cap.steps:
+            recs = cap.records(step)
+            counts = [str(sum(1 for r in recs if r.phase == p)) for p in PHASES]
+            loss = cap.step_attrs(step).get("loss")
+            table.add_row(str(step), *counts, str(sum(1 for r in recs if r.has_data and r.same_as < 0)),
+                          f"{loss:.6g}" if isinstance(loss, float) else "-")
+        console.print(table)
+        if cap.incomplete_steps:
+            console.print(f"  incomplete steps (ignored): {cap.incomplete_steps}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from .store import Capture
+
+    console = _console(args)
+    with Capture(args.file) as cap:
+        if not cap.steps:
+            raise UsageError(f"{args.file}: holds no complete step")
+        step = cap.steps[0] if args.step is None else args.step
+        if step not in cap.steps:
+            raise UsageError(f"{args.file}: no step {step}; steps are {cap.steps}")
+        table = Table(title=f"{args.file} step {step}", title_justify="left")
+        for col, just in (("#", "right"), ("phase", "left"), ("module · tensor", "left"), ("dtype", "left"), ("shape", "left"),
+                          ("mean", "right"), ("l2", "right"), ("min", "right"), ("max", "right"), ("nan/inf", "right")):
+            table.add_column(col, justify=just, overflow="fold")
+        n = 0
+        for r in cap.records(step):
+            if args.pattern not in r.module or (args.phase and r.phase not in args.phase):
+                continue
+            n += 1
+            table.add_row(str(r.seq), r.phase, r.label + (" (link)" if r.same_as >= 0 else ""), r.dtype,
+                          "×".join(map(str, r.shape)) or "scalar", f"{r.mean:.4g}", f"{r.l2:.4g}", f"{r.min:.4g}",
+                          f"{r.max:.4g}", f"{r.nan}/{r.inf}")
+        console.print(table)
+        if n == 0:
+            raise UsageError(f"{args.file}: no record matches {args.pattern!r} in step {step}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

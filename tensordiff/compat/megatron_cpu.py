@@ -1,0 +1,121 @@
+"""CPU shims for megatron-core (tested with 0.16.1, torch CPU build, no Transformer Engine/Apex).
+
+megatron-core assumes CUDA. To run a tiny ``GPTModel`` (local layer spec) on the CPU:
+
+0. Process groups: megatron needs ``torch.distributed`` and its ``parallel_state``
+   (TP=PP=1). ``init_megatron_cpu`` creates a one-process gloo group and calls
+   ``parallel_state.initialize_model_parallel(1, 1)``.
+1. ``torch.cuda.current_device()``: ``DotProductAttention`` takes its score buffer from
+   ``parallel_state.get_global_memory_buffer()``, which allocates on
+   ``torch.cuda.current_device()``; RoPE code also moves tensors there. On a CPU-only torch
+   that raises "Torch not compiled with CUDA enabled". ``enable()`` makes it answer ``"cpu"``
+   (only when CUDA is unavailable); ``disable()`` restores the original function exactly;
+   ``megatron_cpu()`` is the context-manager form.
+2. RNG tracker: attention wraps dropout in ``get_cuda_rng_tracker().fork()``, which fails
+   ("cuda rng state model-parallel-rng is not added") unless CUDA RNG states were added.
+   On CPU we install megatron's own no-op tracker via
+   ``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)`` (its ``fork()`` is a
+   ``nullcontext``, so dropout, if any, draws from the CPU generator).
+
+Not shimmed (avoid instead): ``attention_mask=None`` with a causal mask type builds the mask
+with ``device="cuda"`` -- pass an explicit bool mask ``[1, 1, S, S]`` (True = masked).
+
+torch and megatron are imported lazily; importing this module costs nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from typing import Any, Callable, Iterator, Optional
+
+_ORIG_CURRENT_DEVICE: Optional[Callable[[], Any]] = None  # set while shim 1 is enabled
+
+
+def _cpu_current_device() -> str:
+    """Replacement for ``torch.cuda.current_device`` on CPU-only machines."""
+    return "cpu"
+
+
+def is_enabled() -> bool:
+    """Whether shim 1 (``torch.cuda.current_device`` -> ``"cpu"``) is active."""
+    return _ORIG_CURRENT_DEVICE is not None
+
+
+def enable() -> None:
+    """Patch ``torch.cuda.current_device`` to return ``"cpu"``; no-op if CUDA is available."""
+    global _ORIG_CURRENT_DEVICE
+    import torch
+
+    if torch.cuda.is_available() or _ORIG_CURRENT_DEVICE is not None:
+        return
+    _ORIG_CURRENT_DEVICE = torch.cuda.current_device
+    torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+
+
+def disable() -> None:
+    """Restore the original ``torch.cuda.current_device`` (no-op if not enabled)."""
+    global _ORIG_CURRENT_DEVICE
+    import torch
+
+    if _ORIG_CURRENT_DEVICE is None:
+        return
+    torch.cuda.current_device = _ORIG_CURRENT_DEVICE  # type: ignore[assignment]
+    _ORIG_CURRENT_DEVICE = None
+
+
+@contextlib.contextmanager
+def megatron_cpu() -> Iterator[None]:
+    """Enable shim 1 inside the block; restore the previous state on exit."""
+    was_enabled = is_enabled()
+    enable()
+    try:
+        yield
+    finally:
+        if not was_enabled:
+            disable()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rng_tracker_forks() -> bool:
+    from megatron.core import tensor_parallel
+
+    try:
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            pass
+        return True
+    except Exception:
+        return False
+
+
+def init_megatron_cpu(seed: int = 1234) -> None:
+    """Idempotently prepare megatron-core for single-process use (CPU-safe).
+
+    Sets MASTER_ADDR/MASTER_PORT if unset, creates a one-process gloo group if none,
+    initialises model parallelism (TP=PP=1), sets up the RNG tracker, seeds torch and
+    enables shim 1 (left enabled; call ``disable()`` to restore ``torch.cuda.current_device``).
+    """
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    enable()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
+    elif not _rng_tracker_forks():
+        # megatron's inference tracker: add/set_states are no-ops, fork() is a nullcontext.
+        tensor_parallel.model_parallel_cuda_manual_seed(
+            seed, inference_rng_tracker=True, force_reset_rng=True
+        )

@@ -1,0 +1,99 @@
+"""Dtype names, lossless storage of narrow floats, and units in the last place.
+
+Framework-neutral: the adapters hand over numpy arrays; BF16/FP8 arrive as
+``ml_dtypes`` arrays and are stored as their raw bits, never upcast.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+#: Logical dtype name -> numpy dtype (ml_dtypes for the narrow floats).
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "float64": np.dtype(np.float64),
+    "float32": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "int64": np.dtype(np.int64),
+    "int32": np.dtype(np.int32),
+    "int16": np.dtype(np.int16),
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+    "bool": np.dtype(np.bool_),
+}
+
+#: Narrow floats HDF5 has no type for: stored as unsigned ints of the same width.
+_RAW_BITS: dict[str, np.dtype] = {
+    "bfloat16": np.dtype(np.uint16),
+    "float8_e4m3fn": np.dtype(np.uint8),
+    "float8_e5m2": np.dtype(np.uint8),
+}
+
+#: Explicit fraction (mantissa) bits of each float format.
+MANTISSA_BITS: dict[str, int] = {
+    "float64": 52,
+    "float32": 23,
+    "float16": 10,
+    "bfloat16": 7,
+    "float8_e4m3fn": 3,
+    "float8_e5m2": 2,
+}
+
+#: Smallest normal exponent (ulp below it stays constant: subnormals).
+_MIN_EXP: dict[str, int] = {
+    "float64": -1022,
+    "float32": -126,
+    "float16": -14,
+    "bfloat16": -126,
+    "float8_e4m3fn": -6,
+    "float8_e5m2": -14,
+}
+
+
+def is_float(name: str) -> bool:
+    return name in MANTISSA_BITS
+
+
+def name_of(dtype: np.dtype) -> str:
+    """The logical name of a numpy (or ml_dtypes) dtype."""
+    dtype = np.dtype(dtype)
+    for name, dt in NUMPY_DTYPES.items():
+        if dt == dtype:
+            return name
+    return str(dtype)
+
+
+def to_storage(array: np.ndarray) -> tuple[np.ndarray, str]:
+    """Return ``(array to write, logical dtype name)``; narrow floats become raw bits."""
+    name = name_of(array.dtype)
+    raw = _RAW_BITS.get(name)
+    return (array.view(raw) if raw is not None else array), name
+
+
+def from_storage(raw: np.ndarray, name: str) -> np.ndarray:
+    """Inverse of :func:`to_storage`."""
+    if name in _RAW_BITS:
+        return raw.view(NUMPY_DTYPES[name])
+    return raw
+
+
+def ulp(magnitude: np.ndarray, name: str) -> np.ndarray:
+    """Unit in the last place of ``name`` at each ``|value|`` (float64 in, float64 out)."""
+    bits = MANTISSA_BITS.get(name)
+    if bits is None:
+        return np.zeros_like(magnitude)
+    _, exp = np.frexp(magnitude)  # magnitude = m * 2**exp, m in [0.5, 1)
+    exp = np.maximum(exp - 1, _MIN_EXP[name])
+    return np.ldexp(1.0, exp - bits)
+
+
+def coarsest(a: str, b: str) -> str:
+    """The dtype with fewer mantissa bits (a BF16 vs FP32 pair is judged as BF16)."""
+    if a not in MANTISSA_BITS:
+        return b if b in MANTISSA_BITS else a
+    if b not in MANTISSA_BITS:
+        return a
+    return a if MANTISSA_BITS[a] <= MANTISSA_BITS[b] else b

@@ -1,0 +1,193 @@
+"""The diff: align two captures step by step, compare every pair, judge it, find the first divergence.
+
+Reads one tensor pair at a time, so memory is bounded by the largest pair, not the file.
+Imports neither torch nor mindspore.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from . import dtypes
+from .align import Mapping, Pair, align_step
+from .compare import Metrics, compare_arrays, compare_stats
+from .divergence import FirstDivergence, find_first_divergence
+from .errors import AlignmentError, UsageError
+from .record import PHASES
+from .store import Capture
+from .tolerance import Tolerances
+from .transforms import apply
+
+
+@dataclass
+class DiffOptions:
+    """How to line up and judge two captures."""
+
+    mapping: Mapping | None = None
+    """Rename rules from B's names to A's (``--mapping FILE``)."""
+    tolerances: Tolerances = field(default_factory=Tolerances)
+    """Per-dtype limits, an override, or a measured noise floor."""
+    order_fallback: bool = True
+    """Match leftovers by execution order and shape (``--no-order`` turns it off)."""
+    jump: float = 3.0
+    """An error counts as introduced when it is this many times what came in."""
+    ulp_k: int = 4
+    """The ULP column counts elements within this many units in the last place."""
+    steps: list[int] | None = None
+    """Only these steps (default: all steps both captures have)."""
+
+    def __post_init__(self) -> None:
+        if self.jump <= 1:
+            raise UsageError(f"jump={self.jump}: must be above 1 (an error must grow to count as introduced)")
+        if self.ulp_k < 0:
+            raise UsageError(f"ulp_k={self.ulp_k}: must be 0 or more")
+
+
+@dataclass
+class Row:
+    """One line of the report: a pair (or an unmatched record) and its verdict."""
+
+    step: int
+    phase: str
+    pair: Pair
+    metrics: Metrics | None = None
+    tol: float = 0.0
+    verdict: str = "unmatched"
+    """'ok', 'diverged', 'unmatched' (one side only) or 'shape' (shapes differ after transforms)."""
+    note: str = ""
+
+    @property
+    def err(self) -> float:
+        return self.metrics.rel_l2 if self.metrics is not None else math.nan
+
+
+@dataclass
+class DiffResult:
+    path_a: str
+    path_b: str
+    attrs_a: dict
+    attrs_b: dict
+    rows: list[Row]
+    steps: list[int]
+    first: FirstDivergence | None
+    options: DiffOptions
+    only_a_steps: list[int] = field(default_factory=list)
+    only_b_steps: list[int] = field(default_factory=list)
+
+    def count(self, verdict: str) -> int:
+        return sum(1 for r in self.rows if r.verdict == verdict)
+
+    def unmatched(self, side: str) -> list[Row]:
+        return [r for r in self.rows if r.verdict == "unmatched" and (r.pair.a if side == "a" else r.pair.b) is not None]
+
+
+def compare_pair(ca: Capture, cb: Capture, pair: Pair, tolerances: Tolerances, ulp_k: int) -> tuple[Metrics | None, float, str, str]:
+    a, b = pair.a, pair.b
+    assert a is not None and b is not None
+    tol = tolerances.limit(a.dtype, b.dtype, a.key)
+    judged = dtypes.coarsest(a.dtype, b.dtype)
+    xa = ca.array(a) if a.has_data else None
+    xb = cb.array(b) if b.has_data else None
+    if xa is not None and xb is not None:
+        if pair.ops:
+            try:
+                xb = apply(pair.ops, xb)
+            except Exception as err:  # a transform that does not fit this tensor
+                return None, tol, "shape", f"transform {' '.join(map(str, pair.ops))} failed on B {b.shape}: {err}"
+        if xa.shape != xb.shape:
+            if xa.size == xb.size and not pair.ops and pair.how != "order":
+                note = f"shapes {a.shape} vs {xb.shape}: compared flat"
+                xb = xb.reshape(xa.shape)
+            else:
+                return None, tol, "shape", f"shape {a.shape} vs {tuple(xb.shape)}"
+        else:
+            note = ""
+        metrics = compare_arrays(xa, xb, judged, ulp_k)
+    else:
+        if a.numel != b.numel:
+            return None, tol, "shape", f"{a.numel} vs {b.numel} elements"
+        metrics = compare_stats(a, b)
+        note = "statistics only"
+    verdict = "ok" if metrics.rel_l2 <= tol and metrics.nonfinite_mismatch == 0 else "diverged"
+    return metrics, tol, verdict, note
+
+
+def measure_noise(path_1: str, path_2: str, mapping: Mapping | None = None) -> dict[tuple, float]:
+    """Per-record relative L2 error between two captures of the same run (the noise floor)."""
+    out: dict[tuple, float] = {}
+    loose = Tolerances(override=math.inf)
+    with Capture(path_1) as c1, Capture(path_2) as c2:
+        for step in sorted(set(c1.steps) & set(c2.steps)):
+            for pair in align_step(c1.records(step), c2.records(step), mapping, order_fallback=False):
+                if pair.matched:
+                    metrics, _, _, _ = compare_pair(c1, c2, pair, loose, 0)
+                    if metrics is not None and math.isfinite(metrics.rel_l2):
+                        key = pair.a.key  # type: ignore[union-attr]
+                        out[key] = max(out.get(key, 0.0), metrics.rel_l2)
+    return out
+
+
+def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffResult:
+    """Compare two capture files. Raises TensordiffError subclasses on bad input."""
+    options = options or DiffOptions()
+    with Capture(path_a) as ca, Capture(path_b) as cb:
+        common = sorted(set(ca.steps) & set(cb.steps))
+        if options.steps is not None:
+            missing = [s for s in options.steps if s not in common]
+            if missing:
+                raise UsageError(f"step(s) {missing} are not in both captures; both have steps {common}")
+            common = sorted(options.steps)
+        if not common:
+            for cap in (ca, cb):
+                if not cap.steps:
+                    raise AlignmentError(f"{cap.path}: holds no complete step (the run stopped before its first step ended); re-run the capture")
+            raise AlignmentError(f"{path_a} (steps {ca.steps}) and {path_b} (steps {cb.steps}) have no step in common")
+        rows: list[Row] = []
+        matched_by_name = 0
+        for step in common:
+            pairs = align_step(ca.records(step), cb.records(step), options.mapping, options.order_fallback)
+            for pair in pairs:
+                rec = pair.a or pair.b
+                assert rec is not None
+                row = Row(step=step, phase=rec.phase, pair=pair)
+                if pair.matched:
+                    if pair.how != "order" and rec.phase != "loss":
+                        matched_by_name += 1
+                    row.metrics, row.tol, row.verdict, row.note = compare_pair(ca, cb, pair, options.tolerances, options.ulp_k)
+                    if pair.how == "order":
+                        row.note = (row.note + "; " if row.note else "") + "matched by order"
+                rows.append(row)
+        if matched_by_name == 0:
+            raise AlignmentError(
+                f"{path_a} and {path_b} have no module in common ({_sample(ca, common[0])} vs {_sample(cb, common[0])}); "
+                "give a mapping file with --mapping (see docs/mapping.md)"
+            )
+        records_a = {step: ca.records(step) for step in common}
+        first = find_first_divergence(rows, records_a, options.jump)
+        return DiffResult(
+            path_a=path_a, path_b=path_b, attrs_a=dict(ca.attrs), attrs_b=dict(cb.attrs), rows=rows, steps=common,
+            first=first, options=options,
+            only_a_steps=sorted(set(ca.steps) - set(cb.steps)), only_b_steps=sorted(set(cb.steps) - set(ca.steps)),
+        )
+
+
+def _sample(cap: Capture, step: int) -> str:
+    names = []
+    for rec in cap.records(step):
+        if rec.phase in ("forward", "weights") and rec.module and rec.module not in names:
+            names.append(rec.module)
+        if len(names) == 2:
+            break
+    return f"{cap.framework}: " + ", ".join(names) if names else f"{cap.framework}: no modules"
+
+
+def phase_rows(result: DiffResult) -> list[tuple[int, str, list[Row]]]:
+    """Rows grouped by (step, phase), in execution order."""
+    out = []
+    for step in result.steps:
+        for phase in PHASES:
+            rows = [r for r in result.rows if r.step == step and r.phase == phase]
+            if rows:
+                out.append((step, phase, rows))
+    return out

@@ -1,0 +1,85 @@
+"""One captured tensor: where it was seen and what it held.
+
+A capture is a sequence of steps; each step a list of records in the order they
+were produced. ``seq`` is that order within the step (weights first, then the
+forward pass, the loss, the backward pass in the order it ran, the parameter
+gradients).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: Phases of a step, in the order they happen.
+PHASES: tuple[str, ...] = ("weights", "forward", "loss", "backward", "param_grad")
+PHASE_RANK = {p: i for i, p in enumerate(PHASES)}
+
+#: Record kinds by phase.
+KINDS = {
+    "weights": ("param",),
+    "forward": ("input", "output"),
+    "loss": ("loss",),
+    "backward": ("grad_output", "grad_input"),
+    "param_grad": ("grad",),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """Metadata and statistics of one captured tensor."""
+
+    step: int
+    seq: int
+    phase: str
+    module: str
+    call: int
+    kind: str
+    slot: str
+    module_class: str
+    dtype: str
+    shape: tuple[int, ...]
+    min: float = 0.0
+    max: float = 0.0
+    mean: float = 0.0
+    l2: float = 0.0
+    nan: int = 0
+    inf: int = 0
+    numel: int = 0
+    has_data: bool = False
+    #: seq of the earlier record holding the very same tensor (-1: none).
+    same_as: int = -1
+    #: for gradients, seq of the forward record this is the gradient of (-1: none).
+    grad_of: int = -1
+    #: seq at which the module call that produced this record was entered (-1: none).
+    enter: int = -1
+    #: the enclosing module call when this module was entered ("" at the root).
+    parent: str = ""
+    extra: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def key(self) -> tuple[str, str, int, str, str]:
+        return (self.phase, self.module, self.call, self.kind, self.slot)
+
+    @property
+    def label(self) -> str:
+        """``module[call] kind.slot`` as shown in tables."""
+        mod = self.module or "<model>"
+        call = f"[{self.call}]" if self.call else ""
+        return f"{mod}{call} {self.tensor_label}"
+
+    @property
+    def tensor_label(self) -> str:
+        if self.kind in ("param", "grad", "loss"):
+            return self.slot if self.kind != "grad" else f"grad {self.slot}"
+        return f"{self.kind}.{self.slot}" if self.slot else self.kind
+
+
+def module_label(name: str) -> str:
+    return name or "<model>"
+
+
+def is_inside(child: str, parent: str) -> bool:
+    """True when module ``child`` is nested in module ``parent`` (the root holds all)."""
+    if parent == "":
+        return child != ""
+    return child.startswith(parent + ".")

@@ -1,0 +1,231 @@
+"""Rendering a diff: rich tables (readable at 80 columns, without colour) and the JSON report."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Iterable
+
+from rich import box
+from rich.console import Console, ConsoleOptions, Group, RenderResult
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+from rich.theme import Theme
+
+from .engine import DiffResult, Row, phase_rows
+from .record import module_label
+
+THEME = Theme(
+    {
+        "tensordiff.ok": "green",
+        "tensordiff.diverged": "bold red",
+        "tensordiff.first": "bold white on red",
+        "tensordiff.unmatched": "yellow",
+        "tensordiff.shape": "magenta",
+        "tensordiff.dim": "dim",
+        "tensordiff.title": "bold",
+    }
+)
+
+VERDICT_TEXT = {"ok": "ok", "diverged": "DIVERGED", "unmatched": "unmatched", "shape": "SHAPE"}
+JSON_VERSION = 1
+
+
+def fmt(value: float | None) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if math.isinf(value):
+        return "inf"
+    if value == 0:
+        return "0"
+    if value == 1:
+        return "1"
+    return f"{value:.1e}"
+
+
+def fmt_cos(value: float | None) -> str:
+    if value is None or math.isnan(value):
+        return "-"
+    if value >= 1.0 - 1e-15:
+        return "1"
+    # 1 - cos is what matters near 1
+    return f"1-{1 - value:.0e}" if value > 0.999 else f"{value:.4f}"
+
+
+class DiffReport:
+    """A diff result that renders itself (``console.print(report)``)."""
+
+    def __init__(self, result: DiffResult, max_rows: int = 40, phases: Iterable[str] | None = None, first_only: bool = False):
+        self.result = result
+        self.max_rows = max_rows
+        self.phases = set(phases) if phases else None
+        self.first_only = first_only
+
+    # ------------------------------------------------------------------ text
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        res = self.result
+        yield Text.assemble(("A ", "tensordiff.title"), f"{res.path_a} ({_who(res.attrs_a)})")
+        yield Text.assemble(("B ", "tensordiff.title"), f"{res.path_b} ({_who(res.attrs_b)})")
+        first = res.first
+        first_key = (first.step, first.phase, first.label_a) if first else None
+        for step, phase, rows in phase_rows(res):
+            if self.phases is not None and phase not in self.phases:
+                continue
+            if self.first_only and (first is None or (step, phase) != (first.step, first.phase)):
+                continue
+            yield self._table(step, phase, rows, first_key, options.max_width)
+        yield self._summary()
+        if first is not None:
+            style = "tensordiff.diverged"
+            title = "First divergence" if first.introduced else "First divergence (accumulated, not introduced at one place)"
+            body = Text(first.explanation)
+            yield Panel(body, title=title, title_align="left", border_style=style, box=box.ASCII if console.legacy_windows else box.ROUNDED)
+        else:
+            yield Text("No divergence: every matched pair is within its tolerance.", style="tensordiff.ok")
+
+    def _table(self, step: int, phase: str, rows: list[Row], first_key: Any, width: int) -> Table:
+        wide = width >= 110
+        table = Table(title=f"step {step} · {phase}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                      show_edge=False, expand=False)
+        table.add_column("#", justify="right", style="tensordiff.dim", no_wrap=True)
+        table.add_column("module · tensor", overflow="fold", ratio=1)
+        if wide:
+            table.add_column("dtype", no_wrap=True)
+        table.add_column("rel L2", justify="right", no_wrap=True)
+        table.add_column("max|Δ|", justify="right", no_wrap=True)
+        table.add_column("cos", justify="right", no_wrap=True)
+        if wide:
+            table.add_column("ulp%", justify="right", no_wrap=True)
+            table.add_column("tol", justify="right", no_wrap=True)
+        table.add_column("verdict", no_wrap=True)
+        stats_only = [r for r in rows if r.metrics is not None and r.metrics.source == "stats"]
+        if stats_only:
+            table.caption = ("~ compared by statistics only (tensors not stored for this step; "
+                             "capture with --tensors all to store them)")
+            table.caption_justify = "left"
+        shown = _select(rows, self.max_rows, first_key)
+        for item in shown:
+            if isinstance(item, int):
+                table.add_row("", Text(f"… {item} rows within tolerance (--max-rows 0 shows all)", style="tensordiff.dim"),
+                              *([""] * (len(table.columns) - 2)))
+                continue
+            row = item
+            rec = row.pair.a or row.pair.b
+            assert rec is not None
+            is_first = first_key is not None and row.pair.a is not None and (row.step, row.phase, row.pair.a.label) == first_key
+            name = Text(module_label(rec.module) + (f"[{rec.call}]" if rec.call else ""))
+            name.append(f" {rec.tensor_label}", style="tensordiff.dim")
+            if row.pair.a is not None and row.pair.b is not None and row.pair.b.label != row.pair.a.label:
+                name.append(f"\n  B: {row.pair.b.label}", style="tensordiff.dim")
+            elif row.pair.a is None:
+                name.append("  (B only)", style="tensordiff.unmatched")
+            elif row.pair.b is None:
+                name.append("  (A only)", style="tensordiff.unmatched")
+            if row.note and row.note != "statistics only":
+                name.append(f"\n  {row.note}", style="tensordiff.dim")
+            m = row.metrics
+            verdict = VERDICT_TEXT.get(row.verdict, row.verdict)
+            vstyle = f"tensordiff.{row.verdict}"
+            if is_first:
+                verdict, vstyle = "FIRST", "tensordiff.first"
+            cells: list[Any] = [str(rec.seq), name]
+            if wide:
+                cells.append(rec.dtype if row.pair.b is None or row.pair.b.dtype == rec.dtype else f"{rec.dtype}/{row.pair.b.dtype}")
+            approx = "~" if m is not None and m.source == "stats" else ""
+            cells += [approx + fmt(m.rel_l2) if m else "-", fmt(m.max_abs) if m else "-", fmt_cos(m.cosine) if m else "-"]
+            if wide:
+                cells += [f"{100 * m.ulp_share:.1f}" if m and not math.isnan(m.ulp_share) else "-", fmt(row.tol) if m else "-"]
+            cells.append(Text(verdict, style=vstyle))
+            table.add_row(*cells)
+        return table
+
+    def _summary(self) -> Text:
+        res = self.result
+        text = Text()
+        text.append(f"{len(res.steps)} step(s) compared: ")
+        text.append(f"{res.count('ok')} ok", style="tensordiff.ok")
+        text.append(", ")
+        text.append(f"{res.count('diverged')} diverged", style="tensordiff.diverged" if res.count("diverged") else "")
+        text.append(", ")
+        text.append(f"{len(res.unmatched('a'))} only in A, {len(res.unmatched('b'))} only in B",
+                    style="tensordiff.unmatched" if res.count("unmatched") else "")
+        if res.count("shape"):
+            text.append(f", {res.count('shape')} with different shapes", style="tensordiff.shape")
+        if res.only_a_steps or res.only_b_steps:
+            text.append(f"; steps only in A: {res.only_a_steps}, only in B: {res.only_b_steps}", style="tensordiff.unmatched")
+        return text
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        res = self.result
+        rows = []
+        for row in res.rows:
+            a, b = row.pair.a, row.pair.b
+            rows.append({
+                "step": row.step, "phase": row.phase, "verdict": row.verdict, "how": row.pair.how or None,
+                "a": a.label if a else None, "b": b.label if b else None,
+                "module_a": a.module if a else None, "module_b": b.module if b else None,
+                "kind": (a or b).kind, "slot": (a or b).slot,  # type: ignore[union-attr]
+                "dtype_a": a.dtype if a else None, "dtype_b": b.dtype if b else None,
+                "tolerance": row.tol if row.metrics else None,
+                "metrics": row.metrics.as_dict() if row.metrics else None, "note": row.note or None,
+            })
+        return {
+            "tensordiff_report": JSON_VERSION,
+            "a": {"path": res.path_a, "framework": res.attrs_a.get("framework"), "framework_version": res.attrs_a.get("framework_version")},
+            "b": {"path": res.path_b, "framework": res.attrs_b.get("framework"), "framework_version": res.attrs_b.get("framework_version")},
+            "steps": res.steps,
+            "summary": {"ok": res.count("ok"), "diverged": res.count("diverged"), "only_a": len(res.unmatched("a")),
+                        "only_b": len(res.unmatched("b")), "shape_mismatch": res.count("shape"),
+                        "steps_only_a": res.only_a_steps, "steps_only_b": res.only_b_steps},
+            "first_divergence": res.first.as_dict() if res.first else None,
+            "rows": rows,
+        }
+
+    def write_json(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(self.to_dict(), fh, indent=1)
+            fh.write("\n")
+
+
+def _who(attrs: dict) -> str:
+    parts = [str(attrs.get("framework", "?")) + " " + str(attrs.get("framework_version", ""))]
+    for key, label in (("megatron_core_version", "megatron-core"), ("transformers_version", "transformers"),
+                       ("mindformers_version", "mindformers")):
+        if key in attrs:
+            parts.append(f"{label} {attrs[key]}")
+    if "model_class" in attrs:
+        parts.append(str(attrs["model_class"]))
+    return ", ".join(p.strip() for p in parts)
+
+
+def _select(rows: list[Row], max_rows: int, first_key: Any) -> list[Row | int]:
+    """Rows to show: all non-ok rows and context; long runs of ok rows collapse into one marker."""
+    if max_rows <= 0 or len(rows) <= max_rows:
+        return list(rows)
+    keep = set()
+    for i, row in enumerate(rows):
+        if row.verdict != "ok":
+            keep.update(range(max(0, i - 2), min(len(rows), i + 3)))
+    budget = max_rows - len(keep)
+    i = 0
+    while budget > 0 and i < len(rows):
+        if i not in keep:
+            keep.add(i)
+            budget -= 1
+        i += 1
+    out: list[Row | int] = []
+    for i, row in enumerate(rows):
+        if i in keep:
+            out.append(row)
+        elif out and isinstance(out[-1], int):
+            out[-1] += 1
+        else:
+            out.append(1)
+    return out
+
+
+def make_console(file: Any = None, width: int | None = None, color: bool | None = None) -> Console:
+    return Console(file=file, width=width, theme=THEME, color_system="auto" if color is not False else None,
+                   no_color=color is False, highlight=False, soft_wrap=False)

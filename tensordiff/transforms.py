@@ -1,0 +1,97 @@
+"""Layout normalisers: small named operations that bring B's tensor into A's layout.
+
+Written in mapping files as strings, e.g. ``swap01`` or ``qkv_grouped(heads=4, dim=0)``.
+Permutations do not change statistics, so stats-only records are compared as they are.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .errors import MappingError
+
+
+def _swap01(x: np.ndarray) -> np.ndarray:
+    return np.swapaxes(x, 0, 1) if x.ndim >= 2 else x
+
+
+def _transpose(x: np.ndarray) -> np.ndarray:
+    return x.T if x.ndim == 2 else x
+
+
+def _qkv_grouped(x: np.ndarray, heads: int, groups: int | None = None, dim: int = 0) -> np.ndarray:
+    """[all q | all k | all v] along ``dim`` -> Megatron's per-group packing [q_g, k_g, v_g] for each group."""
+    groups = groups or heads
+    dim = dim % x.ndim
+    total = x.shape[dim]
+    head_dim = total // (heads + 2 * groups)
+    q, k, v = np.split(x, [heads * head_dim, (heads + groups) * head_dim], axis=dim)
+    parts = []
+    per = heads // groups
+    for g in range(groups):
+        parts.append(np.take(q, range(g * per * head_dim, (g + 1) * per * head_dim), axis=dim))
+        parts.append(np.take(k, range(g * head_dim, (g + 1) * head_dim), axis=dim))
+        parts.append(np.take(v, range(g * head_dim, (g + 1) * head_dim), axis=dim))
+    return np.concatenate(parts, axis=dim)
+
+
+def _flatten01(x: np.ndarray) -> np.ndarray:
+    return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]) if x.ndim >= 2 else x
+
+
+def _scale(x: np.ndarray, factor: float) -> np.ndarray:
+    return x.astype(np.float64) * factor
+
+
+OPS: dict[str, Callable[..., np.ndarray]] = {
+    "swap01": _swap01,
+    "transpose": _transpose,
+    "qkv_grouped": _qkv_grouped,
+    "flatten01": _flatten01,
+    "scale": _scale,
+}
+
+_CALL = re.compile(r"^\s*([a-z_0-9]+)\s*(?:\((.*)\))?\s*$")
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str
+    kwargs: tuple[tuple[str, float | int], ...] = ()
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return OPS[self.name](x, **dict(self.kwargs))
+
+    def __str__(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.kwargs)
+        return f"{self.name}({args})" if args else self.name
+
+
+def parse_op(text: str, where: str) -> Op:
+    m = _CALL.match(str(text))
+    if not m or m.group(1) not in OPS:
+        raise MappingError(f"{where}: unknown transform {text!r}; known: {', '.join(sorted(OPS))}")
+    kwargs: list[tuple[str, float | int]] = []
+    if m.group(2):
+        for part in m.group(2).split(","):
+            if not part.strip():
+                continue
+            key, eq, value = part.partition("=")
+            if not eq:
+                raise MappingError(f"{where}: transform {text!r} needs keyword arguments (name=value)")
+            try:
+                num = float(value)
+            except ValueError:
+                raise MappingError(f"{where}: transform {text!r}: {key.strip()} must be a number, got {value.strip()!r}") from None
+            kwargs.append((key.strip(), int(num) if num.is_integer() and key.strip() != "factor" else num))
+    return Op(m.group(1), tuple(kwargs))
+
+
+def apply(ops: tuple[Op, ...], x: np.ndarray) -> np.ndarray:
+    for op in ops:
+        x = op(x)
+    return x
