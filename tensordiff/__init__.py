@@ -43,7 +43,14 @@ def capture(model: Any, path: str | None = None, steps: int | None = None, *, op
     if _is_torch_module(model):
         from .torch import TorchCapture
 
-        return TorchCapture(model, options, optimizer=optimizer, meta=meta)
+        try:
+            return TorchCapture(model, options, optimizer=optimizer, meta=meta)
+        except Exception as err:  # the training run comes first: warn and record nothing
+            import warnings
+
+            warnings.warn(f"tensordiff: capture not started ({type(err).__name__}: {err}); training goes on without it",
+                          RuntimeWarning, stacklevel=2)
+            return NullCapture()
     from .errors import UsageError
 
     raise UsageError(

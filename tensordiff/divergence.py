@@ -224,6 +224,14 @@ def find_first_divergence(rows: list["Row"], records_a: dict[int, list[Record]],
         st = lookups[step]
         prev = lookups[steps[i - 1]] if i > 0 else None
         candidates = [r for r in by_step[step] if r.verdict == "diverged" and r.pair.a is not None]
+        if step > 0 and not any(r.phase != "weights" for r in candidates):
+            # Weights that drifted apart in the optimizer step without changing anything this
+            # step computes: e.g. Adam turning the pure-noise gradient of attention's key bias
+            # (softmax ignores it) into +-lr updates. Shown as 'drift', not a divergence.
+            for r in candidates:
+                r.verdict = "drift"
+                r.note = "differs, but nothing computed in this step differs"
+            candidates = []
         candidates.sort(key=lambda r: (PHASE_RANK[r.phase], r.pair.a.seq))  # type: ignore[union-attr]
         for row in candidates:
             came_in = _incoming(row, st, prev)

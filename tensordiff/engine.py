@@ -54,7 +54,8 @@ class Row:
     metrics: Metrics | None = None
     tol: float = 0.0
     verdict: str = "unmatched"
-    """'ok', 'diverged', 'unmatched' (one side only) or 'shape' (shapes differ after transforms)."""
+    """'ok', 'diverged', 'unmatched' (one side only), 'shape' (shapes differ after transforms) or
+    'drift' (weights after an optimizer step differ, but nothing computed in that step does)."""
     note: str = ""
 
     @property

@@ -23,12 +23,13 @@ THEME = Theme(
         "tensordiff.first": "bold white on red",
         "tensordiff.unmatched": "yellow",
         "tensordiff.shape": "magenta",
+        "tensordiff.drift": "yellow",
         "tensordiff.dim": "dim",
         "tensordiff.title": "bold",
     }
 )
 
-VERDICT_TEXT = {"ok": "ok", "diverged": "DIVERGED", "unmatched": "unmatched", "shape": "SHAPE"}
+VERDICT_TEXT = {"ok": "ok", "diverged": "DIVERGED", "unmatched": "unmatched", "shape": "SHAPE", "drift": "drift"}
 JSON_VERSION = 1
 
 
@@ -94,8 +95,8 @@ class DiffReport:
             table.add_column("dtype", no_wrap=True)
         table.add_column("rel L2", justify="right", no_wrap=True)
         table.add_column("max|Δ|", justify="right", no_wrap=True)
-        table.add_column("cos", justify="right", no_wrap=True)
         if wide:
+            table.add_column("cos", justify="right", no_wrap=True)
             table.add_column("ulp%", justify="right", no_wrap=True)
             table.add_column("tol", justify="right", no_wrap=True)
         table.add_column("verdict", no_wrap=True)
@@ -133,9 +134,9 @@ class DiffReport:
             if wide:
                 cells.append(rec.dtype if row.pair.b is None or row.pair.b.dtype == rec.dtype else f"{rec.dtype}/{row.pair.b.dtype}")
             approx = "~" if m is not None and m.source == "stats" else ""
-            cells += [approx + fmt(m.rel_l2) if m else "-", fmt(m.max_abs) if m else "-", fmt_cos(m.cosine) if m else "-"]
+            cells += [approx + fmt(m.rel_l2) if m else "-", fmt(m.max_abs) if m else "-"]
             if wide:
-                cells += [f"{100 * m.ulp_share:.1f}" if m and not math.isnan(m.ulp_share) else "-", fmt(row.tol) if m else "-"]
+                cells += [fmt_cos(m.cosine) if m else "-", f"{100 * m.ulp_share:.1f}" if m and not math.isnan(m.ulp_share) else "-", fmt(row.tol) if m else "-"]
             cells.append(Text(verdict, style=vstyle))
             table.add_row(*cells)
         return table
@@ -150,6 +151,8 @@ class DiffReport:
         text.append(", ")
         text.append(f"{len(res.unmatched('a'))} only in A, {len(res.unmatched('b'))} only in B",
                     style="tensordiff.unmatched" if res.count("unmatched") else "")
+        if res.count("drift"):
+            text.append(f", {res.count('drift')} drifted without effect", style="tensordiff.drift")
         if res.count("shape"):
             text.append(f", {res.count('shape')} with different shapes", style="tensordiff.shape")
         if res.only_a_steps or res.only_b_steps:
@@ -176,7 +179,7 @@ class DiffReport:
             "a": {"path": res.path_a, "framework": res.attrs_a.get("framework"), "framework_version": res.attrs_a.get("framework_version")},
             "b": {"path": res.path_b, "framework": res.attrs_b.get("framework"), "framework_version": res.attrs_b.get("framework_version")},
             "steps": res.steps,
-            "summary": {"ok": res.count("ok"), "diverged": res.count("diverged"), "only_a": len(res.unmatched("a")),
+            "summary": {"ok": res.count("ok"), "diverged": res.count("diverged"), "drift": res.count("drift"), "only_a": len(res.unmatched("a")),
                         "only_b": len(res.unmatched("b")), "shape_mismatch": res.count("shape"),
                         "steps_only_a": res.only_a_steps, "steps_only_b": res.only_b_steps},
             "first_divergence": res.first.as_dict() if res.first else None,

@@ -1,0 +1,134 @@
+"""Train the tiny GPT for a few steps with capture on: megatron-core or HF GPT-2, with optional injected faults.
+
+    tensordiff capture -o a.h5 --steps 2 -- python examples/gpt/train.py
+    tensordiff capture -o b.h5 --steps 2 -- python examples/gpt/train.py --fault gelu-tanh
+    tensordiff diff a.h5 b.h5 --first-divergence
+
+Both frameworks start from the same weights (megatron-core built from --seed, or
+--load-ckpt; HF GPT-2 gets them converted) and see the same batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch
+import torch.nn.functional as F
+
+import tensordiff
+from examples.gpt.models import GPTSpec, build_hf_gpt2, build_mcore_gpt, hf_loss, make_batch, mcore_loss, use_split_qkv
+
+FAULTS: dict[str, str] = {
+    "none": "no fault",
+    "ln-eps": "forward: decoder.layers.1.pre_mlp_layernorm uses epsilon 1e-2 instead of 1e-5",
+    "gelu-tanh": "forward: layer 1's MLP uses the tanh GELU instead of erf",
+    "gelu-backward": "backward: layer 1's GELU backward uses the tanh-approximation derivative",
+    "ckpt": "checkpoint: decoder.layers.0.self_attention.linear_qkv.weight is scaled by 1.01 after loading",
+    "grad-scale": "parameter gradient: decoder.layers.1.mlp.linear_fc2.weight's gradient is halved (a missing average)",
+    "optimizer-wd": "optimizer: weight decay also applied to biases and LayerNorm weights",
+    "split-qkv": "equivalent rewrite, not a fault: q, k, v projections as three matmuls instead of one",
+}
+
+
+class _GeluTanhBackward(torch.autograd.Function):
+    """Exact (erf) GELU forward with the tanh approximation's derivative in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return F.gelu(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_(True)
+            (dx,) = torch.autograd.grad(F.gelu(xd, approximate="tanh"), xd, grad)
+        return dx
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def build(args: argparse.Namespace, spec: GPTSpec) -> tuple[torch.nn.Module, Callable]:
+    mcore = build_mcore_gpt(spec, seed=args.seed)
+    if args.load_ckpt:
+        from safetensors.torch import load_file
+
+        state = load_file(args.load_ckpt)
+        missing, unexpected = mcore.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise SystemExit(f"{args.load_ckpt}: missing {missing}, unexpected {unexpected}")
+    if args.save_ckpt:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in mcore.state_dict().items() if isinstance(v, torch.Tensor)}, args.save_ckpt)
+    if args.framework == "hf":
+        return build_hf_gpt2(spec, mcore.state_dict()), hf_loss
+    layer1 = mcore.decoder.layers[min(1, spec.num_layers - 1)]
+    if args.fault == "ln-eps":
+        layer1.pre_mlp_layernorm.eps = 1e-2
+    elif args.fault == "gelu-tanh":
+        layer1.mlp.activation_func = _gelu_tanh
+    elif args.fault == "gelu-backward":
+        layer1.mlp.activation_func = _GeluTanhBackward.apply
+    elif args.fault == "ckpt":
+        with torch.no_grad():
+            mcore.decoder.layers[0].self_attention.linear_qkv.weight.mul_(1.01)
+    elif args.fault == "grad-scale":
+        layer1.mlp.linear_fc2.weight.register_hook(lambda g: g * 0.5)
+    elif args.fault == "split-qkv":
+        use_split_qkv(mcore)
+    return mcore, mcore_loss
+
+
+def optimizer_for(model: torch.nn.Module, fault: str, lr: float) -> torch.optim.Optimizer:
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        (no_decay if p.ndim == 1 and fault != "optimizer-wd" else decay).append(p)
+    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--framework", choices=("mcore", "hf"), default="mcore", help="megatron-core GPTModel or HF transformers GPT-2")
+    p.add_argument("--fault", choices=sorted(FAULTS), default="none", help="inject one fault (megatron-core only)")
+    p.add_argument("--train-steps", type=int, default=2, help="training steps to run")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the initial weights")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--save-ckpt", help="write the initial weights (safetensors)")
+    p.add_argument("--load-ckpt", help="start from these weights (safetensors)")
+    p.add_argument("--capture", help="capture file (tensordiff capture -o sets it instead)")
+    p.add_argument("--capture-steps", type=int, default=2)
+    args = p.parse_args(argv)
+    if args.fault != "none" and args.framework != "mcore":
+        p.error("--fault applies to --framework mcore")
+    spec = GPTSpec(num_layers=args.layers)
+    model, loss_fn = build(args, spec)
+    opt = optimizer_for(model, args.fault, args.lr)
+    losses = []
+    with tensordiff.capture(model, args.capture, steps=args.capture_steps, optimizer=opt) as cap:
+        for step in range(args.train_steps):
+            tokens, labels, _ = make_batch(spec, seed=step)
+            loss = loss_fn(model, tokens, labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            cap.step(loss)
+            losses.append(loss.item())
+            print(f"step {step}: loss {loss.item():.6f}", flush=True)
+    return losses
+
+
+if __name__ == "__main__":
+    main()
