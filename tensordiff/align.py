@@ -14,6 +14,7 @@ Whatever is still unmatched is reported as unmatched, never as passing.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,7 +50,9 @@ class Rule:
     phases: frozenset[str] | None = None
     kinds: frozenset[str] | None = None
     slots: dict[str, str] = field(default_factory=dict)
-    activations: tuple[Op, ...] = ()
+    only_slots: frozenset[str] | None = None
+    inputs: tuple[Op, ...] = ()
+    outputs: tuple[Op, ...] = ()
     params: dict[str, tuple[Op, ...]] = field(default_factory=dict)
 
     def target(self, rec: Record) -> tuple[tuple, tuple[Op, ...]] | None:
@@ -57,12 +60,17 @@ class Rule:
             return None
         if self.kinds is not None and rec.kind not in self.kinds:
             return None
+        if self.only_slots is not None and rec.kind not in _PARAM_KINDS and rec.slot not in self.only_slots:
+            return None
         m = self.b.fullmatch(rec.module)
         if not m:
             return None
         name = m.expand(self.a)
         slot = self.slots.get(rec.slot, rec.slot)
-        ops = self.params.get(rec.slot, ()) if rec.kind in _PARAM_KINDS else self.activations
+        if rec.kind in _PARAM_KINDS:
+            ops = self.params.get(rec.slot, ())
+        else:
+            ops = self.inputs if rec.kind in ("input", "grad_input") else self.outputs
         return (rec.phase, name, rec.call, rec.kind, slot), ops
 
 
@@ -79,6 +87,9 @@ class Mapping:
 
     @classmethod
     def load(cls, path: str, variables: dict[str, str] | None = None) -> "Mapping":
+        """Load a mapping file, or a built-in mapping by name (see ``builtin_mappings()``)."""
+        if not os.path.exists(path) and path in builtin_mappings():
+            path = builtin_mappings()[path]
         try:
             with open(path, encoding="utf-8") as fh:
                 text = fh.read()
@@ -143,7 +154,9 @@ class Mapping:
                     phases=frozenset(phases) if phases is not None else None,
                     kinds=frozenset(raw["kinds"]) if raw.get("kinds") is not None else None,
                     slots={str(k): str(v) for k, v in (raw.get("slots") or {}).items()},
-                    activations=ops(raw.get("activations"), where),
+                    only_slots=frozenset(str(x) for x in raw["only_slots"]) if raw.get("only_slots") is not None else None,
+                    inputs=ops(raw.get("inputs", raw.get("activations")), where),
+                    outputs=ops(raw.get("outputs", raw.get("activations")), where),
                     params={str(k): ops(v, where) for k, v in (raw.get("params") or {}).items()},
                 )
             )
@@ -155,6 +168,12 @@ class Mapping:
             description=str(doc.get("description", "")),
             path=path,
         )
+
+
+def builtin_mappings() -> dict[str, str]:
+    """Mappings shipped with tensordiff: name -> file."""
+    folder = os.path.join(os.path.dirname(__file__), "mappings")
+    return {f[:-5]: os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".yaml")}
 
 
 def _strip_wrappers(name: str) -> str:

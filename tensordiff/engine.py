@@ -153,7 +153,7 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
                 assert rec is not None
                 row = Row(step=step, phase=rec.phase, pair=pair)
                 if pair.matched:
-                    if pair.how != "order" and rec.phase != "loss":
+                    if pair.how != "order" and rec.phase != "loss" and rec.module != "":
                         matched_by_name += 1
                     row.metrics, row.tol, row.verdict, row.note = compare_pair(ca, cb, pair, options.tolerances, options.ulp_k)
                     if pair.how == "order":

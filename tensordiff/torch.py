@@ -170,6 +170,12 @@ class TorchCapture:
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre_hook))
             self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
+        else:
+            # no optimizer to tell us when gradients are final: keep the last accumulated value,
+            # since zero_grad() may clear .grad before the step ends
+            for _, _, p in self._params:
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated_hook))
 
     def _remove_hooks(self) -> None:
         for handle in self._handles + self._tensor_handles:
@@ -241,6 +247,13 @@ class TorchCapture:
             self._fail(err)
         return None
 
+    def _accumulated_hook(self, p: torch.Tensor) -> None:
+        if self.active and self._in_step and p.grad is not None:
+            try:
+                self._grad_snapshots[id(p)] = p.grad.detach().clone()
+            except Exception as err:
+                self._fail(err)
+
     def _optimizer_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.active and self._in_step and not self._grads_taken:
             try:
@@ -262,6 +275,7 @@ class TorchCapture:
         self._stack: list[tuple[str, int, int, str]] = []
         self._calls: dict[str, int] = defaultdict(int)
         self._loss: torch.Tensor | None = None
+        self._grad_snapshots: dict[int, torch.Tensor] = {}
         self._grads_taken = False
         self._step_ready = False
         self._t0 = time.perf_counter()
@@ -282,6 +296,8 @@ class TorchCapture:
             grad = getattr(p, "main_grad", None)
             if grad is None:
                 grad = p.grad
+            if grad is None:
+                grad = self._grad_snapshots.get(id(p))
             if grad is not None:
                 self._record("param_grad", "grad", mod, 0, pname, self._classes.get(mod, ""), grad, track=False)
 
