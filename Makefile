@@ -1,0 +1,31 @@
+# The one source of commands: the README and CI call these targets.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+TD     := $(VENV)/bin/tensordiff
+DEMO   := out/demo
+
+.PHONY: setup demo test clean
+
+$(VENV)/.done: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch pinned: 2.13.0 is the CPU build on this machine's disk (an unpinned torch pulls CUDA)
+	$(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[megatron,transformers,dev]"
+	touch $@
+
+setup: $(VENV)/.done
+
+demo: setup
+	@mkdir -p $(DEMO)
+	$(TD) capture -o $(DEMO)/a.h5 --steps 2 -- $(PY) examples/gpt/train.py 2>/dev/null
+	$(TD) capture -o $(DEMO)/b.h5 --steps 2 -- $(PY) examples/gpt/train.py --fault gelu-tanh 2>/dev/null
+	$(TD) diff $(DEMO)/a.h5 $(DEMO)/b.h5 --first-divergence --json $(DEMO)/report.json; \
+	  code=$$?; test $$code -eq 1 && echo "(exit code 1: a divergence was found, as intended; JSON in $(DEMO)/report.json)"
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) out .pytest_cache
