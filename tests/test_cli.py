@@ -159,3 +159,31 @@ def test_ls_and_show(pair, capsys):
     out = capsys.readouterr().out
     assert "grad weight" in out and "grad bias" in out
     _one_line_error(capsys, ["show", pair[0], "nomodule"], "no record matches")
+
+
+def test_autocapture_hook_captures_an_unmodified_script(tmp_path):
+    script = tmp_path / "plain.py"
+    script.write_text(textwrap.dedent(
+        """
+        import torch
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(4):
+            loss = model(torch.randn(5, 6)).square().mean()
+            loss.backward(); opt.step(); opt.zero_grad()
+        assert not model[0]._forward_hooks, "hooks left behind"
+        assert not torch.nn.modules.module._global_forward_pre_hooks, "global hook left behind"
+        """))
+    out = tmp_path / "auto.h5"
+    proc = subprocess.run([sys.executable, "-m", "tensordiff", "capture", "-o", str(out), "--steps", "2", "--",
+                           sys.executable, os.path.join(_root(), "hooks", "torch_autocapture.py"), str(script)],
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=_root()))
+    assert proc.returncode == 0, proc.stderr
+    from tensordiff.store import Capture
+
+    with Capture(str(out)) as cap:
+        assert cap.steps == [0, 1]
+        recs = cap.records(0)
+        assert {r.module for r in recs if r.phase == "param_grad"} == {"0", "2"}
+        assert [r.module for r in recs if r.phase == "forward" and r.kind == "output"] == ["0", "1", "2", ""]
