@@ -61,6 +61,21 @@ def reduce_stats(t: torch.Tensor) -> torch.Tensor:
     if not x.is_floating_point():
         x = x.to(torch.float64)
     mn, mx = torch.aminmax(x)
+    if x.device.type == "cpu":
+        # CPU: branching costs no device sync, and float64 BLAS beats the reductions' dtype path
+        d = x.reshape(-1).to(torch.float64)
+        finite = bool(torch.isfinite(mn)) and bool(torch.isfinite(mx))
+        zero = torch.zeros((), dtype=torch.float64)
+        return torch.stack(
+            [
+                mn.to(torch.float64),
+                mx.to(torch.float64),
+                d.sum(),
+                torch.dot(d, d).sqrt() if finite else torch.linalg.vector_norm(d),
+                zero if finite else torch.isnan(d).sum().to(torch.float64),
+                zero if finite else torch.isinf(d).sum().to(torch.float64),
+            ]
+        )
     return torch.stack(
         [
             mn.to(torch.float64),
