@@ -218,17 +218,16 @@ def align_step(recs_a: list[Record], recs_b: list[Record], mapping: Mapping | No
     run_pass(lambda r: (r.phase, _strip_wrappers(r.module), r.call, r.kind, r.slot),
              lambda r: ((r.phase, _strip_wrappers(r.module), r.call, r.kind, r.slot), ()), "prefix")
 
-    def by_rules(rb: Record):
+    def by_rules(rb: Record) -> tuple[tuple, tuple[Op, ...]] | None:
         for rule in mapping.rules:
             hit = rule.target(rb)
             if hit is not None:
-                return hit
+                (phase, name, call, kind, slot), ops = hit
+                return (phase, _strip_wrappers(name), call, kind, slot), ops
         return None
 
     if mapping.rules:
-        run_pass(lambda r: (r.phase, _strip_wrappers(r.module), r.call, r.kind, r.slot),
-                 lambda r: by_rules(r) if by_rules(r) is None else
-                 ((lambda k, o: ((k[0], _strip_wrappers(k[1]), *k[2:]), o))(*by_rules(r))), "rule")
+        run_pass(lambda r: (r.phase, _strip_wrappers(r.module), r.call, r.kind, r.slot), by_rules, "rule")
 
     if order_fallback and mapping.order_fallback:
         for phase in PHASES:

@@ -180,7 +180,7 @@ def _locate(row: "Row", st: _Step, prev_step: _Step | None) -> tuple[str, str, d
         else:
             loc = f"inside {plabel} before {_rel(a.module, parent)}"
             where = {"module": parent, "before": a.module}
-        return (loc, f"Everything up to this point agrees, but the input {a.slot} of {mod} does not: it is made by code inside "
+        return (loc, f"Everything up to this point agrees, but {mod}'s input.{a.slot} does not: it is made by code inside "
                 f"{plabel} that is not a module of its own (an activation function, a bias add, a reshape or rotary embedding).",
                 where)
     if a.phase == "backward":
@@ -251,7 +251,7 @@ def _make(row: "Row", st: _Step, prev: _Step | None, came_in: float, introduced:
     location, sentence, where = _locate(row, st, prev)
     err = row.err
     head = (f"Step {a.step}, {a.phase}: {a.label} differs from B's {b.label} "
-            f"(relative L2 {err:.3g} > tolerance {row.tol:.3g} for {a.dtype}); what came in differed by {came_in:.3g}. ")
+            f"(relative L2 {err:.3g} > tolerance {row.tol:.3g} for {a.dtype}) while what came in differed by {came_in:.3g}. ")
     if introduced:
         text = head + f"The difference is introduced {location}. " + sentence
     else:
