@@ -8,20 +8,11 @@ gradients).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 #: Phases of a step, in the order they happen.
 PHASES: tuple[str, ...] = ("weights", "forward", "loss", "backward", "param_grad")
 PHASE_RANK = {p: i for i, p in enumerate(PHASES)}
-
-#: Record kinds by phase.
-KINDS = {
-    "weights": ("param",),
-    "forward": ("input", "output"),
-    "loss": ("loss",),
-    "backward": ("grad_output", "grad_input"),
-    "param_grad": ("grad",),
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +45,6 @@ class Record:
     enter: int = -1
     #: the enclosing module call when this module was entered ("" at the root).
     parent: str = ""
-    extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def key(self) -> tuple[str, str, int, str, str]:

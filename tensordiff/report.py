@@ -105,7 +105,7 @@ class DiffReport:
             table.caption = ("~ compared by statistics only (tensors not stored for this step; "
                              "capture with --tensors all to store them)")
             table.caption_justify = "left"
-        shown = _select(rows, self.max_rows, first_key)
+        shown = _select(rows, self.max_rows)
         for item in shown:
             if isinstance(item, int):
                 table.add_row("", Text(f"… {item} rows within tolerance (--max-rows 0 shows all)", style="tensordiff.dim"),
@@ -203,7 +203,7 @@ def _who(attrs: dict) -> str:
     return ", ".join(p.strip() for p in parts)
 
 
-def _select(rows: list[Row], max_rows: int, first_key: Any) -> list[Row | int]:
+def _select(rows: list[Row], max_rows: int) -> list[Row | int]:
     """Rows to show: all non-ok rows and context; long runs of ok rows collapse into one marker."""
     if max_rows <= 0 or len(rows) <= max_rows:
         return list(rows)
