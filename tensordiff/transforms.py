@@ -43,6 +43,23 @@ def _flatten01(x: np.ndarray) -> np.ndarray:
     return x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]) if x.ndim >= 2 else x
 
 
+def _deinterleave(x: np.ndarray, dim: int = 0) -> np.ndarray:
+    """Rows [g0, u0, g1, u1, ...] along ``dim`` -> [g0, g1, ... ; u0, u1, ...] (MindFormers MLPInterleaved -> Megatron)."""
+    dim = dim % x.ndim
+    even = np.take(x, range(0, x.shape[dim], 2), axis=dim)
+    odd = np.take(x, range(1, x.shape[dim], 2), axis=dim)
+    return np.concatenate([even, odd], axis=dim)
+
+
+def _interleave(x: np.ndarray, dim: int = 0) -> np.ndarray:
+    """Inverse of ``deinterleave``: [g ; u] along ``dim`` -> [g0, u0, g1, u1, ...]."""
+    dim = dim % x.ndim
+    half = x.shape[dim] // 2
+    first, second = np.split(x, [half], axis=dim)
+    out = np.stack([first, second], axis=dim + 1)
+    return out.reshape(x.shape)
+
+
 def _scale(x: np.ndarray, factor: float) -> np.ndarray:
     return x.astype(np.float64) * factor
 
@@ -53,6 +70,8 @@ OPS: dict[str, Callable[..., np.ndarray]] = {
     "qkv_grouped": _qkv_grouped,
     "flatten01": _flatten01,
     "scale": _scale,
+    "deinterleave": _deinterleave,
+    "interleave": _interleave,
 }
 
 _CALL = re.compile(r"^\s*([a-z_0-9]+)\s*(?:\((.*)\))?\s*$")
