@@ -25,35 +25,46 @@ def _is_torch_module(obj: Any) -> bool:
     return any(c.__module__.startswith("torch.nn") and c.__name__ == "Module" for c in type(obj).__mro__)
 
 
+def _is_mindspore_cell(obj: Any) -> bool:
+    return any(c.__module__.startswith("mindspore.nn") and c.__name__ == "Cell" for c in type(obj).__mro__)
+
+
 def capture(model: Any, path: str | None = None, steps: int | None = None, *, optimizer: Any = None,
             tensors: str | None = None, inputs: bool = True, grads: bool = True, background: bool = True,
             meta: dict | None = None) -> Any:
     """Record the first ``steps`` training steps of ``model`` into the HDF5 file ``path``.
 
-    Returns a context manager with ``step(loss=None)``, ``loss(value)`` and ``close()``.
+    ``model`` is a ``torch.nn.Module`` or a ``mindspore.nn.Cell`` (PyNative mode).
+    Returns a context manager with ``step(loss=None)``, ``loss(value)`` and ``close()``
+    (MindSpore: also ``grads(grads)`` and ``step(loss, grads=...)`` for the gradients
+    ``value_and_grad`` returns, unless ``optimizer`` is given).
     ``tensordiff capture -o FILE --steps N -- cmd`` sets FILE, N and the tensor mode
     through the environment, overriding the arguments; with no path at all the
-    capture is off and the returned object records nothing.
+    capture is off and the returned object records nothing. A capture that cannot
+    start warns and records nothing: the training run always goes on.
     """
-    from ._capture_common import NullCapture, options_from_env
+    from ._capture_common import NullCapture, options_from_env, report_status
 
     options = options_from_env(path, steps, tensors, inputs=inputs, grads=grads, background=background)
     if options is None:
         return NullCapture()
-    if _is_torch_module(model):
-        from .torch import TorchCapture
+    try:
+        if _is_torch_module(model):
+            from .torch import TorchCapture
 
-        try:
             return TorchCapture(model, options, optimizer=optimizer, meta=meta)
-        except Exception as err:  # the training run comes first: warn and record nothing
-            import warnings
+        if _is_mindspore_cell(model):
+            from .mindspore import MindSporeCapture
 
-            warnings.warn(f"tensordiff: capture not started ({type(err).__name__}: {err}); training goes on without it",
-                          RuntimeWarning, stacklevel=2)
-            return NullCapture()
-    from .errors import UsageError
+            return MindSporeCapture(model, options, optimizer=optimizer, meta=meta)
+        from .errors import UsageError
 
-    raise UsageError(
-        f"cannot capture a {type(model).__module__}.{type(model).__name__}: expected a torch.nn.Module "
-        "(MindSpore cells come with the MindSpore adapter)"
-    )
+        raise UsageError(f"cannot capture a {type(model).__module__}.{type(model).__name__}: "
+                         "expected a torch.nn.Module or a mindspore.nn.Cell")
+    except Exception as err:  # the training run comes first: warn and record nothing
+        import warnings
+
+        report_status(f"capture not started: {err}")
+        warnings.warn(f"tensordiff: capture not started ({type(err).__name__}: {err}); training goes on without it",
+                      RuntimeWarning, stacklevel=2)
+        return NullCapture()

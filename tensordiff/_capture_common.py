@@ -16,6 +16,7 @@ ENV_OUTPUT = "TENSORDIFF_OUTPUT"
 ENV_STEPS = "TENSORDIFF_STEPS"
 ENV_TENSORS = "TENSORDIFF_TENSORS"
 ENV_DISABLE = "TENSORDIFF_DISABLE"
+ENV_STATUS = "TENSORDIFF_STATUS"
 
 TENSOR_MODES = ("first", "all", "none")
 
@@ -68,6 +69,18 @@ def options_from_env(path: str | None, steps: int | None, tensors: str | None, *
     return CaptureOptions(path=path, steps=steps or 1, tensors=tensors, **kw)
 
 
+def report_status(message: str) -> None:
+    """Tell ``tensordiff capture`` (through the file it named) why capture did not happen; never raises."""
+    target = os.environ.get(ENV_STATUS)
+    if not target:
+        return
+    try:
+        with open(target, "a", encoding="utf-8") as f:
+            f.write(message.replace("\n", " ") + "\n")
+    except OSError:
+        pass
+
+
 def rank_path(path: str, rank: int, world_size: int) -> str:
     """One file per rank: fill '{rank}' or add '.rankN' before the suffix when world_size > 1."""
     if "{rank}" in path:
@@ -113,10 +126,13 @@ class NullCapture:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def step(self, loss: Any = None) -> None:
+    def step(self, loss: Any = None, grads: Any = None) -> None:
         return None
 
     def loss(self, value: Any) -> None:
+        return None
+
+    def grads(self, grads: Any, params: Any = None) -> None:
         return None
 
     def close(self) -> None:

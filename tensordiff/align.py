@@ -74,14 +74,28 @@ class Rule:
         return (rec.phase, name, rec.call, rec.kind, slot), ops
 
 
+@dataclass(frozen=True)
+class Ignore:
+    """Records left out on purpose: a module regex, optionally only some kinds or slots."""
+
+    module: re.Pattern
+    kinds: frozenset[str] | None = None
+    slots: frozenset[str] | None = None
+
+    def hits(self, rec: Record) -> bool:
+        return (self.module.fullmatch(rec.module) is not None
+                and (self.kinds is None or rec.kind in self.kinds)
+                and (self.slots is None or rec.slot in self.slots))
+
+
 @dataclass
 class Mapping:
     """Rename rules from B's names to A's (a YAML file; see docs/mapping.md)."""
 
     rules: list[Rule] = field(default_factory=list)
     order_fallback: bool = True
-    ignore_a: list[re.Pattern] = field(default_factory=list)
-    ignore_b: list[re.Pattern] = field(default_factory=list)
+    ignore_a: list[Ignore] = field(default_factory=list)
+    ignore_b: list[Ignore] = field(default_factory=list)
     description: str = ""
     path: str = ""
 
@@ -124,13 +138,21 @@ class Mapping:
                 items = [items]
             return tuple(parse_op(subst(i, where), f"{path}: {where}") for i in items)
 
-        def patterns(items: Any, where: str) -> list[re.Pattern]:
+        def patterns(items: Any, where: str) -> list[Ignore]:
             out = []
             for item in items or []:
+                spec = item if isinstance(item, dict) else {"module": item}
+                if "module" not in spec:
+                    raise MappingError(f"{path}: {where}: an entry is a module regex or {{module: REGEX, kinds: [...], "
+                                       f"slots: [...]}}, got {item!r}")
                 try:
-                    out.append(re.compile(str(item)))
+                    pattern = re.compile(subst(spec["module"], where))
                 except re.error as err:
-                    raise MappingError(f"{path}: {where}: bad regular expression {item!r} ({err})") from None
+                    raise MappingError(f"{path}: {where}: bad regular expression {spec['module']!r} ({err})") from None
+                kinds = spec.get("kinds")
+                slots = spec.get("slots")
+                out.append(Ignore(pattern, frozenset(kinds) if kinds is not None else None,
+                                  frozenset(str(x) for x in slots) if slots is not None else None))
             return out
 
         rules = []
@@ -192,8 +214,8 @@ def align_step(recs_a: list[Record], recs_b: list[Record], mapping: Mapping | No
                order_fallback: bool = True) -> list[Pair]:
     """Pairs for one step, in A's order; unmatched B records appended per phase."""
     mapping = mapping or Mapping()
-    a_list = [r for r in recs_a if not any(p.fullmatch(r.module) for p in mapping.ignore_a)]
-    b_list = [r for r in recs_b if not any(p.fullmatch(r.module) for p in mapping.ignore_b)]
+    a_list = [r for r in recs_a if not any(i.hits(r) for i in mapping.ignore_a)]
+    b_list = [r for r in recs_b if not any(i.hits(r) for i in mapping.ignore_b)]
     partner: dict[int, tuple[Record, str, tuple[Op, ...]]] = {}  # a.seq -> (b, how, ops)
     taken_b: set[int] = set()
 

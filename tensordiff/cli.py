@@ -12,8 +12,10 @@ import subprocess
 import sys
 from typing import Sequence
 
+import numpy as np
+
 from . import __version__
-from ._capture_common import ENV_OUTPUT, ENV_STEPS, ENV_TENSORS, TENSOR_MODES
+from ._capture_common import ENV_OUTPUT, ENV_STATUS, ENV_STEPS, ENV_TENSORS, TENSOR_MODES
 from .errors import TensordiffError, UsageError
 
 EXAMPLE = "example: tensordiff capture -o a.h5 --steps 2 -- python train.py; tensordiff diff a.h5 b.h5 --first-divergence"
@@ -54,6 +56,20 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--width", type=int, help="table width (default: the terminal's)")
     d.add_argument("--no-color", action="store_true", help="plain text output")
 
+    b = sub.add_parser("batch", help="write one batch file that both frameworks load",
+                       description="Write a batch file (tokens, labels, loss mask, attention mask, position ids, seed) that "
+                                   "each framework loads with tensordiff.batch.load(path, vocab_size, framework). With "
+                                   "--check, read an existing file and check it against a vocabulary instead.",
+                       epilog="example: tensordiff batch -o batch.h5 --vocab 128 --seq 16 --batch 2 --seed 0")
+    b.add_argument("-o", "--output", help="batch file to write")
+    b.add_argument("--vocab", type=int, help="the model's vocabulary size")
+    b.add_argument("--seq", type=int, default=16, help="sequence length (default 16)")
+    b.add_argument("--batch", type=int, default=2, help="sequences (default 2)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the ids or of the text windows (default 0)")
+    b.add_argument("--text", help="take windows of this UTF-8 text file, one byte per token (needs --vocab >= 256)")
+    b.add_argument("--low", type=int, default=1, help="smallest random id (default 1: id 0 is often padding)")
+    b.add_argument("--check", metavar="FILE", help="check FILE (against --vocab when given) and print it")
+
     ls = sub.add_parser("ls", help="list the steps and phases of a capture")
     ls.add_argument("file")
 
@@ -73,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().print_help()
         return 2
     try:
-        return {"capture": _capture, "diff": _diff, "ls": _ls, "show": _show}[args.command](args)
+        return {"capture": _capture, "diff": _diff, "batch": _batch, "ls": _ls, "show": _show}[args.command](args)
     except TensordiffError as err:
         print(f"tensordiff: error: {err}", file=sys.stderr)
         return 2
@@ -93,11 +109,25 @@ def _capture(args: argparse.Namespace) -> int:
     out = os.path.abspath(args.output)
     if os.path.exists(out):
         os.remove(out)
-    env = dict(os.environ, **{ENV_OUTPUT: out, ENV_STEPS: str(args.steps), ENV_TENSORS: args.tensors})
+    status = out + ".status"
+    if os.path.exists(status):
+        os.remove(status)
+    env = dict(os.environ, **{ENV_OUTPUT: out, ENV_STEPS: str(args.steps), ENV_TENSORS: args.tensors,
+                              ENV_STATUS: status})
     try:
         code = subprocess.call(cmd, env=env)
     except FileNotFoundError:
         raise UsageError(f"cannot run {cmd[0]!r}: no such program; check the command after '--'") from None
+    problems: list[str] = []
+    if os.path.exists(status):
+        with open(status, encoding="utf-8") as f:
+            problems = [line.strip() for line in f if line.strip()]
+        os.remove(status)
+    if problems and not os.path.exists(out):
+        script = next((part for part in cmd if part.endswith(".py")), cmd[0])
+        raise UsageError(f"{script}: {problems[0]}")
+    for line in problems:
+        print(f"tensordiff: warning: {line}", file=sys.stderr)
     if code != 0:
         print(f"tensordiff: the training command exited with code {code}", file=sys.stderr)
         return code if 0 < code < 256 else 2
@@ -110,6 +140,25 @@ def _capture(args: argparse.Namespace) -> int:
         with Capture(out) as cap:
             print(f"tensordiff: wrote {out}: {len(cap.steps)} step(s), {sum(len(cap.records(s)) for s in cap.steps)} records, "
                   f"{cap.nbytes() / 1e6:.1f} MB")
+    return 0
+
+
+def _batch(args: argparse.Namespace) -> int:
+    from . import batch as batches
+
+    if args.check:
+        b = batches.read(args.check, args.vocab)
+        ids = np.concatenate([b.tokens.ravel(), b.labels.ravel()])
+        print(f"{args.check}: batch {b.batch_size} x seq {b.seq_length}, ids {ids.min()}..{ids.max()}, "
+              f"source {b.attrs.get('source', '?')}, seed {b.attrs.get('seed', '?')}"
+              + (f"; fits vocab {args.vocab}" if args.vocab else ""))
+        return 0
+    if not args.output or args.vocab is None:
+        raise UsageError("tensordiff batch needs -o FILE and --vocab V, e.g. tensordiff batch -o batch.h5 --vocab 128 --seq 16")
+    b = batches.make(args.vocab, args.seq, args.batch, seed=args.seed, text=args.text, low=args.low)
+    batches.save(args.output, b)
+    print(f"tensordiff: wrote {args.output}: batch {b.batch_size} x seq {b.seq_length}, vocab {args.vocab}, "
+          f"{b.attrs['source']}, seed {args.seed}")
     return 0
 
 

@@ -18,19 +18,16 @@ them in place). Everything is removed after the last captured step or on exit.
 
 from __future__ import annotations
 
-import time
-import warnings
-import weakref
 from collections import defaultdict
 from functools import partial
-from typing import Any, Iterator
+from typing import Any, Sequence
 
 import ml_dtypes
 import numpy as np
 import torch
 
 from ._capture_common import CaptureOptions, base_attrs, rank_path
-from .store import CaptureWriter, shape_text
+from ._recorder import Recorder
 
 _NUMPY_VIEW = {
     torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
@@ -88,94 +85,71 @@ def reduce_stats(t: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _flatten(value: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(slot, tensor) pairs of a nested output or argument structure."""
-    if isinstance(value, torch.Tensor):
-        yield prefix, value
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from _flatten(item, f"{prefix}.{i}" if prefix else str(i))
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _flatten(item, f"{prefix}.{key}" if prefix else str(key))
-
-
-class TorchCapture:
+class TorchCapture(Recorder):
     """Records the first ``options.steps`` training steps of ``model``. Use via :func:`tensordiff.capture`."""
+
+    framework = "torch"
 
     def __init__(self, model: torch.nn.Module, options: CaptureOptions, optimizer: Any = None, meta: dict | None = None):
         self.model = model
-        self.options = options
         self.optimizer = optimizer
         rank, world = 0, 1
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         assert options.path is not None
-        self.path = rank_path(options.path, rank, world)
+        path = rank_path(options.path, rank, world)
         attrs = base_attrs("torch", torch.__version__, options, rank=rank, world_size=world,
                            model_class=type(model).__name__, **(meta or {}))
-        self._writer = CaptureWriter(self.path, attrs, background=options.background)
-        self._names = {id(m): name for name, m in model.named_modules()}
-        self._classes = {name: type(m).__name__ for name, m in model.named_modules()}
-        self._params: list[tuple[str, str, torch.nn.Parameter]] = []
+        params = []
         for full, p in model.named_parameters():
             mod, _, pname = full.rpartition(".")
-            self._params.append((mod, pname, p))
-        self._handles: list[Any] = []
-        self._tensor_handles: list[Any] = []
-        self._step = 0
-        self._step_id = 0
-        self._in_step = False
-        self._step_ready = False
-        self._done = False
-        self._failed = False
-        self._grads_taken = False
-        self._reset_step()
+            params.append((mod, pname, p))
+        classes = {name: type(m).__name__ for name, m in model.named_modules()}
+        super().__init__(options, path, attrs, params, classes)
+        self._grad_snapshots: dict[int, torch.Tensor] = {}
         self._install()
 
-    # public API ---------------------------------------------------------------
-    @property
-    def active(self) -> bool:
-        return not (self._done or self._failed)
+    # tensors ------------------------------------------------------------------
+    def _is_tensor(self, value: Any) -> bool:
+        return isinstance(value, torch.Tensor)
 
-    def __enter__(self) -> "TorchCapture":
-        return self
+    def _describe(self, t: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+        return dtype_name(t.dtype), tuple(t.shape)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _stats(self, t: torch.Tensor) -> torch.Tensor:
+        return reduce_stats(t)
 
-    def loss(self, value: Any) -> None:
-        """Record the loss of the step in flight (a tensor or a number)."""
-        if not self.active:
-            return
-        try:
-            self._ensure_step()
-            t = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float64)
-            self._loss = t
-            self._record("loss", "loss", "loss", 0, "value", "Loss", t, full=True)
-        except Exception as err:
-            self._fail(err)
+    def _host_stats(self, pending: list[torch.Tensor]) -> list[Sequence[float]]:
+        # one host sync per device for the whole step
+        out: list[Sequence[float]] = [()] * len(pending)
+        by_device: dict[torch.device, list[int]] = defaultdict(list)
+        for i, stats in enumerate(pending):
+            by_device[stats.device].append(i)
+        for indices in by_device.values():
+            host = torch.stack([pending[i] for i in indices]).cpu().numpy()
+            for i, values in zip(indices, host):
+                out[i] = values.tolist()
+        return out
 
-    def step(self, loss: Any = None) -> None:
-        """End the step in flight (recording ``loss`` first, if given)."""
-        if loss is not None:
-            self.loss(loss)
-        if not self.active:
-            return
-        try:
-            self._end_step()
-        except Exception as err:
-            self._fail(err)
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", copy=True)
 
-    def close(self) -> None:
-        """Finish the step in flight, remove every hook, close the file."""
-        if self._in_step and not self._failed:
-            try:
-                self._end_step()
-            except Exception as err:
-                self._fail(err)
-        self._remove_hooks()
-        self._writer.close()
+    def _to_numpy(self, copy: torch.Tensor) -> np.ndarray:
+        return to_numpy(copy)
+
+    def _version(self, t: torch.Tensor) -> int:
+        return t._version
+
+    def _hook_grad(self, t: torch.Tensor, fn: Any) -> Any:
+        if t.requires_grad and t.grad_fn is not None and torch.is_grad_enabled():
+            return t.register_hook(fn)
+        return None
+
+    def _loss_tensor(self, value: Any) -> torch.Tensor:
+        return value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float64)
+
+    def _scalar(self, t: torch.Tensor) -> float:
+        return float(t.double().mean())
 
     # hooks --------------------------------------------------------------------
     def _install(self) -> None:
@@ -192,74 +166,20 @@ class TorchCapture:
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated_hook))
 
-    def _remove_hooks(self) -> None:
-        for handle in self._handles + self._tensor_handles:
-            handle.remove()
-        self._handles.clear()
-        self._tensor_handles.clear()
-
-    def _fail(self, err: BaseException) -> None:
-        if not self._failed:
-            warnings.warn(
-                f"tensordiff: capture stopped ({type(err).__name__}: {err}); hooks removed, training goes on; "
-                f"completed steps are in {self.path}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        self._failed = True
-        self._in_step = False
-        self._remove_hooks()
-
     def _pre_hook(self, name: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if not self.active:
-            return None
-        try:
-            if not self._stack and name == "":
-                if self._step_ready:
-                    self._end_step()
-                    if not self.active:
-                        return None
-            self._ensure_step()
-            call = self._calls[name]
-            self._calls[name] += 1
-            enter = self._seq
-            parent = self._stack[-1][0] if self._stack else ""
-            self._stack.append((name, call, enter, parent))
-            if self.options.inputs:
-                for slot, t in _flatten(list(args), ""):
-                    self._record("forward", "input", name, call, slot, self._classes.get(name, ""), t,
-                                 enter=enter, parent=parent, grad_kind="grad_input")
-                for slot, t in _flatten(kwargs, ""):
-                    self._record("forward", "input", name, call, slot, self._classes.get(name, ""), t,
-                                 enter=enter, parent=parent, grad_kind="grad_input")
-        except Exception as err:
-            self._fail(err)
+        if self.active:
+            try:
+                self._begin_call(name, args, kwargs)
+            except Exception as err:
+                self._fail(err)
         return None
 
     def _post_hook(self, name: str, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if not self.active or not self._in_step:
-            return None
-        try:
-            while self._stack and self._stack[-1][0] != name:
-                self._stack.pop()  # a child raised; drop its frame
-            if not self._stack:
-                return None
-            _, call, enter, parent = self._stack.pop()
-            for slot, t in _flatten(output, ""):
-                self._record("forward", "output", name, call, slot or "0", self._classes.get(name, ""), t,
-                             enter=enter, parent=parent, grad_kind="grad_output")
-        except Exception as err:
-            self._fail(err)
-        return None
-
-    def _grad_hook(self, step_id: int, fwd: dict, grad: torch.Tensor) -> None:
-        if not self.active or step_id != self._step_id or grad is None:
-            return None
-        try:
-            self._record("backward", fwd["grad_kind"], fwd["module"], fwd["call"], fwd["slot"], fwd["module_class"],
-                         grad, enter=fwd["enter"], parent=fwd["parent"], grad_of=fwd["seq"], track=False)
-        except Exception as err:
-            self._fail(err)
+        if self.active:
+            try:
+                self._end_call(name, output)
+            except Exception as err:
+                self._fail(err)
         return None
 
     def _accumulated_hook(self, p: torch.Tensor) -> None:
@@ -280,103 +200,17 @@ class TorchCapture:
         if self.active and self._in_step:
             self._step_ready = True
 
-    # step bookkeeping -----------------------------------------------------------
     def _reset_step(self) -> None:
-        self._seq = 0
-        self._rows: list[dict[str, Any]] = []
-        self._pending: list[tuple[int, torch.Tensor]] = []
-        self._data: dict[int, torch.Tensor] = {}
-        self._seen: dict[int, tuple[Any, int, int]] = {}
-        self._stack: list[tuple[str, int, int, str]] = []
-        self._calls: dict[str, int] = defaultdict(int)
-        self._loss: torch.Tensor | None = None
-        self._grad_snapshots: dict[int, torch.Tensor] = {}
-        self._grads_taken = False
-        self._step_ready = False
-        self._t0 = time.perf_counter()
-
-    def _ensure_step(self) -> None:
-        if self._in_step:
-            return
-        self._reset_step()
-        self._in_step = True
-        self._step_id += 1
-        self._full = self.options.full_tensors_at(self._step)
-        for mod, pname, p in self._params:
-            self._record("weights", "param", mod, 0, pname, self._classes.get(mod, ""), p, track=False)
+        super()._reset_step()
+        self._grad_snapshots = {}
 
     def _take_param_grads(self) -> None:
-        self._grads_taken = True
+        grads = []
         for mod, pname, p in self._params:
             grad = getattr(p, "main_grad", None)
             if grad is None:
                 grad = p.grad
             if grad is None:
                 grad = self._grad_snapshots.get(id(p))
-            if grad is not None:
-                self._record("param_grad", "grad", mod, 0, pname, self._classes.get(mod, ""), grad, track=False)
-
-    def _record(self, phase: str, kind: str, module: str, call: int, slot: str, module_class: str, t: torch.Tensor, *,
-                enter: int = -1, parent: str = "", grad_of: int = -1, grad_kind: str = "", track: bool = True,
-                full: bool | None = None) -> int:
-        seq = self._seq
-        self._seq += 1
-        row: dict[str, Any] = {
-            "seq": seq, "phase": phase, "module": module, "call": call, "kind": kind, "slot": slot,
-            "module_class": module_class, "dtype": dtype_name(t.dtype), "shape": shape_text(t.shape),
-            "min": 0.0, "max": 0.0, "mean": 0.0, "l2": 0.0, "nan": 0, "inf": 0, "numel": t.numel(),
-            "has_data": 0, "same_as": -1, "grad_of": grad_of, "enter": enter, "parent": parent,
-        }
-        self._rows.append(row)
-        seen = self._seen.get(id(t)) if track else None
-        if seen is not None and seen[0]() is t and seen[1] == t._version:
-            row["same_as"] = seen[2]
-            return seq
-        self._pending.append((seq, reduce_stats(t)))
-        if self._full if full is None else full:
-            self._data[seq] = t.detach().to("cpu", copy=True)
-            row["has_data"] = 1
-        if track:
-            self._seen[id(t)] = (weakref.ref(t), t._version, seq)
-            if self.options.grads and grad_kind and t.requires_grad and t.grad_fn is not None and torch.is_grad_enabled():
-                fwd = {"seq": seq, "module": module, "call": call, "slot": slot, "module_class": module_class,
-                       "enter": enter, "parent": parent, "grad_kind": grad_kind}
-                self._tensor_handles.append(t.register_hook(partial(self._grad_hook, self._step_id, fwd)))
-        return seq
-
-    def _end_step(self) -> None:
-        if not self._in_step:
-            return
-        if not self._grads_taken:
-            self._take_param_grads()
-        for handle in self._tensor_handles:
-            handle.remove()
-        self._tensor_handles.clear()
-        rows = self._rows
-        # one host sync per device for the whole step
-        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = defaultdict(list)
-        for seq, stats in self._pending:
-            by_device[stats.device].append((seq, stats))
-        for items in by_device.values():
-            host = torch.stack([s for _, s in items]).cpu().numpy()
-            for (seq, _), values in zip(items, host):
-                row = rows[seq]
-                mn, mx, total, l2, nan, inf = values.tolist()
-                row.update(min=mn, max=mx, mean=total / row["numel"] if row["numel"] else 0.0, l2=l2,
-                           nan=int(nan), inf=int(inf))
-        for row in rows:
-            if row["same_as"] >= 0:
-                src = rows[row["same_as"]]
-                for key in ("min", "max", "mean", "l2", "nan", "inf", "has_data"):
-                    row[key] = src[key]
-        data = {seq: to_numpy(t) for seq, t in self._data.items()}
-        attrs: dict[str, Any] = {"wall_time": time.perf_counter() - self._t0}
-        if self._loss is not None:
-            attrs["loss"] = float(self._loss.double().mean())
-        self._writer.submit(self._step, rows, data, attrs)
-        self._step += 1
-        self._in_step = False
-        self._reset_step()
-        if self._step >= self.options.steps:
-            self._done = True
-            self._remove_hooks()
+            grads.append((mod, pname, grad))
+        self._param_grads(grads)

@@ -1,0 +1,125 @@
+"""The Megatron side: megatron-core GPTModel on the CPU, trained on the shared batch with capture on.
+
+    python examples/megatron_vs_mindformers/megatron_side.py --family llama --batch batch.h5 \\
+        --save-ckpt init.safetensors --capture mcore.h5
+
+Builds the model of ``--family`` (see spec.py) from ``--seed``, or loads ``--load-ckpt``;
+``--save-ckpt`` writes the starting weights (megatron-core names, safetensors) for the
+other side to convert. Plain SGD, loss = masked mean of Megatron's per-token loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch
+import torch.nn.functional as F
+
+import tensordiff
+from examples.megatron_vs_mindformers.spec import FAMILIES, Spec
+from tensordiff.batch import load as load_batch
+from tensordiff.compat.megatron_cpu import init_megatron_cpu
+from tensordiff.errors import TensordiffError
+
+
+def build_mcore(spec: Spec, seed: int) -> Any:
+    """megatron-core GPTModel (local layer spec, FP32, no dropout) for ``spec``."""
+    init_megatron_cpu(seed)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    gpt2 = spec.family == "gpt2"
+    norm = "LayerNorm" if gpt2 else "RMSNorm"
+    config = TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+        init_method_std=spec.init_std,
+        normalization=norm,
+        layernorm_epsilon=spec.layernorm_epsilon,
+        add_bias_linear=gpt2,
+        gated_linear_unit=not gpt2,
+        activation_func=F.gelu if gpt2 else F.silu,
+        bias_activation_fusion=False,
+        qk_layernorm=spec.qk_layernorm,
+    )
+    torch.manual_seed(seed)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=norm, qk_layernorm=spec.qk_layernorm),
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.seq_length,
+        share_embeddings_and_output_weights=gpt2,
+        position_embedding_type="learned_absolute" if gpt2 else "rope",  # type: ignore[arg-type]
+        rotary_base=spec.rotary_base,
+    )
+
+
+def state_for_saving(model: Any) -> dict[str, torch.Tensor]:
+    return {k: v.detach().contiguous() for k, v in model.state_dict().items()
+            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+
+
+def main(argv: list[str] | None = None) -> list[float]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=sorted(FAMILIES), default="gpt2")
+    p.add_argument("--batch", required=True, help="batch file written by tensordiff batch")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the initial weights")
+    p.add_argument("--save-ckpt", help="write the initial weights here (safetensors, megatron-core names)")
+    p.add_argument("--load-ckpt", help="start from these weights (safetensors, megatron-core names)")
+    p.add_argument("--train-steps", type=int, default=2)
+    p.add_argument("--capture", help="capture file (tensordiff capture -o sets it instead)")
+    p.add_argument("--capture-steps", type=int, default=2)
+    args = p.parse_args(argv)
+    spec = FAMILIES[args.family]
+
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    model = build_mcore(spec, args.seed)
+    if args.load_ckpt:
+        from safetensors.torch import load_file
+
+        missing, unexpected = model.load_state_dict(load_file(args.load_ckpt), strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise TensordiffError(f"{args.load_ckpt}: does not fit the {args.family} model: missing {missing}, "
+                                  f"unexpected {unexpected}")
+    if args.save_ckpt:
+        from safetensors.torch import save_file
+
+        save_file(state_for_saving(model), args.save_ckpt)
+    b = load_batch(args.batch, vocab_size=spec.vocab_size, framework="torch")
+    opt = torch.optim.SGD(model.parameters(), lr=spec.lr)
+    losses = []
+    with tensordiff.capture(model, args.capture, steps=args.capture_steps, optimizer=opt) as cap:
+        for step in range(args.train_steps):
+            per_token = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])  # [B, S]
+            loss = (per_token.float() * b["loss_mask"]).sum() / b["loss_mask"].sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            cap.step(loss)
+            losses.append(loss.item())
+            print(f"megatron-core {args.family} step {step}: loss {loss.item():.6f}", flush=True)
+    return losses
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except TensordiffError as err:
+        print(f"tensordiff: error: {err}", file=sys.stderr)
+        sys.exit(2)

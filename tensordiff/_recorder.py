@@ -1,0 +1,310 @@
+"""Step bookkeeping shared by the framework adapters (no framework imported here).
+
+An adapter (``torch.py``, ``mindspore.py``) installs the hooks and says how to read a
+tensor: its dtype name, shape, statistics, a host copy, a backward hook. This class
+turns hook calls into records: call indices, module nesting, links for tensors seen
+before, one step group per training step, handed to the background writer.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+from collections import defaultdict
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from ._capture_common import CaptureOptions, report_status
+from .store import CaptureWriter, shape_text
+
+STAT_KEYS = ("min", "max", "mean", "l2", "nan", "inf")
+
+
+def flatten(value: Any, prefix: str, is_tensor: Callable[[Any], bool]) -> Iterator[tuple[str, Any]]:
+    """(slot, tensor) pairs of a nested output or argument structure: '0', '1.0', 'key', ..."""
+    if is_tensor(value):
+        yield prefix, value
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from flatten(item, f"{prefix}.{i}" if prefix else str(i), is_tensor)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from flatten(item, f"{prefix}.{key}" if prefix else str(key), is_tensor)
+
+
+class Recorder:
+    """Records the first ``options.steps`` training steps. Subclasses install hooks and call
+    ``_begin_call`` / ``_end_call`` / ``_record`` / ``_end_step``."""
+
+    framework = ""
+
+    def __init__(self, options: CaptureOptions, path: str, attrs: dict[str, Any],
+                 params: Sequence[tuple[str, str, Any]], classes: dict[str, str]):
+        self.options = options
+        self.path = path
+        self._writer = CaptureWriter(path, attrs, background=options.background)
+        self._params = list(params)  # (module, attribute, parameter)
+        self._classes = classes
+        self._handles: list[Any] = []
+        self._tensor_handles: list[Any] = []
+        self._step = 0
+        self._step_id = 0
+        self._in_step = False
+        self._step_ready = False
+        self._done = False
+        self._failed = False
+        self._reset_step()
+
+    # framework hooks for subclasses ---------------------------------------------
+    def _is_tensor(self, value: Any) -> bool:
+        raise NotImplementedError
+
+    def _describe(self, t: Any) -> tuple[str, tuple[int, ...]]:
+        """(dtype name as in dtypes.py, shape)."""
+        raise NotImplementedError
+
+    def _stats(self, t: Any) -> Any:
+        """Start the reduction of [min, max, sum, l2, nan, inf] (on the tensor's device)."""
+        raise NotImplementedError
+
+    def _host_stats(self, pending: list[Any]) -> list[Sequence[float]]:
+        """Bring the started reductions to the host, as few syncs as possible."""
+        raise NotImplementedError
+
+    def _copy(self, t: Any) -> Any:
+        """A host copy taken now (the model may change the tensor in place later)."""
+        raise NotImplementedError
+
+    def _to_numpy(self, copy: Any) -> np.ndarray:
+        raise NotImplementedError
+
+    def _version(self, t: Any) -> int:
+        """In-place modification counter (0 where the framework has none)."""
+        return 0
+
+    def _hook_grad(self, t: Any, fn: Callable[[Any], None]) -> Any:
+        """Register ``fn(grad)`` to run when the gradient of ``t`` is computed; return a handle or None."""
+        return None
+
+    def _loss_tensor(self, value: Any) -> Any:
+        """The loss as a detached framework tensor (``value`` may be a tensor or a number)."""
+        raise NotImplementedError
+
+    def _scalar(self, t: Any) -> float:
+        """Mean of a tensor as a Python float (the step's loss attribute)."""
+        raise NotImplementedError
+
+    def _remove_framework_hooks(self) -> None:
+        """Undo anything beyond the handles (subclasses that need it)."""
+
+    # public API ---------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        return not (self._done or self._failed)
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def loss(self, value: Any) -> None:
+        """Record the loss of the step in flight (a tensor or a number)."""
+        if not self.active:
+            return
+        try:
+            self._ensure_step()
+            t = self._loss_tensor(value)
+            self._loss = self._scalar(t)
+            self._record("loss", "loss", "loss", 0, "value", "Loss", t, full=True, track=False)
+        except Exception as err:
+            self._fail(err)
+
+    def step(self, loss: Any = None) -> None:
+        """End the step in flight (recording ``loss`` first, if given)."""
+        if loss is not None:
+            self.loss(loss)
+        if not self.active:
+            return
+        try:
+            self._end_step()
+        except Exception as err:
+            self._fail(err)
+
+    def close(self) -> None:
+        """Finish the step in flight, remove every hook, close the file."""
+        if self._in_step and not self._failed:
+            try:
+                self._end_step()
+            except Exception as err:
+                self._fail(err)
+        self._remove_hooks()
+        self._writer.close()
+
+    # bookkeeping --------------------------------------------------------------
+    def _remove_hooks(self) -> None:
+        for handle in self._handles + self._tensor_handles:
+            if handle is not None:
+                handle.remove()
+        self._handles.clear()
+        self._tensor_handles.clear()
+        self._remove_framework_hooks()
+
+    def _fail(self, err: BaseException) -> None:
+        if not self._failed:
+            report_status(f"capture stopped: {type(err).__name__}: {err}")
+            warnings.warn(
+                f"tensordiff: capture stopped ({type(err).__name__}: {err}); hooks removed, training goes on; "
+                f"completed steps are in {self.path}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self._failed = True
+        self._in_step = False
+        self._remove_hooks()
+
+    def _reset_step(self) -> None:
+        self._seq = 0
+        self._rows: list[dict[str, Any]] = []
+        self._pending: list[tuple[int, Any]] = []
+        self._data: dict[int, Any] = {}
+        self._seen: dict[int, tuple[Any, int, int]] = {}
+        self._stack: list[tuple[str, int, int, str]] = []
+        self._calls: dict[str, int] = defaultdict(int)
+        self._loss: float | None = None
+        self._grads_taken = False
+        self._step_ready = False
+        self._t0 = time.perf_counter()
+
+    def _ensure_step(self) -> None:
+        if self._in_step:
+            return
+        self._reset_step()
+        self._in_step = True
+        self._step_id += 1
+        self._full = self.options.full_tensors_at(self._step)
+        for mod, pname, p in self._params:
+            self._record("weights", "param", mod, 0, pname, self._classes.get(mod, ""), p, track=False)
+
+    def _begin_call(self, name: str, args: Any, kwargs: dict) -> None:
+        """A module/cell starts: new call index, nesting, inputs."""
+        if not self._stack and name == "" and self._step_ready:
+            self._end_step()
+            if not self.active:
+                return
+        self._ensure_step()
+        call = self._calls[name]
+        self._calls[name] += 1
+        enter = self._seq
+        parent = self._stack[-1][0] if self._stack else ""
+        self._stack.append((name, call, enter, parent))
+        if self.options.inputs:
+            cls = self._classes.get(name, "")
+            for value in (list(args), kwargs):
+                for slot, t in flatten(value, "", self._is_tensor):
+                    self._record("forward", "input", name, call, slot, cls, t, enter=enter, parent=parent,
+                                 grad_kind="grad_input")
+
+    def _end_call(self, name: str, output: Any) -> None:
+        """A module/cell returns: its outputs."""
+        if not self._in_step:
+            return
+        while self._stack and self._stack[-1][0] != name:
+            self._stack.pop()  # a child raised; drop its frame
+        if not self._stack:
+            return
+        _, call, enter, parent = self._stack.pop()
+        cls = self._classes.get(name, "")
+        for slot, t in flatten(output, "", self._is_tensor):
+            self._record("forward", "output", name, call, slot or "0", cls, t, enter=enter, parent=parent,
+                         grad_kind="grad_output")
+
+    def _grad_hook(self, step_id: int, fwd: dict, grad: Any) -> None:
+        if not self.active or step_id != self._step_id or grad is None:
+            return
+        try:
+            self._record("backward", fwd["grad_kind"], fwd["module"], fwd["call"], fwd["slot"], fwd["module_class"],
+                         grad, enter=fwd["enter"], parent=fwd["parent"], grad_of=fwd["seq"], track=False)
+        except Exception as err:
+            self._fail(err)
+
+    def _param_grads(self, grads: Sequence[tuple[str, str, Any]]) -> None:
+        """Record the parameter gradients of the step: (module, attribute, gradient)."""
+        self._grads_taken = True
+        for mod, pname, grad in grads:
+            if grad is not None:
+                self._record("param_grad", "grad", mod, 0, pname, self._classes.get(mod, ""), grad, track=False)
+
+    def _take_param_grads(self) -> None:
+        """Subclasses: find the parameter gradients when the step ends without them."""
+        self._grads_taken = True
+
+    def _record(self, phase: str, kind: str, module: str, call: int, slot: str, module_class: str, t: Any, *,
+                enter: int = -1, parent: str = "", grad_of: int = -1, grad_kind: str = "", track: bool = True,
+                full: bool | None = None) -> int:
+        seq = self._seq
+        self._seq += 1
+        dtype, shape = self._describe(t)
+        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        row: dict[str, Any] = {
+            "seq": seq, "phase": phase, "module": module, "call": call, "kind": kind, "slot": slot,
+            "module_class": module_class, "dtype": dtype, "shape": shape_text(shape),
+            "min": 0.0, "max": 0.0, "mean": 0.0, "l2": 0.0, "nan": 0, "inf": 0, "numel": numel,
+            "has_data": 0, "same_as": -1, "grad_of": grad_of, "enter": enter, "parent": parent,
+        }
+        self._rows.append(row)
+        seen = self._seen.get(id(t)) if track else None
+        if seen is not None and seen[0]() is t and seen[1] == self._version(t):
+            row["same_as"] = seen[2]
+            return seq
+        self._pending.append((seq, self._stats(t)))
+        if self._full if full is None else full:
+            self._data[seq] = self._copy(t)
+            row["has_data"] = 1
+        if track:
+            try:
+                self._seen[id(t)] = (weakref.ref(t), self._version(t), seq)
+            except TypeError:  # not weak-referenceable: no links for it
+                pass
+            if self.options.grads and grad_kind:
+                fwd = {"seq": seq, "module": module, "call": call, "slot": slot, "module_class": module_class,
+                       "enter": enter, "parent": parent, "grad_kind": grad_kind}
+                step_id = self._step_id
+                handle = self._hook_grad(t, lambda grad: self._grad_hook(step_id, fwd, grad))
+                if handle is not None:
+                    self._tensor_handles.append(handle)
+        return seq
+
+    def _end_step(self) -> None:
+        if not self._in_step:
+            return
+        if not self._grads_taken:
+            self._take_param_grads()
+        for handle in self._tensor_handles:
+            handle.remove()
+        self._tensor_handles.clear()
+        rows = self._rows
+        values = self._host_stats([s for _, s in self._pending])
+        for (seq, _), stat in zip(self._pending, values):
+            row = rows[seq]
+            mn, mx, total, l2, nan, inf = (float(v) for v in stat)
+            row.update(min=mn, max=mx, mean=total / row["numel"] if row["numel"] else 0.0, l2=l2,
+                       nan=int(nan), inf=int(inf))
+        for row in rows:
+            if row["same_as"] >= 0:
+                src = rows[row["same_as"]]
+                for key in STAT_KEYS + ("has_data",):
+                    row[key] = src[key]
+        data = {seq: self._to_numpy(t) for seq, t in self._data.items()}
+        attrs: dict[str, Any] = {"wall_time": time.perf_counter() - self._t0}
+        if self._loss is not None:
+            attrs["loss"] = self._loss
+        self._writer.submit(self._step, rows, data, attrs)
+        self._step += 1
+        self._in_step = False
+        self._reset_step()
+        if self._step >= self.options.steps:
+            self._done = True
+            self._remove_hooks()

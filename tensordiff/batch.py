@@ -1,0 +1,174 @@
+"""One batch file for both frameworks: token ids, labels, masks, positions, and how they were made.
+
+Write it once (``tensordiff batch -o batch.h5 --vocab 128 --seq 16 --batch 2``), then load
+it on each side with one call::
+
+    b = tensordiff.batch.load("batch.h5", vocab_size=128, framework="torch")      # torch tensors
+    b = tensordiff.batch.load("batch.h5", vocab_size=128, framework="mindspore")  # MindSpore tensors
+
+Fields (``[B, S]`` unless noted):
+
+* ``tokens``: input ids; ``labels``: the next token of each position;
+* ``loss_mask``: float32, 1 where the token counts in the loss;
+* ``attention_mask``: bool ``[B, 1, S, S]``, True = masked out (Megatron's convention;
+  MindFormers uses the same 1 = masked);
+* ``position_ids``: 0..S-1 per row.
+
+The ids come from a seeded generator or from a text file tokenised as UTF-8 bytes; the
+seed, the source and its SHA-256 are stored as attributes. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import TensordiffError
+
+FORMAT = 1
+FIELDS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+
+
+class BatchError(TensordiffError):
+    """A batch file is missing, malformed, or does not fit the model."""
+
+
+@dataclass
+class Batch:
+    tokens: np.ndarray
+    labels: np.ndarray
+    loss_mask: np.ndarray
+    attention_mask: np.ndarray
+    position_ids: np.ndarray
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def seq_length(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: getattr(self, name) for name in FIELDS}
+
+    def stream(self) -> np.ndarray:
+        """``[B, S+1]``: tokens with the last label appended (models that shift labels themselves, e.g. legacy Llama)."""
+        return np.concatenate([self.tokens, self.labels[:, -1:]], axis=1)
+
+
+def make(vocab_size: int, seq_length: int, batch_size: int, seed: int = 0, text: str | None = None,
+         low: int = 1) -> Batch:
+    """A next-token batch: random ids in ``[low, vocab_size)`` (id 0 is often padding), or
+    ``batch_size`` windows of ``seq_length + 1`` UTF-8 bytes of ``text`` chosen with ``seed``."""
+    if vocab_size < 2 or seq_length < 1 or batch_size < 1:
+        raise BatchError(f"vocab {vocab_size}, seq {seq_length}, batch {batch_size}: each must be positive "
+                         "(vocab at least 2)")
+    rng = np.random.default_rng(seed)
+    attrs: dict[str, Any] = {"seed": seed, "vocab_size": vocab_size}
+    if text is None:
+        if low >= vocab_size:
+            raise BatchError(f"--low {low} leaves no ids below vocab {vocab_size}")
+        stream = rng.integers(low, vocab_size, size=(batch_size, seq_length + 1), dtype=np.int64)
+        attrs.update(source="random", low=low)
+    else:
+        if not os.path.isfile(text):
+            raise BatchError(f"{text}: no such text file; pass an existing file to --text")
+        with open(text, "rb") as f:
+            data = f.read()
+        if vocab_size < 256:
+            raise BatchError(f"{text}: UTF-8 byte tokens need a vocabulary of at least 256, got --vocab {vocab_size}; "
+                             "pass --vocab 256 (or larger) or leave out --text for random ids")
+        if len(data) < seq_length + 1:
+            raise BatchError(f"{text}: {len(data)} bytes, fewer than one window of {seq_length + 1}")
+        starts = rng.integers(0, len(data) - seq_length, size=batch_size)
+        stream = np.stack([np.frombuffer(data[s:s + seq_length + 1], dtype=np.uint8) for s in starts]).astype(np.int64)
+        attrs.update(source=f"text:{os.path.basename(text)}", tokenizer="utf-8 bytes",
+                     sha256=hashlib.sha256(data).hexdigest(), offsets=",".join(str(int(s)) for s in starts))
+    tokens, labels = stream[:, :-1].copy(), stream[:, 1:].copy()
+    mask = np.triu(np.ones((seq_length, seq_length), dtype=bool), 1)
+    return Batch(
+        tokens=tokens,
+        labels=labels,
+        loss_mask=np.ones((batch_size, seq_length), dtype=np.float32),
+        attention_mask=np.broadcast_to(mask, (batch_size, 1, seq_length, seq_length)).copy(),
+        position_ids=np.broadcast_to(np.arange(seq_length, dtype=np.int64), (batch_size, seq_length)).copy(),
+        attrs=attrs,
+    )
+
+
+def save(path: str, batch: Batch) -> None:
+    import h5py
+
+    with h5py.File(path, "w") as f:
+        f.attrs["tensordiff_batch"] = FORMAT
+        f.attrs["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        for key, value in batch.attrs.items():
+            f.attrs[key] = value
+        for name, array in batch.arrays().items():
+            f.create_dataset(name, data=array)
+
+
+def read(path: str, vocab_size: int | None = None) -> Batch:
+    """Read and check a batch file; ``vocab_size`` (the model's) must hold every id."""
+    import h5py
+
+    if not os.path.exists(path):
+        raise BatchError(f"{path}: no such batch file; write one with: tensordiff batch -o {path} --vocab V --seq S --batch B")
+    try:
+        f = h5py.File(path, "r")
+    except OSError:
+        raise BatchError(f"{path}: not an HDF5 file (truncated or another format); write it again with tensordiff batch") from None
+    with f:
+        if "tensordiff_batch" not in f.attrs:
+            raise BatchError(f"{path}: not a tensordiff batch file (no 'tensordiff_batch' attribute); "
+                             "write one with tensordiff batch")
+        if int(f.attrs["tensordiff_batch"]) > FORMAT:
+            raise BatchError(f"{path}: batch format {int(f.attrs['tensordiff_batch'])} is newer than this tensordiff "
+                             f"reads ({FORMAT}); upgrade tensordiff")
+        missing = [name for name in FIELDS if name not in f]
+        if missing:
+            raise BatchError(f"{path}: missing field(s) {', '.join(missing)}; write it again with tensordiff batch")
+        arrays = {name: f[name][()] for name in FIELDS}
+        attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
+    b, s = arrays["tokens"].shape
+    for name in ("labels", "loss_mask", "position_ids"):
+        if arrays[name].shape != (b, s):
+            raise BatchError(f"{path}: {name} has shape {arrays[name].shape}, tokens {(b, s)}; the file is inconsistent")
+    if vocab_size is not None:
+        top = int(max(arrays["tokens"].max(), arrays["labels"].max()))
+        low = int(min(arrays["tokens"].min(), arrays["labels"].min()))
+        if top >= vocab_size or low < 0:
+            made_for = attrs.get("vocab_size", "?")
+            raise BatchError(f"{path}: token id {top if top >= vocab_size else low} does not fit the model's vocabulary of "
+                             f"{vocab_size} (the batch was written for vocab {made_for}); write it again with "
+                             f"tensordiff batch --vocab {vocab_size}")
+    return Batch(attrs=attrs, **arrays)
+
+
+def load(path: str, vocab_size: int | None = None, framework: str = "numpy") -> dict[str, Any]:
+    """The batch as a dict of ``framework`` tensors ('numpy', 'torch' or 'mindspore').
+
+    Integer ids are int64 for numpy/torch and int32 for MindSpore (what its embedding
+    takes); ``stream`` is ``[B, S+1]`` for models that shift labels themselves.
+    """
+    batch = read(path, vocab_size)
+    arrays = batch.arrays()
+    arrays["stream"] = batch.stream()
+    if framework == "numpy":
+        return arrays
+    if framework == "torch":
+        import torch
+
+        return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+    if framework == "mindspore":
+        import mindspore as ms
+
+        return {k: ms.Tensor(v.astype(np.int32) if v.dtype == np.int64 else v) for k, v in arrays.items()}
+    raise BatchError(f"framework {framework!r}: expected numpy, torch or mindspore")
