@@ -5,7 +5,9 @@
    (Megatron's Float16Module, DDP, torch.compile);
 3. rules: the mapping file's rename rules (regex on B's module name -> A's), which may
    also rename slots and name layout transforms for B's tensors;
-4. order: what is left, per phase, matched in execution order where kind and shape agree
+4. tensor: a gradient pairs with the other side's gradient of the same forward tensor,
+   whichever module name each side recorded that tensor under first;
+5. order: what is left, per phase, matched in execution order where kind and shape agree
    (off with ``order_fallback: false`` in the mapping, or ``--no-order``).
 
 Whatever is still unmatched is reported as unmatched, never as passing.
@@ -34,7 +36,7 @@ class Pair:
     a: Record | None
     b: Record | None
     how: str = ""
-    """'exact', 'prefix', 'rule', 'order', or '' for unmatched."""
+    """'exact', 'prefix', 'rule', 'tensor', 'order', or '' for unmatched."""
     ops: tuple[Op, ...] = ()
     """transforms that bring B's tensor into A's layout."""
 
@@ -210,12 +212,47 @@ def _strip_wrappers(name: str) -> str:
     return name
 
 
+def _pair_gradients_by_tensor(a_list: list[Record], b_list: list[Record],
+                              partner: dict[int, tuple[Record, str, tuple[Op, ...]]], taken_b: set[int]) -> None:
+    # a_list/b_list hold every record of the step, ignored ones included: a tensor may have
+    # been seen first (and its gradient recorded) under a module the mapping leaves out
+    """Gradients follow their tensor, not the name they were recorded under.
+
+    A tensor passed from one module to the next is recorded once and linked (``same_as``)
+    from its other names, and its gradient is recorded under the first name. The two
+    frameworks may see the same tensor first under different names (a MindSpore
+    ``activation_func`` cell's output is Megatron's ``linear_fc2`` input): two gradients
+    pair when the forward tensors they belong to were paired under any of their names.
+    """
+    canon_a = {r.seq: (r.same_as if r.same_as >= 0 else r.seq) for r in a_list if r.phase == "forward"}
+    canon_b = {r.seq: (r.same_as if r.same_as >= 0 else r.seq) for r in b_list if r.phase == "forward"}
+    tensor_pairs: dict[int, list[tuple[int, tuple[Op, ...]]]] = {}  # canonical B seq -> [(canonical A seq, ops)]
+    for a_seq, (rb, _, ops) in partner.items():
+        if a_seq in canon_a and rb.seq in canon_b:
+            tensor_pairs.setdefault(canon_b[rb.seq], []).append((canon_a[a_seq], ops))
+    open_a: dict[int, Record] = {}
+    for ra in a_list:
+        if ra.phase == "backward" and ra.grad_of >= 0 and ra.seq not in partner:
+            open_a.setdefault(ra.grad_of, ra)
+    for rb in b_list:
+        if rb.phase != "backward" or rb.grad_of < 0 or rb.seq in taken_b:
+            continue
+        for a_tensor, ops in tensor_pairs.get(rb.grad_of, ()):
+            ra = open_a.pop(a_tensor, None)
+            if ra is not None:
+                partner[ra.seq] = (rb, "tensor", ops)
+                taken_b.add(rb.seq)
+                break
+
+
 def align_step(recs_a: list[Record], recs_b: list[Record], mapping: Mapping | None = None,
                order_fallback: bool = True) -> list[Pair]:
     """Pairs for one step, in A's order; unmatched B records appended per phase."""
     mapping = mapping or Mapping()
-    a_list = [r for r in recs_a if not any(i.hits(r) for i in mapping.ignore_a)]
-    b_list = [r for r in recs_b if not any(i.hits(r) for i in mapping.ignore_b)]
+    ignored_a = {r.seq for r in recs_a if any(i.hits(r) for i in mapping.ignore_a)}
+    ignored_b = {r.seq for r in recs_b if any(i.hits(r) for i in mapping.ignore_b)}
+    a_list = [r for r in recs_a if r.seq not in ignored_a]
+    b_list = [r for r in recs_b if r.seq not in ignored_b]
     partner: dict[int, tuple[Record, str, tuple[Op, ...]]] = {}  # a.seq -> (b, how, ops)
     taken_b: set[int] = set()
 
@@ -251,6 +288,8 @@ def align_step(recs_a: list[Record], recs_b: list[Record], mapping: Mapping | No
     if mapping.rules:
         run_pass(lambda r: (r.phase, _strip_wrappers(r.module), r.call, r.kind, r.slot), by_rules, "rule")
 
+    _pair_gradients_by_tensor(recs_a, recs_b, partner, taken_b)
+
     if order_fallback and mapping.order_fallback:
         for phase in PHASES:
             rest_a = [r for r in a_list if r.phase == phase and r.seq not in partner]
@@ -268,12 +307,15 @@ def align_step(recs_a: list[Record], recs_b: list[Record], mapping: Mapping | No
 
     pairs: list[Pair] = []
     for phase in PHASES:
-        for ra in a_list:
+        for ra in recs_a:
             if ra.phase != phase:
                 continue
             hit = partner.get(ra.seq)
-            pairs.append(Pair(ra, hit[0], hit[1], hit[2]) if hit else Pair(ra, None))
-        for rb in b_list:
-            if rb.phase == phase and rb.seq not in taken_b:
+            if hit:
+                pairs.append(Pair(ra, hit[0], hit[1], hit[2]))
+            elif ra.seq not in ignored_a:
+                pairs.append(Pair(ra, None))
+        for rb in recs_b:
+            if rb.phase == phase and rb.seq not in taken_b and rb.seq not in ignored_b:
                 pairs.append(Pair(None, rb))
     return pairs

@@ -213,7 +213,8 @@ def _locate(row: "Row", st: _Step, prev_step: _Step | None) -> tuple[str, str, d
     return (f"in {mod}", "", {"module": a.module})
 
 
-def find_first_divergence(rows: list["Row"], records_a: dict[int, list[Record]], jump: float) -> FirstDivergence | None:
+def find_first_divergence(rows: list["Row"], records_a: dict[int, list[Record]], jump: float,
+                          records_b: dict[int, list[Record]] | None = None) -> FirstDivergence | None:
     steps = sorted(records_a)
     by_step: dict[int, list["Row"]] = {s: [] for s in steps}
     for row in rows:
@@ -236,7 +237,7 @@ def find_first_divergence(rows: list["Row"], records_a: dict[int, list[Record]],
         for row in candidates:
             came_in = _incoming(row, st, prev)
             if row.err > jump * came_in:
-                return _make(row, st, prev, came_in, True)
+                return _make(row, st, prev, came_in, True, (records_b or {}).get(step))
             if first_drift is None:
                 first_drift = (row, came_in, prev, st)
     if first_drift is not None:
@@ -245,10 +246,26 @@ def find_first_divergence(rows: list["Row"], records_a: dict[int, list[Record]],
     return None
 
 
-def _make(row: "Row", st: _Step, prev: _Step | None, came_in: float, introduced: bool) -> FirstDivergence:
+def _b_source(b: Record, records_b: list[Record] | None) -> Record | None:
+    """The B record that first held B's tensor, when it is another module's output (a cell B has, A not)."""
+    if records_b is None or b.same_as < 0:
+        return None
+    src = next((r for r in records_b if r.seq == b.same_as), None)
+    if src is not None and src.kind == "output" and src.module != b.module and not is_inside(b.module, src.module):
+        return src
+    return None
+
+
+def _make(row: "Row", st: _Step, prev: _Step | None, came_in: float, introduced: bool,
+          records_b: list[Record] | None = None) -> FirstDivergence:
     a, b = row.pair.a, row.pair.b
     assert a is not None and b is not None
     location, sentence, where = _locate(row, st, prev)
+    src = _b_source(b, records_b) if a.phase == "forward" and a.kind == "input" else None
+    if src is not None:
+        sentence += (f" On B this tensor is the output of {module_label(src.module)} ({src.module_class}): "
+                     f"compare that {src.module_class} with what A computes in its place.")
+        where = dict(where, b_module=src.module, b_module_class=src.module_class)
     err = row.err
     head = (f"Step {a.step}, {a.phase}: {a.label} differs from B's {b.label} "
             f"(relative L2 {err:.3g} > tolerance {row.tol:.3g} for {a.dtype}) while what came in differed by {came_in:.3g}. ")

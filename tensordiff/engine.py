@@ -153,7 +153,7 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
                 assert rec is not None
                 row = Row(step=step, phase=rec.phase, pair=pair)
                 if pair.matched:
-                    if pair.how != "order" and rec.phase != "loss" and rec.module != "":
+                    if pair.how not in ("order", "tensor") and rec.phase != "loss" and rec.module != "":
                         matched_by_name += 1
                     row.metrics, row.tol, row.verdict, row.note = compare_pair(ca, cb, pair, options.tolerances, options.ulp_k)
                     if pair.how == "order":
@@ -165,7 +165,8 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
                 "give a mapping file with --mapping (see docs/mapping.md)"
             )
         records_a = {step: ca.records(step) for step in common}
-        first = find_first_divergence(rows, records_a, options.jump)
+        records_b = {step: cb.records(step) for step in common}
+        first = find_first_divergence(rows, records_a, options.jump, records_b)
         return DiffResult(
             path_a=path_a, path_b=path_b, attrs_a=dict(ca.attrs), attrs_b=dict(cb.attrs), rows=rows, steps=common,
             first=first, options=options,
