@@ -154,9 +154,10 @@ class Recorder:
 
     def _fail(self, err: BaseException) -> None:
         if not self._failed:
-            report_status(f"capture stopped: {type(err).__name__}: {err}")
+            text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+            report_status(f"capture stopped: {type(err).__name__}: {text}")
             warnings.warn(
-                f"tensordiff: capture stopped ({type(err).__name__}: {err}); hooks removed, training goes on; "
+                f"tensordiff: capture stopped ({type(err).__name__}: {text}); hooks removed, training goes on; "
                 f"completed steps are in {self.path}",
                 RuntimeWarning,
                 stacklevel=3,

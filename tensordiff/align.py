@@ -1,10 +1,12 @@
 """Line up the records of two captures, in documented passes.
 
-1. exact: same phase, module name, call index, kind and slot;
-2. wrapper prefixes: names equal once ``module.`` / ``_orig_mod.`` wrappers are dropped
+1. rules: the mapping file's rename rules (regex on B's module name -> A's), which may
+   also rename slots and name layout transforms for B's tensors; they come first so that
+   a tensor stored differently under the same name gets its transform;
+2. exact: same phase, module name, call index, kind and slot (after the mapping's
+   ``strip_b`` prefixes);
+3. wrapper prefixes: names equal once ``module.`` / ``_orig_mod.`` wrappers are dropped
    (Megatron's Float16Module, DDP, torch.compile);
-3. rules: the mapping file's rename rules (regex on B's module name -> A's), which may
-   also rename slots and name layout transforms for B's tensors;
 4. tensor: a gradient pairs with the other side's gradient of the same forward tensor,
    whichever module name each side recorded that tensor under first;
 5. order: what is left, per phase, matched in execution order where kind and shape agree
@@ -57,14 +59,15 @@ class Rule:
     outputs: tuple[Op, ...] = ()
     params: dict[str, tuple[Op, ...]] = field(default_factory=dict)
 
-    def target(self, rec: Record) -> tuple[tuple, tuple[Op, ...]] | None:
+    def target(self, rec: Record, module: str | None = None) -> tuple[tuple, tuple[Op, ...]] | None:
+        """Where B's record goes in A (and B's transforms), or None; ``module``: B's name with the mapping's prefixes stripped."""
         if self.phases is not None and rec.phase not in self.phases:
             return None
         if self.kinds is not None and rec.kind not in self.kinds:
             return None
         if self.only_slots is not None and rec.kind not in _PARAM_KINDS and rec.slot not in self.only_slots:
             return None
-        m = self.b.fullmatch(rec.module)
+        m = self.b.fullmatch(rec.module if module is None else module)
         if not m:
             return None
         name = m.expand(self.a)
@@ -98,6 +101,8 @@ class Mapping:
     order_fallback: bool = True
     ignore_a: list[Ignore] = field(default_factory=list)
     ignore_b: list[Ignore] = field(default_factory=list)
+    strip_b: tuple[str, ...] = ()
+    """prefixes dropped from B's module names before matching (a wrapper A does not have)."""
     description: str = ""
     path: str = ""
 
@@ -189,6 +194,7 @@ class Mapping:
             order_fallback=bool(doc.get("order_fallback", True)),
             ignore_a=patterns(doc.get("ignore_a"), "ignore_a"),
             ignore_b=patterns(doc.get("ignore_b"), "ignore_b"),
+            strip_b=tuple(str(p) for p in (doc.get("strip_b") or [])),
             description=str(doc.get("description", "")),
             path=path,
         )
@@ -256,7 +262,7 @@ def align_step(recs_a: list[Record], recs_b: list[Record], mapping: Mapping | No
     partner: dict[int, tuple[Record, str, tuple[Op, ...]]] = {}  # a.seq -> (b, how, ops)
     taken_b: set[int] = set()
 
-    def run_pass(key_a, key_b, how: str) -> None:
+    def run_pass(key_a, keys_b, how: str) -> None:
         index: dict[tuple, Record] = {}
         for ra in a_list:
             if ra.seq not in partner:
@@ -264,29 +270,38 @@ def align_step(recs_a: list[Record], recs_b: list[Record], mapping: Mapping | No
         for rb in b_list:
             if rb.seq in taken_b:
                 continue
-            found = key_b(rb)
-            if found is None:
-                continue
-            key, ops = found
-            ra = index.pop(key, None)
-            if ra is not None:
-                partner[ra.seq] = (rb, how, ops)
-                taken_b.add(rb.seq)
+            for key, ops in keys_b(rb):
+                ra = index.pop(key, None)
+                if ra is not None:
+                    partner[ra.seq] = (rb, how, ops)
+                    taken_b.add(rb.seq)
+                    break
 
-    run_pass(lambda r: r.key, lambda r: (r.key, ()), "exact")
-    run_pass(lambda r: (r.phase, _strip_wrappers(r.module), r.call, r.kind, r.slot),
-             lambda r: ((r.phase, _strip_wrappers(r.module), r.call, r.kind, r.slot), ()), "prefix")
+    def b_name(r: Record) -> str:
+        for prefix in mapping.strip_b:
+            if r.module.startswith(prefix):
+                return r.module[len(prefix):]
+            if r.module == prefix.rstrip("."):
+                return ""
+        return r.module
 
-    def by_rules(rb: Record) -> tuple[tuple, tuple[Op, ...]] | None:
+    def by_rules(rb: Record) -> list[tuple[tuple, tuple[Op, ...]]]:
+        out = []
         for rule in mapping.rules:
-            hit = rule.target(rb)
+            hit = rule.target(rb, b_name(rb))
             if hit is not None:
                 (phase, name, call, kind, slot), ops = hit
-                return (phase, _strip_wrappers(name), call, kind, slot), ops
-        return None
+                out.append(((phase, _strip_wrappers(name), call, kind, slot), ops))
+        return out
 
+    def stripped(r: Record, name: str) -> tuple:
+        return (r.phase, _strip_wrappers(name), r.call, r.kind, r.slot)
+
+    # rules first: a rule may give a tensor of the same name a layout transform (interleaved fc1)
     if mapping.rules:
-        run_pass(lambda r: (r.phase, _strip_wrappers(r.module), r.call, r.kind, r.slot), by_rules, "rule")
+        run_pass(lambda r: stripped(r, r.module), by_rules, "rule")
+    run_pass(lambda r: r.key, lambda r: [((r.phase, b_name(r), r.call, r.kind, r.slot), ())], "exact")
+    run_pass(lambda r: stripped(r, r.module), lambda r: [(stripped(r, b_name(r)), ())], "prefix")
 
     _pair_gradients_by_tensor(recs_a, recs_b, partner, taken_b)
 

@@ -6,6 +6,7 @@ Imports neither torch nor mindspore.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ from .errors import AlignmentError, UsageError
 from .record import PHASES
 from .store import Capture
 from .tolerance import Tolerances
-from .transforms import apply
+from .transforms import apply, apply_stats
 
 
 @dataclass
@@ -106,6 +107,12 @@ def compare_pair(ca: Capture, cb: Capture, pair: Pair, tolerances: Tolerances, u
             note = ""
         metrics = compare_arrays(xa, xb, judged, ulp_k)
     else:
+        if pair.ops:
+            st = apply_stats(pair.ops, (b.numel, b.min, b.max, b.mean, b.l2))
+            if st is None:
+                return None, tol, "skipped", (f"statistics cannot follow {' '.join(map(str, pair.ops))}; "
+                                              "store tensors (--tensors all) to compare this step")
+            b = dataclasses.replace(b, numel=st[0], min=st[1], max=st[2], mean=st[3], l2=st[4])
         if a.numel != b.numel:
             return None, tol, "shape", f"{a.numel} vs {b.numel} elements"
         metrics = compare_stats(a, b)

@@ -137,7 +137,10 @@ class MindSporeCapture(Recorder):
             fn(grad)
             return grad  # unchanged: the same tensor object goes on
 
-        return t.register_hook(hook)
+        try:
+            return t.register_hook(hook)
+        except RuntimeError:  # "requires grad is false": a tensor no gradient flows to (ids, masks, buffers)
+            return None
 
     def _loss_tensor(self, value: Any) -> Any:
         return value if isinstance(value, ms.Tensor) else ms.Tensor(np.float64(float(value)))

@@ -24,12 +24,13 @@ THEME = Theme(
         "tensordiff.unmatched": "yellow",
         "tensordiff.shape": "magenta",
         "tensordiff.drift": "yellow",
+        "tensordiff.skipped": "dim",
         "tensordiff.dim": "dim",
         "tensordiff.title": "bold",
     }
 )
 
-VERDICT_TEXT = {"ok": "ok", "diverged": "DIVERGED", "unmatched": "unmatched", "shape": "SHAPE", "drift": "drift"}
+VERDICT_TEXT = {"ok": "ok", "diverged": "DIVERGED", "unmatched": "unmatched", "shape": "SHAPE", "drift": "drift", "skipped": "skipped"}
 JSON_VERSION = 1
 
 
@@ -155,6 +156,8 @@ class DiffReport:
             text.append(f", {res.count('drift')} drifted without effect", style="tensordiff.drift")
         if res.count("shape"):
             text.append(f", {res.count('shape')} with different shapes", style="tensordiff.shape")
+        if res.count("skipped"):
+            text.append(f", {res.count('skipped')} not comparable from statistics", style="tensordiff.skipped")
         if res.only_a_steps or res.only_b_steps:
             text.append(f"; steps only in A: {res.only_a_steps}, only in B: {res.only_b_steps}", style="tensordiff.unmatched")
         return text
@@ -180,7 +183,7 @@ class DiffReport:
             "b": {"path": res.path_b, "framework": res.attrs_b.get("framework"), "framework_version": res.attrs_b.get("framework_version")},
             "steps": res.steps,
             "summary": {"ok": res.count("ok"), "diverged": res.count("diverged"), "drift": res.count("drift"), "only_a": len(res.unmatched("a")),
-                        "only_b": len(res.unmatched("b")), "shape_mismatch": res.count("shape"),
+                        "only_b": len(res.unmatched("b")), "shape_mismatch": res.count("shape"), "skipped": res.count("skipped"),
                         "steps_only_a": res.only_a_steps, "steps_only_b": res.only_b_steps},
             "first_divergence": res.first.as_dict() if res.first else None,
             "rows": rows,

@@ -64,7 +64,29 @@ def _scale(x: np.ndarray, factor: float) -> np.ndarray:
     return x.astype(np.float64) * factor
 
 
+def _unrepeat(x: np.ndarray, times: int = 1, dim: int = 2) -> np.ndarray:
+    """Undo ``repeat_interleave(times)`` of KV heads along ``dim`` (GQA): keep the first of each run."""
+    dim = dim % x.ndim
+    return np.take(x, range(0, x.shape[dim], times), axis=dim) if times > 1 else x
+
+
+def _unrepeat_sum(x: np.ndarray, times: int = 1, dim: int = 2) -> np.ndarray:
+    """Gradient of repeated KV heads back onto the group: sum each run of ``times`` heads along ``dim``."""
+    dim = dim % x.ndim
+    if times <= 1:
+        return x
+    shape = x.shape[:dim] + (x.shape[dim] // times, times) + x.shape[dim + 1:]
+    return x.astype(np.float64).reshape(shape).sum(axis=dim + 1)
+
+
+def _identity(x: np.ndarray, dim: int = 0) -> np.ndarray:
+    return x
+
+
 OPS: dict[str, Callable[..., np.ndarray]] = {
+    "identity": _identity,
+    "unrepeat": _unrepeat,
+    "unrepeat_sum": _unrepeat_sum,
     "swap01": _swap01,
     "transpose": _transpose,
     "qkv_grouped": _qkv_grouped,
@@ -73,6 +95,25 @@ OPS: dict[str, Callable[..., np.ndarray]] = {
     "deinterleave": _deinterleave,
     "interleave": _interleave,
 }
+
+#: How each op changes (numel, min, max, mean, l2): None = statistics cannot follow it.
+_PERMUTATION = ("swap01", "transpose", "qkv_grouped", "flatten01", "deinterleave", "interleave", "identity")
+
+
+def _stats_scale(st: tuple, factor: float) -> tuple:
+    numel, mn, mx, mean, l2 = st
+    lo, hi = sorted((mn * factor, mx * factor))
+    return numel, lo, hi, mean * factor, l2 * abs(factor)
+
+
+def _stats_unrepeat(st: tuple, times: int = 1, dim: int = 2) -> tuple:
+    numel, mn, mx, mean, l2 = st
+    return numel // max(times, 1), mn, mx, mean, l2 / max(times, 1) ** 0.5
+
+
+STATS: dict[str, Callable[..., tuple] | None] = {name: None for name in OPS}
+STATS.update({name: (lambda st, **_: st) for name in _PERMUTATION})
+STATS.update({"scale": _stats_scale, "unrepeat": _stats_unrepeat})
 
 _CALL = re.compile(r"^\s*([a-z_0-9]+)\s*(?:\((.*)\))?\s*$")
 
@@ -108,6 +149,16 @@ def parse_op(text: str, where: str) -> Op:
                 raise MappingError(f"{where}: transform {text!r}: {key.strip()} must be a number, got {value.strip()!r}") from None
             kwargs.append((key.strip(), int(num) if num.is_integer() and key.strip() != "factor" else num))
     return Op(m.group(1), tuple(kwargs))
+
+
+def apply_stats(ops: tuple[Op, ...], st: tuple) -> tuple | None:
+    """(numel, min, max, mean, l2) of B's tensor after ``ops``, or None when statistics cannot follow."""
+    for op in ops:
+        fn = STATS.get(op.name)
+        if fn is None:
+            return None
+        st = fn(st, **dict(op.kwargs))
+    return st
 
 
 def apply(ops: tuple[Op, ...], x: np.ndarray) -> np.ndarray:

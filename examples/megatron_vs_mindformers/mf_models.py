@@ -1,0 +1,70 @@
+"""MindFormers models of spec.py's ``llama`` and ``qwen3`` families, with the shared checkpoint loaded.
+
+Call ``tensordiff.compat.mindformers_cpu.init_mindformers_cpu()`` and ``enable()`` first (the CPU
+kernels MindFormers lacks). Both models are MindFormers 1.9's Megatron-style
+``parallel_core`` code: parameter names are megatron-core's, activations ``[S, B, H]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import mindspore as ms
+import numpy as np
+
+FP32 = dict(compute_dtype="float32", params_dtype="float32", layernorm_compute_dtype="float32",
+            softmax_compute_dtype="float32", rotary_dtype="float32")
+
+
+def _gpt_model(spec: Any) -> Any:
+    from mindformers.parallel_core.training_graph.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from mindformers.parallel_core.training_graph.base_models.gpt.gpt_model import GPTModel
+    from mindformers.parallel_core.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim, seq_length=spec.seq_length, vocab_size=spec.vocab_size,
+        position_embedding_type="rope", rotary_base=spec.rotary_base, normalization="RMSNorm",
+        layernorm_epsilon=spec.layernorm_epsilon, gated_linear_unit=True, hidden_act="silu", add_bias_linear=False,
+        use_flash_attention=False, hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=0, **FP32)
+    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=spec.vocab_size,
+                    max_sequence_length=spec.seq_length, position_embedding_type="rope", rotary_base=spec.rotary_base)
+
+
+def _qwen3_model(spec: Any) -> Any:
+    from mindformers.models.qwen3.configuration_qwen3 import Qwen3Config
+    from mindformers.models.qwen3.modeling_qwen3_train import TrainingQwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_query_groups, head_dim=spec.head_dim, max_position_embeddings=spec.seq_length,
+        seq_length=spec.seq_length, rope_theta=spec.rotary_base, rms_norm_eps=spec.layernorm_epsilon, pad_token_id=0,
+        tie_word_embeddings=False, use_flash_attention=False, hidden_dropout=0.0, attention_dropout=0.0, **FP32)
+    return TrainingQwen3ForCausalLM(config)
+
+
+def load_state(model: Any, state: dict[str, np.ndarray]) -> None:
+    """Load MindSpore-named arrays strictly: every parameter of the model, nothing else."""
+    params = {name: ms.Parameter(ms.Tensor(value), name=name) for name, value in state.items()}
+    not_loaded, unused = ms.load_param_into_net(model, params, strict_load=True)
+    if not_loaded or unused:
+        from tensordiff.errors import TensordiffError
+
+        raise TensordiffError(f"the checkpoint does not fit {type(model).__name__}: parameters not loaded {not_loaded}, "
+                              f"checkpoint entries unused {unused}; convert it with tensordiff ckpt convert")
+
+
+def build_mindformers(spec: Any, state: dict[str, np.ndarray]) -> tuple[Any, Callable[[dict], Any]]:
+    """(model, loss_fn(batch)) for the ``llama`` (parallel_core GPTModel) or ``qwen3`` family."""
+    model = _qwen3_model(spec) if spec.family == "qwen3" else _gpt_model(spec)
+    model.set_train(True)
+    load_state(model, state)
+
+    def loss_fn(b: dict) -> Any:
+        # train mode returns (loss, mtp_loss, extra_loss, attention_loss); loss is the masked mean
+        out = model(b["tokens"], labels=b["labels"], attention_mask=b["attention_mask"], loss_mask=b["loss_mask"])
+        return out[0].reshape(())
+
+    return model, loss_fn
