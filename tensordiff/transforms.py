@@ -111,9 +111,13 @@ def _stats_unrepeat(st: tuple, times: int = 1, dim: int = 2) -> tuple:
     return numel // max(times, 1), mn, mx, mean, l2 / max(times, 1) ** 0.5
 
 
-STATS: dict[str, Callable[..., tuple] | None] = {name: None for name in OPS}
+def _stats_unrepeat_sum(st: tuple, times: int = 1, dim: int = 2) -> tuple | None:
+    return st if times <= 1 else None  # sums of unknown parts: no statistics follow
+
+
+STATS: dict[str, Callable[..., tuple | None] | None] = {name: None for name in OPS}
 STATS.update({name: (lambda st, **_: st) for name in _PERMUTATION})
-STATS.update({"scale": _stats_scale, "unrepeat": _stats_unrepeat})
+STATS.update({"scale": _stats_scale, "unrepeat": _stats_unrepeat, "unrepeat_sum": _stats_unrepeat_sum})
 
 _CALL = re.compile(r"^\s*([a-z_0-9]+)\s*(?:\((.*)\))?\s*$")
 
@@ -155,9 +159,10 @@ def apply_stats(ops: tuple[Op, ...], st: tuple) -> tuple | None:
     """(numel, min, max, mean, l2) of B's tensor after ``ops``, or None when statistics cannot follow."""
     for op in ops:
         fn = STATS.get(op.name)
-        if fn is None:
+        out = fn(st, **dict(op.kwargs)) if fn is not None else None
+        if out is None:
             return None
-        st = fn(st, **dict(op.kwargs))
+        st = out
     return st
 
 

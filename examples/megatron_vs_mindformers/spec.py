@@ -2,10 +2,11 @@
 
 * ``gpt2``: LayerNorm, erf GELU, learned positions, biases, tied embeddings. Megatron side:
   megatron-core ``GPTModel``; MindSpore side: the hand-written port in ``ms_gpt.py``.
-* ``llama``: RMSNorm, SwiGLU, RoPE, no biases, grouped-query attention, untied output layer.
+* ``llama``: RMSNorm, SwiGLU, RoPE, no biases, multi-head attention, untied output layer.
   Megatron side: megatron-core ``GPTModel``; MindSpore side: MindFormers' ``parallel_core``
   ``GPTModel`` (the Megatron-style model of MindFormers 1.x).
-* ``qwen3``: ``llama`` plus RMSNorm on q and k. MindSpore side: ``TrainingQwen3ForCausalLM``.
+* ``qwen3``: ``llama`` with grouped-query attention (4 heads, 2 groups) and RMSNorm on q and k.
+  MindSpore side: ``TrainingQwen3ForCausalLM``.
 """
 
 from __future__ import annotations
@@ -37,6 +38,6 @@ class Spec:
 
 FAMILIES = {
     "gpt2": Spec(),
-    "llama": Spec(family="llama", ffn_hidden_size=128, num_query_groups=2, layernorm_epsilon=1e-6),
+    "llama": Spec(family="llama", ffn_hidden_size=128, num_query_groups=4, layernorm_epsilon=1e-6),
     "qwen3": Spec(family="qwen3", ffn_hidden_size=128, num_query_groups=2, layernorm_epsilon=1e-6, qk_layernorm=True),
 }

@@ -1,0 +1,555 @@
+"""CPU helper for MindFormers 1.9 on MindSpore 2.9 (PyNative, FP32): FP32 CPU reference runs of real models.
+
+Use it to train (forward + ``mindspore.value_and_grad``) these real MindFormers models on the CPU:
+``parallel_core`` ``GPTModel`` (``mindformers/parallel_core/training_graph``), ``TrainingQwen3ForCausalLM``
+and the legacy ``mindformers.LlamaForCausalLM``. Out of the box they fail because some kernels are
+Ascend-only, one MindFormers code path has a bug, and one MindSpore autograd rule gives wrong gradients.
+``enable()`` swaps each of these for a composite of ops that have CPU kernels; autodiff then
+differentiates the composite. Fixes, one line each (name: target -> replacement, and why):
+
+- ``morph``: ``Morph.__call__`` -> ``self.__morph_fn__(*args)``. The primitive raises "Morph is only supported
+  in GRAPH_MODE". Custom Morph ``bprop_fn`` functions are ignored: the wrapped function is differentiated instead.
+- ``embedding``: ``mindspore.mint.nn.functional.embedding`` -> ``ops.gather(weight, ids, 0)``. The CPU has no
+  Embedding kernel.
+- ``outer``: ``Outer.__call__`` -> ``x[:, None] * y[None, :]``. The CPU has no Outer kernel (used by RoPE).
+- ``rms_norm``: ``RmsNorm.__call__`` -> ``x * rsqrt(mean(x**2) + eps) * gamma``, returns ``(y, rstd)`` like the
+  primitive. The CPU has no RmsNorm kernel, and ``fused_norm=False`` does not reach every norm.
+- ``flash_attention``: ``FlashAttentionScore.__call__`` -> fp32 ``softmax(scale * q k^T, masked) v``.
+  The CPU has no FlashAttentionScore kernel, and the MindFormers ``FlashAttention`` cell is always
+  ``core_attention``. Layouts BNSD/BSND/BSH/SBH/TND/TH, GQA, sparse modes 0-4; ``keep_prob`` must be 1.
+- ``one_hot``: ``OneHotExt.__call__`` -> legacy ``ops.OneHot``. The CPU has no OneHotExt kernel (loss).
+- ``zeros_like``: ``ZerosLikeExt.__call__`` -> legacy ``ops.ZerosLike``. The CPU has no ZerosLikeExt kernel
+  (the custom ``bprop`` of the cross-entropy loss).
+- ``split_with_size``: ``SplitWithSize.__call__`` -> a sequence of ``ops.narrow``. Not a missing kernel: in
+  PyNative on the CPU, the gradient of ``Transpose(SplitWithSize(x)[i])`` ignores the permutation. The
+  forward and the loss look right, but the ``linear_qkv`` gradients (and all below them) are wrong.
+  ``mint.split`` has the same defect and is not patched.
+- ``repeat_kv``: MindFormers ``Attention._repeat_kv`` -> repeat each KV head ``rep`` times along axis 2.
+  MindFormers bug: without flash attention it receives ``[S, B, N, D]`` but assumes ``[B, N, S, D]``, so GQA fails
+  ("shape1 and shape2 must be broadcastable").
+
+Not swapped: DropoutExt has no CPU kernel, so set ``hidden_dropout=0.0`` and ``attention_dropout=0.0``.
+MatMul has no bf16 CPU kernel, so use fp32 dtypes. Use ``use_flash_attention=False``: with ``True``,
+MindFormers casts q/k/v to fp16 before attention.
+
+Usage::
+
+    from tensordiff.compat.mindformers_cpu import init_mindformers_cpu, mindformers_cpu
+    init_mindformers_cpu(seed=0)            # PyNative, CPU, seed, build_mf_context({"use_legacy": False})
+                                            # (use_legacy=True before building legacy LlamaForCausalLM)
+    with mindformers_cpu():                 # or enable() ... disable()
+        loss, grads = mindspore.value_and_grad(loss_fn, None, model.trainable_params())(ids)
+
+``disable()`` puts back the identical original objects. Importing MindFormers creates ``./output/log``
+under the current directory (set ``LOCAL_DEFAULT_PATH`` or change directory to avoid it). The swaps act on
+PyNative calls only. This module never imports torch (MindFormers itself does, through tensorboardX);
+MindSpore and MindFormers are imported only when a function needs them.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+FIXES: Tuple[str, ...] = (
+    "morph",
+    "embedding",
+    "outer",
+    "rms_norm",
+    "flash_attention",
+    "one_hot",
+    "zeros_like",
+    "split_with_size",
+    "repeat_kv",
+)
+
+_MISSING = object()
+
+# fix name -> [(owner, attribute, original value or _MISSING)], in the order the swaps were made.
+_ORIGINALS: Dict[str, List[Tuple[Any, str, Any]]] = {}
+
+# A swap: (owner object, attribute name, dotted name for messages, replacement).
+_Swap = Tuple[Any, str, str, Any]
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _versions() -> str:
+    parts = []
+    for mod in ("mindspore", "mindformers"):
+        try:
+            parts.append(f"{mod} {__import__(mod).__version__}")
+        except Exception:  # pragma: no cover - reported, not needed
+            parts.append(f"{mod} (not importable)")
+    return ", ".join(parts)
+
+
+def _resolve(fix: str, module: str, *path: str) -> Any:
+    """Import ``module`` and walk ``path``; raise a RuntimeError that names what is missing."""
+    import importlib
+
+    dotted = ".".join((module,) + path)
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as exc:
+        raise RuntimeError(f"mindformers_cpu fix {fix!r}: cannot import {module} ({exc}); "
+                           f"installed: {_versions()}") from exc
+    for name in path:
+        if not hasattr(obj, name):
+            raise RuntimeError(f"mindformers_cpu fix {fix!r}: {dotted} does not exist (missing attribute "
+                               f"{name!r}); installed: {_versions()}. This helper was written for "
+                               f"mindspore 2.9 / mindformers 1.9.")
+        obj = getattr(obj, name)
+    return obj
+
+
+def _gen_prim(fix: str, name: str) -> Any:
+    """A primitive class generated in ``mindspore.ops.auto_generate.gen_ops_prim``."""
+    cls = _resolve(fix, "mindspore.ops.auto_generate.gen_ops_prim", name)
+    if "__call__" not in vars(cls):
+        raise RuntimeError(f"mindformers_cpu fix {fix!r}: {cls.__module__}.{name} defines no __call__ of its "
+                           f"own; installed: {_versions()}")
+    return cls
+
+
+def _ms():
+    import mindspore
+
+    return mindspore
+
+
+# --------------------------------------------------------------------------------------------------
+# replacements (module level so that they are the same objects across enable/disable cycles)
+
+
+def _morph_call(self, *args):
+    """``Morph.__call__`` for PyNative: run the wrapped function; autodiff differentiates it."""
+    return self.__morph_fn__(*args)
+
+
+def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,  # noqa: A002 - mirrors MindSpore
+               scale_grad_by_freq=False):
+    """``mint.nn.functional.embedding`` as ``ops.gather(weight, input, 0)`` (no options supported)."""
+    if padding_idx is not None or max_norm is not None or scale_grad_by_freq:
+        raise NotImplementedError("mindformers_cpu embedding: padding_idx, max_norm and scale_grad_by_freq "
+                                  "are not supported by the CPU replacement")
+    return _ms().ops.gather(weight, input, 0)
+
+
+def _outer_call(self, input, vec2):  # noqa: A002
+    """``Outer`` as a broadcast product of a column and a row."""
+    ops = _ms().ops
+    return ops.reshape(input, (-1, 1)) * ops.reshape(vec2, (1, -1))
+
+
+def _rms_norm_call(self, x, gamma):
+    """``RmsNorm``: ``y = x * rsqrt(mean(x**2) + eps) * gamma`` over gamma's dims, in fp32; returns ``(y, rstd)``."""
+    ms = _ms()
+    ops = ms.ops
+    axes = tuple(range(x.ndim - gamma.ndim, x.ndim))
+    x32 = ops.cast(x, ms.float32)
+    rstd = ops.rsqrt(ops.mean(ops.square(x32), axes, keep_dims=True) + self.epsilon)
+    y = x32 * rstd * ops.cast(gamma, ms.float32)
+    return ops.cast(y, x.dtype), rstd
+
+
+_ONE_HOT: Dict[int, Any] = {}
+
+
+def _one_hot_call(self, tensor, num_classes, on_value, off_value):
+    """``OneHotExt`` through the legacy ``ops.OneHot`` primitive (same axis)."""
+    ms = _ms()
+    axis = int(self.axis)
+    prim = _ONE_HOT.get(axis)
+    if prim is None:
+        prim = _ONE_HOT[axis] = ms.ops.OneHot(axis=axis)
+    if not isinstance(on_value, ms.Tensor):
+        on_value = ms.Tensor(on_value, ms.float32)
+    if not isinstance(off_value, ms.Tensor):
+        off_value = ms.Tensor(off_value, on_value.dtype)
+    return prim(tensor, int(num_classes), on_value, off_value)
+
+
+_ZEROS_LIKE: List[Any] = []
+
+
+def _zeros_like_call(self, input, dtype=None):  # noqa: A002
+    """``ZerosLikeExt`` through the legacy ``ops.ZerosLike`` primitive, cast to ``dtype`` if given."""
+    ms = _ms()
+    if not _ZEROS_LIKE:
+        _ZEROS_LIKE.append(ms.ops.ZerosLike())
+    out = _ZEROS_LIKE[0](input)
+    if dtype is not None and out.dtype != dtype:
+        out = ms.ops.cast(out, dtype)
+    return out
+
+
+def _split_with_size_call(self, input, split_size, dim=0):  # noqa: A002
+    """``SplitWithSize`` as consecutive ``ops.narrow`` slices (correct gradients through later transposes)."""
+    ops = _ms().ops
+    dim = int(dim)
+    if dim < 0:
+        dim += input.ndim
+    sizes = [int(s) for s in split_size]
+    if sum(sizes) != input.shape[dim]:
+        raise ValueError(f"SplitWithSize: split sizes {sizes} do not add up to {input.shape[dim]} (dim {dim})")
+    out, start = [], 0
+    for size in sizes:
+        out.append(ops.narrow(input, dim, start, size))
+        start += size
+    return tuple(out)
+
+
+def _repeat_kv(self, x, rep):
+    """``Attention._repeat_kv`` for the ``[S, B, N_kv, D]`` tensors it actually receives: head ``h`` -> ``h // rep``."""
+    if rep == 1:
+        return x
+    ops = _ms().ops
+    s, b, n_kv, d = x.shape
+    x = ops.broadcast_to(ops.expand_dims(x, 3), (s, b, n_kv, rep, d))
+    return ops.reshape(x, (s, b, n_kv * rep, d))
+
+
+# ---- flash attention -----------------------------------------------------------------------------
+
+_INT_MAX = 2147483647
+_LAYOUT_NAMES = ("BSH", "BNSD", "SBH", "BSND", "TND", "TH")
+_LAYOUTS: Dict[Any, str] = {}
+
+
+def _layout_name(prim) -> str:
+    """``input_layout`` is stored as an enum value; map it back to its name."""
+    value = prim.input_layout
+    if isinstance(value, str):
+        return value
+    if not _LAYOUTS:
+        cls = type(prim)
+        for name in _LAYOUT_NAMES:
+            _LAYOUTS[cls(head_num=1, input_layout=name).input_layout] = name
+    try:
+        return _LAYOUTS[value]
+    except KeyError:
+        raise ValueError(f"FlashAttentionScore: unknown input_layout {value!r}") from None
+
+
+def _as_ints(value, what: str) -> List[int]:
+    if value is None:
+        raise ValueError(f"FlashAttentionScore: the TND/TH layout needs {what}")
+    if hasattr(value, "asnumpy"):
+        value = value.asnumpy()
+    return [int(v) for v in list(value)]
+
+
+def _allowed(s1: int, s2: int, sparse_mode: int, pre_tokens: int, next_tokens: int, has_mask: bool):
+    """Boolean ``[s1, s2]`` numpy array of positions the kernel computes (before the explicit mask), or None."""
+    import numpy as np
+
+    i = np.arange(s1)[:, None]
+    j = np.arange(s2)[None, :]
+    if sparse_mode == 0:  # defaultMask: the band applies only when a mask is passed (left-up aligned)
+        if not has_mask or (pre_tokens >= s1 + s2 and next_tokens >= s1 + s2):
+            return None
+        return (j - i <= next_tokens) & (i - j <= pre_tokens)
+    if sparse_mode == 1:  # allMask: the full mask alone
+        return None
+    if sparse_mode == 2:  # leftUpCausal
+        return j <= i
+    if sparse_mode == 3:  # rightDownCausal
+        return j <= i + (s2 - s1)
+    if sparse_mode == 4:  # band, right-down aligned
+        d = j - i - (s2 - s1)
+        return (d <= next_tokens) & (-d <= pre_tokens)
+    raise NotImplementedError(f"mindformers_cpu flash_attention: sparse_mode {sparse_mode} is not supported")
+
+
+def _flash_attention_call(self, query, key, value, real_shift=None, drop_mask=None, padding_mask=None,
+                          attn_mask=None, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None):
+    """``FlashAttentionScore`` as fp32 ``softmax(scale * (q k^T + real_shift), masked) v``.
+
+    Mask convention: 1/True = masked out. Returns ``(softmax_max, softmax_sum, softmax_out, attention_out)``
+    like the primitive; ``softmax_max``/``softmax_sum`` are the row max and row sum of exp (no gradient),
+    repeated 8 times on the last axis, ``softmax_out`` is an empty placeholder.
+    """
+    import numpy as np
+
+    ms = _ms()
+    ops = ms.ops
+    keep_prob = float(self.keep_prob)
+    if keep_prob != 1.0 or drop_mask is not None:
+        raise ValueError(f"mindformers_cpu flash_attention: keep_prob must be 1.0 (got {keep_prob}); "
+                         "set attention_dropout=0.0")
+    if prefix is not None or padding_mask is not None:
+        raise NotImplementedError("mindformers_cpu flash_attention: prefix and padding_mask are not supported")
+    layout = _layout_name(self)
+    n1 = int(self.head_num)
+    sparse_mode = int(self.sparse_mode)
+    pre_tokens, next_tokens = int(self.pre_tokens), int(self.next_tokens)
+    out_dtype = query.dtype
+    q, k, v = (ops.cast(t, ms.float32) for t in (query, key, value))
+
+    # -> [B, N, S, D]
+    if layout == "BNSD":
+        pass
+    elif layout == "BSND":
+        q, k, v = (ops.transpose(t, (0, 2, 1, 3)) for t in (q, k, v))
+    elif layout in ("BSH", "SBH"):
+        d = q.shape[-1] // n1
+        perm = (0, 2, 1, 3) if layout == "BSH" else (1, 2, 0, 3)
+        q, k, v = (ops.transpose(ops.reshape(t, t.shape[:2] + (-1, d)), perm) for t in (q, k, v))
+    elif layout in ("TND", "TH"):
+        if layout == "TH":
+            d = q.shape[-1] // n1
+            q, k, v = (ops.reshape(t, (t.shape[0], -1, d)) for t in (q, k, v))
+        q, k, v = (ops.expand_dims(ops.transpose(t, (1, 0, 2)), 0) for t in (q, k, v))
+    else:
+        raise NotImplementedError(f"mindformers_cpu flash_attention: layout {layout} is not supported")
+    b, nq, s1, _ = q.shape
+    n2, s2 = k.shape[1], k.shape[2]
+    if nq != n1 or n1 % n2:
+        raise ValueError(f"FlashAttentionScore: head_num {n1}, query heads {nq}, key/value heads {n2}")
+    if n2 != n1:  # GQA/MQA: query head h uses key/value head h // rep
+        rep = n1 // n2
+        k, v = (ops.reshape(ops.broadcast_to(ops.expand_dims(t, 2), (b, n2, rep, s2, t.shape[-1])),
+                            (b, n1, s2, t.shape[-1])) for t in (k, v))
+
+    scores = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2)))
+    if real_shift is not None:
+        scores = scores + ops.cast(real_shift, ms.float32)
+    scores = scores * float(self.scale_value)
+
+    # Mask: True = masked out.
+    mask = None
+    if layout in ("TND", "TH"):
+        cq = _as_ints(actual_seq_qlen, "actual_seq_qlen")
+        ck = _as_ints(actual_seq_kvlen, "actual_seq_kvlen")
+        if len(cq) != len(ck):
+            raise ValueError("FlashAttentionScore: actual_seq_qlen and actual_seq_kvlen differ in length")
+        allowed = np.zeros((s1, s2), dtype=bool)
+        q0 = k0 = 0
+        for qe, ke in zip(cq, ck):
+            block = _allowed(qe - q0, ke - k0, sparse_mode, pre_tokens, next_tokens, attn_mask is not None)
+            allowed[q0:qe, k0:ke] = True if block is None else block
+            q0, k0 = qe, ke
+        mask = ms.Tensor(~allowed[None, None])
+        if attn_mask is not None and sparse_mode in (0, 1):
+            raise NotImplementedError("mindformers_cpu flash_attention: explicit masks with TND are not supported")
+    else:
+        allowed = _allowed(s1, s2, sparse_mode, pre_tokens, next_tokens, attn_mask is not None)
+        if allowed is not None:
+            mask = ms.Tensor(~allowed[None, None])
+        if attn_mask is not None and sparse_mode in (0, 1):
+            explicit = ops.cast(attn_mask, ms.bool_)
+            if explicit.ndim == 2:
+                explicit = ops.reshape(explicit, (1, 1) + explicit.shape)
+            mask = explicit if mask is None else ops.logical_or(explicit, mask)
+    if mask is not None:
+        scores = ops.masked_fill(scores, ops.broadcast_to(mask, scores.shape),
+                                 ms.Tensor(float(np.finfo(np.float32).min), ms.float32))
+
+    probs = ops.softmax(scores, -1)
+    out = ops.matmul(probs, v)  # [B, N1, S1, D]
+
+    row_max = ops.stop_gradient(ops.amax(scores, -1, True))
+    row_sum = ops.stop_gradient(ops.sum(ops.exp(scores - row_max), -1, True))
+    if layout == "BNSD":
+        pass
+    elif layout == "BSND":
+        out = ops.transpose(out, (0, 2, 1, 3))
+    elif layout == "BSH":
+        out = ops.reshape(ops.transpose(out, (0, 2, 1, 3)), (b, s1, -1))
+    elif layout == "SBH":
+        out = ops.reshape(ops.transpose(out, (2, 0, 1, 3)), (s1, b, -1))
+    else:  # TND / TH
+        out = ops.transpose(out[0], (1, 0, 2))
+        if layout == "TH":
+            out = ops.reshape(out, (s1, -1))
+        row_max = ops.transpose(row_max[0], (1, 0, 2))
+        row_sum = ops.transpose(row_sum[0], (1, 0, 2))
+    reps = (1,) * (row_max.ndim - 1) + (8,)
+    softmax_max = ops.tile(row_max, reps)
+    softmax_sum = ops.tile(row_sum, reps)
+    softmax_out = ops.zeros((0,), out_dtype)
+    return softmax_max, softmax_sum, softmax_out, ops.cast(out, out_dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# fixes: each returns the swaps it makes (and raises RuntimeError if a target is missing)
+
+
+def _fix_morph() -> List[_Swap]:
+    """Morph raises outside GRAPH_MODE: call the wrapped function directly."""
+    cls = _resolve("morph", "mindspore.ops.operations.debug_ops", "Morph")
+    return [(cls, "__call__", "mindspore.ops.operations.debug_ops.Morph.__call__", _morph_call)]
+
+
+def _fix_embedding() -> List[_Swap]:
+    """No Embedding CPU kernel: ``mint.nn.functional.embedding`` becomes a gather."""
+    mod = _resolve("embedding", "mindspore.mint.nn.functional")
+    _resolve("embedding", "mindspore.mint.nn.functional", "embedding")
+    return [(mod, "embedding", "mindspore.mint.nn.functional.embedding", _embedding)]
+
+
+def _fix_outer() -> List[_Swap]:
+    """No Outer CPU kernel (RoPE frequencies): broadcast product."""
+    cls = _gen_prim("outer", "Outer")
+    return [(cls, "__call__", "mindspore.ops.auto_generate.Outer.__call__", _outer_call)]
+
+
+def _fix_rms_norm() -> List[_Swap]:
+    """No RmsNorm CPU kernel: composite RMS norm returning ``(y, rstd)``."""
+    cls = _gen_prim("rms_norm", "RmsNorm")
+    return [(cls, "__call__", "mindspore.ops.auto_generate.RmsNorm.__call__", _rms_norm_call)]
+
+
+def _fix_flash_attention() -> List[_Swap]:
+    """No FlashAttentionScore CPU kernel: fp32 masked softmax attention."""
+    cls = _gen_prim("flash_attention", "FlashAttentionScore")
+    return [(cls, "__call__", "mindspore.ops.auto_generate.FlashAttentionScore.__call__", _flash_attention_call)]
+
+
+def _fix_one_hot() -> List[_Swap]:
+    """No OneHotExt CPU kernel (cross-entropy loss): legacy OneHot."""
+    cls = _gen_prim("one_hot", "OneHotExt")
+    return [(cls, "__call__", "mindspore.ops.auto_generate.OneHotExt.__call__", _one_hot_call)]
+
+
+def _fix_zeros_like() -> List[_Swap]:
+    """No ZerosLikeExt CPU kernel (loss bprop): legacy ZerosLike."""
+    cls = _gen_prim("zeros_like", "ZerosLikeExt")
+    return [(cls, "__call__", "mindspore.ops.auto_generate.ZerosLikeExt.__call__", _zeros_like_call)]
+
+
+def _fix_split_with_size() -> List[_Swap]:
+    """Wrong gradient of Transpose(SplitWithSize(x)[i]) in PyNative: split with ``ops.narrow`` instead."""
+    cls = _gen_prim("split_with_size", "SplitWithSize")
+    return [(cls, "__call__", "mindspore.ops.auto_generate.SplitWithSize.__call__", _split_with_size_call)]
+
+
+def _fix_repeat_kv() -> List[_Swap]:
+    """MindFormers ``Attention._repeat_kv`` assumes BNSD but gets SBND: repeat heads on axis 2."""
+    cls = _resolve("repeat_kv", "mindformers.parallel_core.training_graph.transformer.attention", "Attention")
+    if "_repeat_kv" not in vars(cls):
+        raise RuntimeError(f"mindformers_cpu fix 'repeat_kv': {cls.__module__}.Attention._repeat_kv does not "
+                           f"exist; installed: {_versions()}")
+    return [(cls, "_repeat_kv", f"{cls.__module__}.Attention._repeat_kv", _repeat_kv)]
+
+
+_FIX_FUNCS: Dict[str, Callable[[], List[_Swap]]] = {
+    "morph": _fix_morph,
+    "embedding": _fix_embedding,
+    "outer": _fix_outer,
+    "rms_norm": _fix_rms_norm,
+    "flash_attention": _fix_flash_attention,
+    "one_hot": _fix_one_hot,
+    "zeros_like": _fix_zeros_like,
+    "split_with_size": _fix_split_with_size,
+    "repeat_kv": _fix_repeat_kv,
+}
+assert tuple(_FIX_FUNCS) == FIXES
+
+
+# --------------------------------------------------------------------------------------------------
+# public API
+
+
+def _select(fixes: Optional[Iterable[str]], exclude: Iterable[str]) -> List[str]:
+    if isinstance(fixes, str) or isinstance(exclude, str):
+        raise TypeError("fixes and exclude take a sequence of fix names, not a single string")
+    chosen = list(FIXES) if fixes is None else list(fixes)
+    excluded = set(exclude)
+    unknown = sorted((set(chosen) | excluded) - set(FIXES))
+    if unknown:
+        raise ValueError(f"unknown mindformers_cpu fix(es) {unknown}; known: {', '.join(FIXES)}")
+    return [name for name in FIXES if name in chosen and name not in excluded]
+
+
+def enable(fixes: Optional[Sequence[str]] = None, exclude: Sequence[str] = ()) -> Tuple[str, ...]:
+    """Apply the named fixes (all of ``FIXES`` by default, minus ``exclude``); already active ones are kept.
+
+    Idempotent. Every target is looked up before anything is swapped, so a missing target
+    (RuntimeError) leaves the state unchanged. Returns the fixes active afterwards.
+    """
+    wanted = [name for name in _select(fixes, exclude) if name not in _ORIGINALS]
+    planned = {name: _FIX_FUNCS[name]() for name in wanted}
+    for name, swaps in planned.items():
+        saved = []
+        for owner, attr, _dotted, replacement in swaps:
+            saved.append((owner, attr, vars(owner).get(attr, _MISSING)))
+            setattr(owner, attr, replacement)
+        _ORIGINALS[name] = saved
+    return enabled_fixes()
+
+
+def disable(fixes: Optional[Sequence[str]] = None) -> None:
+    """Restore the original objects (``is``-identical) of the named fixes, by default of all fixes."""
+    names = [name for name in _select(fixes, ()) if name in _ORIGINALS]
+    for name in reversed(names):
+        for owner, attr, original in reversed(_ORIGINALS.pop(name)):
+            if original is _MISSING:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+
+
+def is_enabled() -> bool:
+    """Whether any fix is active."""
+    return bool(_ORIGINALS)
+
+
+def enabled_fixes() -> Tuple[str, ...]:
+    """The active fixes, in ``FIXES`` order."""
+    return tuple(name for name in FIXES if name in _ORIGINALS)
+
+
+def swap_targets(fixes: Optional[Sequence[str]] = None) -> Dict[str, List[Tuple[Any, str]]]:
+    """For each named fix (default: all), the ``(owner, attribute)`` pairs it swaps. Swaps nothing."""
+    return {name: [(owner, attr) for owner, attr, _d, _r in _FIX_FUNCS[name]()] for name in _select(fixes, ())}
+
+
+@contextlib.contextmanager
+def mindformers_cpu(exclude: Sequence[str] = (), fixes: Optional[Sequence[str]] = None) -> Iterator[Tuple[str, ...]]:
+    """Inside the block exactly the selected fixes are active; on exit the previous state is restored.
+
+    Yields the active fix names.
+    """
+    before = enabled_fixes()
+    wanted = _select(fixes, exclude)
+    removed = [name for name in before if name not in wanted]
+    disable(removed)
+    added: Tuple[str, ...] = ()
+    try:
+        added = tuple(name for name in wanted if name not in before)
+        enable(added)
+        yield enabled_fixes()
+    finally:
+        disable([name for name in added if name in _ORIGINALS])
+        enable(removed)
+
+
+def init_mindformers_cpu(seed: int = 0, *, use_legacy: bool = False) -> None:
+    """PyNative mode on the CPU, ``mindspore.set_seed(seed)`` (also seeds numpy), and the MindFormers context.
+
+    ``build_mf_context({"use_legacy": False})`` is required before building ``parallel_core`` models
+    (otherwise ``'TransformerConfig' object has no attribute 'swap'``). Legacy models such as
+    ``mindformers.LlamaForCausalLM`` need ``use_legacy=True`` instead (otherwise
+    ``'TransformerOpParallelConfig' object has no attribute 'cpu_offloading'``); MindFormers reads the flag
+    when a model is built, so call this again with the right value before building each kind. Safe to call
+    any number of times: the MindFormers context is a singleton and only its ``use_legacy`` is updated.
+    """
+    ms = _ms()
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    try:
+        ms.set_device("CPU")
+    except RuntimeError:
+        # set_device may be called only once per process; accept a second call that changes nothing.
+        if ms.get_context("device_target") != "CPU":
+            raise
+    ms.set_seed(seed)
+    from mindformers.core.context.build_context import MFContextOperator, build_mf_context
+
+    ctx = MFContextOperator.get_mf_ctx_instance()
+    if ctx is None:
+        ctx = build_mf_context({"use_legacy": bool(use_legacy)})
+    if ctx.get_context("use_legacy") is not bool(use_legacy):
+        ctx.set_context(use_legacy=bool(use_legacy))
