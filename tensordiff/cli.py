@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import __version__
+from . import __version__, ckpt_cli
 from ._capture_common import ENV_OUTPUT, ENV_STATUS, ENV_STEPS, ENV_TENSORS, TENSOR_MODES
 from .errors import TensordiffError, UsageError
 
@@ -80,6 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     sh.add_argument("--phase", action="append", help="only this phase (repeatable)")
     sh.add_argument("--width", type=int)
     sh.add_argument("--no-color", action="store_true")
+
+    ckpt_cli.add_parser(sub)
     return p
 
 
@@ -89,7 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().print_help()
         return 2
     try:
-        return {"capture": _capture, "diff": _diff, "batch": _batch, "ls": _ls, "show": _show}[args.command](args)
+        return {"capture": _capture, "diff": _diff, "batch": _batch, "ls": _ls, "show": _show,
+                "ckpt": ckpt_cli.run}[args.command](args)
     except TensordiffError as err:
         print(f"tensordiff: error: {err}", file=sys.stderr)
         return 2

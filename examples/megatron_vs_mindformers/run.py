@@ -1,0 +1,86 @@
+"""Megatron vs MindSpore, end to end, in one command: one batch, one checkpoint, two captures, one diff.
+
+    python examples/megatron_vs_mindformers/run.py --family llama
+    python examples/megatron_vs_mindformers/run.py --family llama --fault split-with-size
+    python examples/megatron_vs_mindformers/run.py --family gpt2 --fault gelu-approx
+
+Prints every command it runs (the workflow to copy for your own models) and exits with
+``tensordiff diff``'s code: 0 no divergence, 1 divergence, 2 error. Files go to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, ROOT)
+
+from examples.megatron_vs_mindformers.mindspore_side import FAULTS  # noqa: E402
+from examples.megatron_vs_mindformers.spec import FAMILIES  # noqa: E402
+
+#: per family: (checkpoint table, its --var values, capture mapping, its --var values)
+SETUP = {
+    "gpt2": (os.path.join(HERE, "ms_gpt_ckpt.yaml"), [], os.path.join(HERE, "ms_gpt_mapping.yaml"), []),
+    "llama": ("mcore-to-mindformers", ["heads=4", "groups=4"], "mindformers-to-mcore", []),
+    "qwen3": ("mcore-to-mindformers", ["heads=4", "groups=2"], "mindformers-to-mcore", ["kv_repeat=2"]),
+}
+
+
+def _run(cmd: list[str], quiet: bool) -> int:
+    shown = " ".join(shlex.quote(os.path.relpath(c, ROOT) if os.path.isabs(c) and c.startswith(ROOT) else c) for c in cmd)
+    print(f"$ {shown}", flush=True)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if quiet:  # the frameworks' own start-up chatter goes to a log next to the outputs
+        proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for line in proc.stdout.splitlines():
+            if line.startswith(("tensordiff", "megatron-core", "mindspore ")):
+                print("  " + line)
+        return proc.returncode
+    return subprocess.call(cmd, env=env, cwd=ROOT)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--family", choices=sorted(FAMILIES), default="llama")
+    p.add_argument("--fault", choices=sorted(FAULTS), default="none", help="one mistake on the MindSpore side")
+    p.add_argument("--out", help="output folder (default out/megatron_vs_mindformers/FAMILY[-FAULT])")
+    p.add_argument("--steps", type=int, default=2, help="training steps to capture (default 2)")
+    p.add_argument("--verbose", action="store_true", help="show the frameworks' own output")
+    args = p.parse_args(argv)
+    spec = FAMILIES[args.family]
+    table, table_vars, mapping, mapping_vars = SETUP[args.family]
+    name = args.family + ("" if args.fault == "none" else f"-{args.fault}")
+    out = os.path.abspath(args.out or os.path.join(ROOT, "out", "megatron_vs_mindformers", name))
+    os.makedirs(out, exist_ok=True)
+    py, td = sys.executable, [sys.executable, "-m", "tensordiff"]
+    table_args = [a for v in table_vars for a in ("--var", v)]
+    mapping_args = [a for v in mapping_vars for a in ("--var", v)]
+    f = {k: os.path.join(out, v) for k, v in (("batch", "batch.h5"), ("ckpt", "init.safetensors"),
+                                              ("ms_ckpt", "init.ckpt"), ("a", "megatron.h5"), ("b", "mindspore.h5"),
+                                              ("json", "report.json"))}
+    steps = [
+        td + ["batch", "-o", f["batch"], "--vocab", str(spec.vocab_size), "--seq", str(spec.seq_length),
+              "--batch", str(spec.batch_size), "--seed", "0"],
+        td + ["capture", "-o", f["a"], "--steps", str(args.steps), "--", py, os.path.join(HERE, "megatron_side.py"),
+              "--family", args.family, "--batch", f["batch"], "--save-ckpt", f["ckpt"], "--train-steps", str(args.steps)],
+        td + ["ckpt", "convert", f["ckpt"], f["ms_ckpt"], "--mapping", table, "--to", "mindspore" if args.family == "gpt2" else "mindformers"] + table_args,
+        td + ["capture", "-o", f["b"], "--steps", str(args.steps), "--", py, os.path.join(HERE, "mindspore_side.py"),
+              "--family", args.family, "--batch", f["batch"], "--load-ckpt", f["ms_ckpt"], "--fault", args.fault,
+              "--train-steps", str(args.steps)],
+    ]
+    for cmd in steps:
+        code = _run(cmd, quiet=not args.verbose)
+        if code != 0:
+            print(f"run.py: the step above failed with exit code {code}", file=sys.stderr)
+            return 2
+    return _run(td + ["diff", f["a"], f["b"], "--mapping", mapping] + mapping_args +
+                ["--first-divergence", "--json", f["json"]], quiet=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

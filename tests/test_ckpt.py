@@ -1,0 +1,320 @@
+"""``tensordiff ckpt``: one shared checkpoint, checked on real models.
+
+A tiny real megatron-core GPTModel (Llama config, GQA) is converted and loaded into a real
+MindFormers parallel_core GPTModel and a real legacy LlamaForCausalLM; a MindFormers-written
+checkpoint goes back into the megatron model. Frameworks that are not installed skip.
+"""
+
+import argparse
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+
+from tensordiff import ckpt_cli, ckpt_io
+from tensordiff.ckpt import CheckpointError, Table
+from tensordiff.errors import MappingError
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("megatron.core")
+
+LAYERS, HIDDEN, FFN, HEADS, GROUPS, VOCAB = 2, 64, 128, 4, 2, 128
+HEAD_DIM = HIDDEN // HEADS
+LLAMA_VARS = ["--var", f"heads={HEADS}", "--var", f"groups={GROUPS}"]
+
+
+def td(*argv: str) -> int:
+    """``tensordiff ckpt ARGV`` through a local parser (what cli.py wires in)."""
+    parser = argparse.ArgumentParser(prog="tensordiff")
+    ckpt_cli.add_parser(parser.add_subparsers(dest="command"))
+    return ckpt_cli.run(parser.parse_args(["ckpt", *argv]))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """MindFormers writes ./output/log: work in a temporary folder."""
+    path = tmp_path_factory.mktemp("ckpt")
+    old = os.getcwd()
+    os.chdir(path)
+    yield path
+    os.chdir(old)
+
+
+@pytest.fixture(scope="module")
+def mcore(workdir):
+    """A real megatron-core GPTModel, Llama style; its state dict saved as mcore.pt and mcore.safetensors."""
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from tensordiff.compat.megatron_cpu import init_megatron_cpu
+
+    init_megatron_cpu(1234)
+    config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+                               num_query_groups=GROUPS, use_cpu_initialization=True, hidden_dropout=0.0,
+                               attention_dropout=0.0, params_dtype=torch.float32, normalization="RMSNorm",
+                               gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                               bias_activation_fusion=False)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                     vocab_size=VOCAB, max_sequence_length=64, share_embeddings_and_output_weights=False,
+                     position_embedding_type="rope")
+    state = model.state_dict()
+    torch.save(state, workdir / "mcore.pt")
+    tensors = ckpt_io.load(str(workdir / "mcore.pt"))
+    ckpt_io.save(tensors, str(workdir / "mcore.safetensors"))
+    assert any(k.endswith("_extra_state") for k in state) and not any(k.endswith("_extra_state") for k in tensors)
+    return model, tensors
+
+
+@pytest.fixture(scope="module")
+def mf(workdir):
+    """Real MindFormers models: legacy LlamaForCausalLM (built first: build_mf_context(use_legacy=False) breaks
+    it) and parallel_core GPTModels with untied and tied embeddings."""
+    ms = pytest.importorskip("mindspore")
+    pytest.importorskip("mindformers")
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    from mindformers import LlamaConfig, LlamaForCausalLM
+
+    llama = LlamaForCausalLM(LlamaConfig(batch_size=1, seq_length=16, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS,
+                                         n_kv_heads=GROUPS, vocab_size=VOCAB, intermediate_size=FFN, use_flash_attention=False,
+                                         fused_rms_norm=False, use_rope_slice=True, compute_dtype="float32",
+                                         layernorm_compute_type="float32", softmax_compute_type="float32",
+                                         rotary_dtype="float32", param_init_type="float32"))
+    from mindformers.core.context.build_context import build_mf_context
+
+    build_mf_context({"use_legacy": False})
+    from mindformers.parallel_core.training_graph.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from mindformers.parallel_core.training_graph.base_models.gpt.gpt_model import GPTModel
+    from mindformers.parallel_core.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+                               num_query_groups=GROUPS, seq_length=16, vocab_size=VOCAB, position_embedding_type="rope",
+                               normalization="RMSNorm", gated_linear_unit=True, hidden_act="silu", add_bias_linear=False,
+                               compute_dtype="float32", params_dtype="float32", layernorm_compute_dtype="float32",
+                               softmax_compute_dtype="float32", rotary_dtype="float32", use_flash_attention=False,
+                               hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=0)
+
+    def gpt(tied: bool):
+        return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                        max_sequence_length=64, position_embedding_type="rope", share_embeddings_and_output_weights=tied)
+
+    return {"ms": ms, "llama": llama, "gpt": gpt(False), "gpt_tied": gpt(True)}
+
+
+def _load_strict(ms, net, path):
+    """Load a .ckpt into a real net; every parameter must be loaded and every entry used."""
+    not_loaded, unused = ms.load_param_into_net(net, ms.load_checkpoint(str(path)), strict_load=True)
+    assert not_loaded == [] and unused == []
+    return {p.name: p.asnumpy() for p in net.get_parameters()}
+
+
+def test_megatron_checkpoint_loads_into_real_mindformers_gptmodel(mcore, mf, workdir, capsys):
+    _, tensors = mcore
+    assert td("convert", "mcore.pt", "mf.ckpt", "--mapping", "mcore-to-mindformers") == 0
+    out = capsys.readouterr().out
+    assert "mcore → mindformers" in out and "interleave(dim=0) ×2" in out
+    params = _load_strict(mf["ms"], mf["gpt"], workdir / "mf.ckpt")
+    assert set(params) == set(tensors)
+    for name, value in tensors.items():
+        got = params[name]
+        if "linear_fc1" in name:  # MLPInterleaved rows [g0, u0, g1, u1, ...] -> Megatron [gate; up]
+            assert not np.array_equal(got, value)
+            got = np.concatenate([got[0::2], got[1::2]])
+        np.testing.assert_array_equal(got, value, err_msg=name)
+
+
+def test_megatron_checkpoint_loads_into_real_legacy_llama(mcore, mf, workdir):
+    _, tensors = mcore
+    assert td("convert", "mcore.safetensors", "llama.ckpt", "--mapping", "mcore-to-mindformers-llama", *LLAMA_VARS) == 0
+    params = _load_strict(mf["ms"], mf["llama"], workdir / "llama.ckpt")
+    per = HEADS // GROUPS
+    for i in range(LAYERS):
+        qkv = tensors[f"decoder.layers.{i}.self_attention.linear_qkv.weight"].reshape(GROUPS, per + 2, HEAD_DIM, HIDDEN)
+        attn = f"model.layers.{i}.attention."
+        np.testing.assert_array_equal(params[attn + "wq.weight"], qkv[:, :per].reshape(HEADS * HEAD_DIM, HIDDEN))
+        np.testing.assert_array_equal(params[attn + "wk.weight"], qkv[:, per].reshape(GROUPS * HEAD_DIM, HIDDEN))
+        np.testing.assert_array_equal(params[attn + "wv.weight"], qkv[:, per + 1].reshape(GROUPS * HEAD_DIM, HIDDEN))
+        fc1 = tensors[f"decoder.layers.{i}.mlp.linear_fc1.weight"]
+        np.testing.assert_array_equal(params[f"model.layers.{i}.feed_forward.w1.weight"], fc1[:FFN])
+        np.testing.assert_array_equal(params[f"model.layers.{i}.feed_forward.w3.weight"], fc1[FFN:])
+        np.testing.assert_array_equal(params[attn + "wo.weight"], tensors[f"decoder.layers.{i}.self_attention.linear_proj.weight"])
+    np.testing.assert_array_equal(params["model.tok_embeddings.embedding_weight"], tensors["embedding.word_embeddings.weight"])
+    np.testing.assert_array_equal(params["lm_head.weight"], tensors["output_layer.weight"])
+
+
+def test_mindformers_written_checkpoint_loads_back_into_megatron(mcore, mf, workdir):
+    model, tensors = mcore
+    ms = mf["ms"]
+    td("convert", "mcore.pt", "mf.ckpt", "--mapping", "mcore-to-mindformers")
+    _load_strict(ms, mf["gpt"], workdir / "mf.ckpt")
+    ms.save_checkpoint(mf["gpt"], str(workdir / "mf_native.ckpt"))  # written by MindSpore from the net itself
+    assert td("convert", "mf_native.ckpt", "back.pt", "--mapping", "mcore-to-mindformers") == 0
+    state = torch.load(workdir / "back.pt", map_location="cpu", weights_only=True)
+    result = model.load_state_dict(state, strict=False)
+    assert result.unexpected_keys == [] and all(k.endswith("_extra_state") for k in result.missing_keys)
+    for name, value in tensors.items():
+        np.testing.assert_array_equal(state[name].numpy(), value, err_msg=name)
+
+
+def test_tied_embeddings_have_no_output_layer_on_either_side(mcore, mf, workdir):
+    _, tensors = mcore
+    tied = {k: v for k, v in tensors.items() if k != "output_layer.weight"}
+    ckpt_io.save(tied, str(workdir / "tied.safetensors"))
+    assert td("convert", "tied.safetensors", "tied.ckpt", "--mapping", "mcore-to-mindformers", "--to", "mindformers") == 0
+    params = _load_strict(mf["ms"], mf["gpt_tied"], workdir / "tied.ckpt")
+    assert "output_layer.weight" not in params
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mapping,extra", [("mcore-to-mindformers", []), ("mcore-to-mindformers-llama", LLAMA_VARS)])
+def test_round_trip_is_bit_exact(mcore, mf, workdir, dtype, mapping, extra):
+    model, _ = mcore
+    state = {k: v.to(getattr(torch, dtype)) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    torch.save(state, workdir / f"rt_{dtype}.pt")
+    assert td("convert", f"rt_{dtype}.pt", f"rt_{dtype}.ckpt", "--mapping", mapping, *extra) == 0
+    assert td("convert", f"rt_{dtype}.ckpt", f"rt_{dtype}_back.pt", "--mapping", mapping, *extra) == 0
+    back = torch.load(workdir / f"rt_{dtype}_back.pt", map_location="cpu", weights_only=True)
+    assert list(back) == list(state)
+    for name, value in state.items():
+        assert back[name].dtype == value.dtype, name
+        raw = torch.int16 if dtype == "bfloat16" else torch.int32
+        assert torch.equal(back[name].view(raw), value.view(raw)), name
+
+
+def test_every_problem_is_reported_in_one_error(mcore, workdir, capsys):
+    _, tensors = mcore
+    bad = dict(tensors)
+    gone = ["decoder.layers.0.input_layernorm.weight", "decoder.layers.1.mlp.linear_fc2.weight", "decoder.final_layernorm.weight"]
+    for name in gone:
+        del bad[name]
+    bad["decoder.layers.7.junk.weight"] = np.zeros(3, np.float32)
+    bad["decoder.layers.1.self_attention.linear_proj.weight"] = np.zeros((HIDDEN, HIDDEN - 4), np.float32)
+    ckpt_io.save(bad, str(workdir / "bad.safetensors"))
+    with pytest.raises(CheckpointError) as err:
+        Table.load("mcore-to-mindformers").convert(bad, source="mcore", path="bad.safetensors")
+    message = str(err.value)
+    assert "bad.safetensors" in message and "3 missing, 1 unexpected, 1 mis-shaped" in message
+    for name in gone + ["decoder.layers.7.junk.weight", "decoder.layers.1.self_attention.linear_proj.weight"]:
+        assert name in message
+    assert "[64, 60]" in message and "fix:" in message and "\n" not in message
+
+    assert td("convert", "bad.safetensors", "bad.ckpt", "--mapping", "mcore-to-mindformers", "--to", "mindformers") == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tensordiff: error: bad.safetensors")
+    assert all(name in lines[0] for name in gone) and not (workdir / "bad.ckpt").exists()
+
+
+def test_a_missing_variable_is_named_with_an_example(mcore, capsys):
+    with pytest.raises(MappingError, match=r"needs --var groups=N .*example: tensordiff ckpt convert"):
+        Table.load("mcore-to-mindformers-llama", {"heads": "4"})
+    assert td("convert", "mcore.pt", "x.ckpt", "--mapping", "mcore-to-mindformers-llama", "--var", "heads=4") == 2
+    assert "--var groups=N" in capsys.readouterr().err
+    # a wrong head count is caught as a shape problem, not silently mis-split
+    assert td("convert", "mcore.pt", "x.ckpt", "--mapping", "mcore-to-mindformers-llama", "--var", "heads=8",
+              "--var", "groups=2") == 2
+    assert "heads+2*groups" in capsys.readouterr().err
+
+
+def test_diff_converted_checkpoint_is_identical_then_names_a_perturbed_tensor(mcore, mf, workdir, capsys):
+    _, tensors = mcore
+    td("convert", "mcore.pt", "mf.ckpt", "--mapping", "mcore-to-mindformers")
+    td("convert", "mcore.pt", "llama.ckpt", "--mapping", "mcore-to-mindformers-llama", *LLAMA_VARS)
+    capsys.readouterr()
+    assert td("diff", "mcore.pt", "mf.ckpt", "--width", "80", "--max-rows", "0", "--json", "same.json") == 0
+    out = capsys.readouterr().out
+    assert out.count("identical") >= len(tensors) and "DIFFERS" not in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    report = json.loads((workdir / "same.json").read_text())
+    assert report["passed"] and {r["verdict"] for r in report["rows"]} == {"identical"}
+    assert len(report["rows"]) == len(tensors)
+
+    assert td("diff", "mcore.pt", "llama.ckpt", *LLAMA_VARS, "--width", "80") == 0  # 1:N split back to linear_qkv
+    assert "{wq,wk,wv}" in capsys.readouterr().out
+
+    victim = "decoder.layers.1.mlp.linear_fc2.weight"
+    changed = ckpt_io.load(str(workdir / "mf.ckpt"))
+    changed[victim] = changed[victim].copy()
+    changed[victim][3, 5] += 1e-3
+    ckpt_io.save(changed, str(workdir / "mf_changed.ckpt"))
+    assert td("diff", "mcore.pt", "mf_changed.ckpt", "--mapping", "mcore-to-mindformers", "--width", "80",
+              "--json", "changed.json") == 1
+    out = capsys.readouterr().out
+    assert "DIFFERS" in out and "Different: decoder.layers.1.mlp.linear_fc2.weight" in out
+    rows = json.loads((workdir / "changed.json").read_text())["rows"]
+    assert [r["name"] for r in rows if r["verdict"] != "identical"] == [victim]
+
+
+def test_diff_flags_a_layout_variable_that_does_not_match(mcore, mf, workdir, capsys):
+    td("convert", "mcore.pt", "stacked.ckpt", "--mapping", "mcore-to-mindformers", "--var", "fc1_layout=stacked")
+    capsys.readouterr()
+    assert td("diff", "mcore.pt", "stacked.ckpt", "--json", "stacked.json") == 1
+    assert "DIFFERS" in capsys.readouterr().out
+    notes = {r["name"]: r["note"] for r in json.loads((workdir / "stacked.json").read_text())["rows"] if r["note"]}
+    assert sorted(notes) == [f"decoder.layers.{i}.mlp.linear_fc1.weight" for i in range(LAYERS)]
+    assert all("equals B without deinterleave(dim=0): check --var fc1_layout" in n for n in notes.values())
+    assert td("diff", "mcore.pt", "stacked.ckpt", "--var", "fc1_layout=stacked") == 0
+
+
+class NotATensor:
+    pass
+
+
+def test_pickled_objects_are_refused_not_unpickled(mcore, workdir, capsys):
+    _, tensors = mcore
+    torch.save({"embedding.word_embeddings.weight": torch.ones(2), "config": NotATensor()}, workdir / "pickle.pt")
+    with pytest.raises(CheckpointError, match=r"weights_only=True.*NotATensor"):
+        ckpt_io.load(str(workdir / "pickle.pt"))
+    assert td("convert", "pickle.pt", "x.ckpt", "--mapping", "mcore-to-mindformers") == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name,content,expected", [
+    ("absent.pt", None, "no such file"),
+    ("truncated.pt", b"PK\x03\x04 not really a zip", "not a readable torch checkpoint"),
+    ("garbage.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{not json", "not a readable safetensors file"),
+    ("weights.bin", b"", "unknown checkpoint format '.bin'; supported: .safetensors"),
+])
+def test_unreadable_files_give_one_line(workdir, name, content, expected, capsys):
+    if content is not None:
+        (workdir / name).write_bytes(content)
+    assert td("convert", name, "x.ckpt", "--mapping", "mcore-to-mindformers") == 2
+    err = capsys.readouterr().err
+    assert expected in err and len(err.strip().splitlines()) == 1
+
+
+def test_corrupt_mindspore_checkpoint(mf, workdir):
+    (workdir / "corrupt.ckpt").write_bytes(b"garbage" * 10)
+    with pytest.raises(CheckpointError, match="not a readable MindSpore checkpoint"):
+        ckpt_io.load(str(workdir / "corrupt.ckpt"))
+
+
+def test_megatron_nested_model_dict_is_accepted_and_other_dicts_are_described(workdir):
+    torch.save({"iteration": 3, "checkpoint_version": 3.0, "model": {"w": torch.arange(4, dtype=torch.bfloat16)}},
+               workdir / "nested.pt")
+    loaded = ckpt_io.load(str(workdir / "nested.pt"))
+    assert list(loaded) == ["w"] and loaded["w"].dtype.name == "bfloat16"
+    assert loaded["w"].view(np.uint16).tolist() == torch.arange(4, dtype=torch.bfloat16).view(torch.int16).tolist()
+    torch.save({"iteration": 3, "optimizer": {"lr": 1.0}}, workdir / "no_model.pt")
+    with pytest.raises(CheckpointError, match=r"'iteration': int.*no 'model' state dict"):
+        ckpt_io.load(str(workdir / "no_model.pt"))
+
+
+def test_report_renders_without_colour_at_80_columns(mcore):
+    from tensordiff.ckpt import diff_tensors
+    from tensordiff.report import make_console
+
+    _, tensors = mcore
+    other = dict(tensors)
+    other["embedding.word_embeddings.weight"] = tensors["embedding.word_embeddings.weight"].astype(np.float16)
+    rows = diff_tensors(tensors, other)
+    buf = io.StringIO()
+    make_console(file=buf, width=80, color=False).print(ckpt_cli.CkptDiff("a.pt", "b.pt", rows))
+    text = buf.getvalue()
+    assert "\x1b[" not in text and max(len(line) for line in text.splitlines()) <= 80
+    assert "f32/f16" in text and " ok" in text
