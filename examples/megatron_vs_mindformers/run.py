@@ -31,17 +31,17 @@ SETUP = {
 }
 
 
-def _run(cmd: list[str], quiet: bool) -> int:
+def _run(cmd: list[str], quiet: bool, cwd: str) -> int:
     shown = " ".join(shlex.quote(os.path.relpath(c, ROOT) if os.path.isabs(c) and c.startswith(ROOT) else c) for c in cmd)
     print(f"$ {shown}", flush=True)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     if quiet:  # the frameworks' own start-up chatter goes to a log next to the outputs
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout.splitlines():
             if line.startswith(("tensordiff", "megatron-core", "mindspore ")):
                 print("  " + line)
         return proc.returncode
-    return subprocess.call(cmd, env=env, cwd=ROOT)
+    return subprocess.call(cmd, env=env, cwd=cwd)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,12 +74,12 @@ def main(argv: list[str] | None = None) -> int:
               "--train-steps", str(args.steps)],
     ]
     for cmd in steps:
-        code = _run(cmd, quiet=not args.verbose)
+        code = _run(cmd, quiet=not args.verbose, cwd=out)  # MindFormers writes ./output/log: keep it in --out
         if code != 0:
             print(f"run.py: the step above failed with exit code {code}", file=sys.stderr)
             return 2
     return _run(td + ["diff", f["a"], f["b"], "--mapping", mapping] + mapping_args +
-                ["--first-divergence", "--json", f["json"]], quiet=False)
+                ["--first-divergence", "--json", f["json"]], quiet=False, cwd=out)
 
 
 if __name__ == "__main__":
