@@ -31,17 +31,19 @@ def _run(tmp_path, family, fault="none"):
         return proc.returncode, json.load(f), proc.stdout
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "llama-legacy"])
 def test_all_fixes_agree_within_fp32_noise(tmp_path, family):
     code, report, out = _run(tmp_path, family)
     assert code == 0, out[-3000:]
     assert report["first_divergence"] is None
     s = report["summary"]
     assert s["diverged"] == 0 and s["shape_mismatch"] == 0
-    assert s["ok"] > 250  # the layers, their gradients and the weights really were compared
+    assert s["ok"] > (150 if family == "llama-legacy" else 250)  # layers, gradients and weights really were compared
     compared = {(r["phase"], r["module_a"]) for r in report["rows"] if r["verdict"] == "ok"}
+    # the legacy Llama has no fused fc1 (w1, w3): its neighbour linear_fc2 is checked there
+    module = "decoder.layers.1.mlp.linear_fc2" if family == "llama-legacy" else "decoder.layers.1.mlp.linear_fc1"
     for phase in ("weights", "forward", "backward", "param_grad"):
-        assert (phase, "decoder.layers.1.mlp.linear_fc1") in compared
+        assert (phase, module) in compared
     assert ("loss", "loss") in compared
     # FP32 noise between the frameworks stays far below the tolerance
     worst = max(r["metrics"]["rel_l2"] for r in report["rows"] if r["verdict"] == "ok" and r["step"] == 0

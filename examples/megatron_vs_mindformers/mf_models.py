@@ -45,6 +45,19 @@ def _qwen3_model(spec: Any) -> Any:
     return TrainingQwen3ForCausalLM(config)
 
 
+def _legacy_llama(spec: Any) -> Any:
+    from mindformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        batch_size=spec.batch_size, seq_length=spec.seq_length, hidden_size=spec.hidden_size, num_layers=spec.num_layers,
+        num_heads=spec.num_attention_heads, n_kv_heads=spec.num_query_groups, vocab_size=spec.vocab_size,
+        intermediate_size=spec.ffn_hidden_size, max_position_embedding=spec.seq_length, rms_norm_eps=spec.layernorm_epsilon,
+        theta=float(spec.rotary_base), pad_token_id=0, compute_dtype="float32", layernorm_compute_type="float32",
+        softmax_compute_type="float32", rotary_dtype="float32", param_init_type="float32",
+        embedding_init_type="float32", use_flash_attention=False, fused_rms_norm=False, use_rope_slice=True)
+    return LlamaForCausalLM(config)
+
+
 def load_state(model: Any, state: dict[str, np.ndarray]) -> None:
     """Load MindSpore-named arrays strictly: every parameter of the model, nothing else."""
     params = {name: ms.Parameter(ms.Tensor(value), name=name) for name, value in state.items()}
@@ -57,7 +70,17 @@ def load_state(model: Any, state: dict[str, np.ndarray]) -> None:
 
 
 def build_mindformers(spec: Any, state: dict[str, np.ndarray]) -> tuple[Any, Callable[[dict], Any]]:
-    """(model, loss_fn(batch)) for the ``llama`` (parallel_core GPTModel) or ``qwen3`` family."""
+    """(model, loss_fn(batch)) for the ``llama`` (parallel_core GPTModel), ``qwen3`` or ``llama-legacy`` family."""
+    if spec.family == "llama-legacy":
+        model = _legacy_llama(spec)
+        model.set_train(True)
+        load_state(model, state)
+
+        def legacy_loss(b: dict) -> Any:
+            # the legacy model takes [B, S+1] ids and shifts the labels itself; masked mean over non-pad tokens
+            return model(b["stream"]).reshape(())
+
+        return model, legacy_loss
     model = _qwen3_model(spec) if spec.family == "qwen3" else _gpt_model(spec)
     model.set_train(True)
     load_state(model, state)

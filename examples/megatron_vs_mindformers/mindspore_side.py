@@ -5,7 +5,8 @@ shared batch, from the converted shared checkpoint, with capture on.
         --load-ckpt init.ckpt --capture ms.h5
 
 Models by ``--family`` (see spec.py): ``gpt2`` -> the hand-written port in ms_gpt.py; ``llama`` ->
-MindFormers ``parallel_core`` ``GPTModel``; ``qwen3`` -> MindFormers ``TrainingQwen3ForCausalLM``.
+MindFormers ``parallel_core`` ``GPTModel``; ``qwen3`` -> MindFormers ``TrainingQwen3ForCausalLM``;
+``llama-legacy`` -> the legacy MindFormers ``LlamaForCausalLM``.
 MindFormers runs on the CPU through ``tensordiff.compat.mindformers_cpu``. ``--fault`` injects one
 of the mistakes listed in FAULTS. ``--graph-mode`` runs MindSpore in GRAPH_MODE (capture refuses it).
 """
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> list[float]:
             p.error(f"--fault {args.fault} applies to --family gpt2")
         from tensordiff.compat import mindformers_cpu
 
-        mindformers_cpu.init_mindformers_cpu(seed=0)
+        mindformers_cpu.init_mindformers_cpu(seed=0, use_legacy=args.family == "llama-legacy")
         mindformers_cpu.enable(exclude=("split_with_size",) if args.fault == "split-with-size" else ())
         model, loss_fn = _mindformers(spec, args.fault, state)
     b = load_batch(args.batch, vocab_size=spec.vocab_size, framework="mindspore")

@@ -27,6 +27,7 @@ from examples.megatron_vs_mindformers.spec import FAMILIES  # noqa: E402
 SETUP = {
     "gpt2": (os.path.join(HERE, "ms_gpt_ckpt.yaml"), [], os.path.join(HERE, "ms_gpt_mapping.yaml"), []),
     "llama": ("mcore-to-mindformers", ["heads=4", "groups=4"], "mindformers-to-mcore", []),
+    "llama-legacy": ("mcore-to-mindformers-llama", ["heads=4", "groups=4"], "mindformers-llama-to-mcore", []),
     "qwen3": ("mcore-to-mindformers", ["heads=4", "groups=2"], "mindformers-to-mcore", ["kv_repeat=2"]),
 }
 
