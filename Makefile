@@ -5,7 +5,10 @@ PY     := $(VENV)/bin/python
 TD     := $(VENV)/bin/tensordiff
 DEMO   := out/demo
 
-.PHONY: setup demo test clean
+FAMILY ?= llama
+FAULT  ?= none
+
+.PHONY: setup demo compare test clean
 
 $(VENV)/.done: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +26,10 @@ demo: setup
 	$(TD) capture -o $(DEMO)/b.h5 --steps 2 -- $(PY) examples/gpt/train.py --fault gelu-tanh 2>/dev/null
 	$(TD) diff $(DEMO)/a.h5 $(DEMO)/b.h5 --first-divergence --json $(DEMO)/report.json; \
 	  code=$$?; test $$code -eq 1 && echo "(exit code 1: a divergence was found, as intended; JSON in $(DEMO)/report.json)"
+
+compare: setup
+	$(PY) examples/megatron_vs_mindformers/run.py --family $(FAMILY) --fault $(FAULT); \
+	  code=$$?; test $$code -le 1 && echo "(exit code $$code: 0 = the runs agree, 1 = a divergence was found; JSON in out/megatron_vs_mindformers/)"
 
 test: setup
 	$(PY) -m pytest -q

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import json
 import math
 from typing import Any, Iterable
@@ -106,6 +108,20 @@ class DiffReport:
             table.caption = ("~ compared by statistics only (tensors not stored for this step; "
                              "capture with --tensors all to store them)")
             table.caption_justify = "left"
+        unmatched: dict[str, list[Row]] = {"A": [], "B": []}
+        if self.max_rows > 0:  # one line per side for the records with no counterpart (--max-rows 0 lists them)
+            for row in rows:
+                if row.verdict == "unmatched":
+                    unmatched["A" if row.pair.a is not None else "B"].append(row)
+            rows = [r for r in rows if r.verdict != "unmatched"]
+        after = after_bad = 0
+        if self.first_only and self.max_rows > 0 and first_key is not None:
+            at = next((i for i, r in enumerate(rows) if r.pair.a is not None
+                       and (r.step, r.phase, r.pair.a.label) == first_key), None)
+            if at is not None and len(rows) > at + 4:
+                after = len(rows) - (at + 4)
+                after_bad = sum(1 for r in rows[at + 4:] if r.verdict == "diverged")
+                rows = rows[:at + 4]
         shown = _select(rows, self.max_rows)
         for item in shown:
             if isinstance(item, int):
@@ -140,6 +156,18 @@ class DiffReport:
                 cells += [fmt_cos(m.cosine) if m else "-", f"{100 * m.ulp_share:.1f}" if m and not math.isnan(m.ulp_share) else "-", fmt(row.tol) if m else "-"]
             cells.append(Text(verdict, style=vstyle))
             table.add_row(*cells)
+        if after:
+            table.add_row("", Text(f"… {after} more rows after the first divergence ({after_bad} over tolerance: "
+                                   "it propagates; --max-rows 0 shows all)", style="tensordiff.dim"),
+                          *([""] * (len(table.columns) - 2)))
+        for side, lost in unmatched.items():
+            if lost:
+                names = sorted({re.sub(r"\.\d+(?=\.|$)", ".N", module_label((r.pair.a or r.pair.b).module))  # type: ignore[union-attr]
+                                for r in lost})
+                other = "B" if side == "A" else "A"
+                text = Text(f"{side} only, no counterpart in {other}: {len(lost)} records of {', '.join(names)}",
+                            style="tensordiff.unmatched")
+                table.add_row("", text, *([""] * (len(table.columns) - 2)))
         return table
 
     def _summary(self) -> Text:

@@ -41,6 +41,8 @@ def _run(cmd: list[str], quiet: bool, cwd: str) -> int:
         for line in proc.stdout.splitlines():
             if line.startswith(("tensordiff", "megatron-core", "mindspore ")):
                 print("  " + line)
+        if proc.returncode != 0:  # show what went wrong in full
+            print(proc.stdout[-6000:], file=sys.stderr)
         return proc.returncode
     return subprocess.call(cmd, env=env, cwd=cwd)
 

@@ -25,8 +25,6 @@ torch and megatron are imported lazily; importing this module costs nothing.
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
 from typing import Any, Callable, Iterator, Optional
 
 _ORIG_CURRENT_DEVICE: Optional[Callable[[], Any]] = None  # set while shim 1 is enabled
@@ -76,12 +74,6 @@ def megatron_cpu() -> Iterator[None]:
             disable()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _rng_tracker_forks() -> bool:
     from megatron.core import tensor_parallel
 
@@ -96,7 +88,7 @@ def _rng_tracker_forks() -> bool:
 def init_megatron_cpu(seed: int = 1234) -> None:
     """Idempotently prepare megatron-core for single-process use (CPU-safe).
 
-    Sets MASTER_ADDR/MASTER_PORT if unset, creates a one-process gloo group if none,
+    Creates a one-process gloo group (in-process store, no network port) if none,
     initialises model parallelism (TP=PP=1), sets up the RNG tracker, seeds torch and
     enables shim 1 (left enabled; call ``disable()`` to restore ``torch.cuda.current_device``).
     """
@@ -106,9 +98,8 @@ def init_megatron_cpu(seed: int = 1234) -> None:
 
     enable()
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        # an in-process store: no port to pick, nothing left in os.environ for child processes to trip on
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(seed)
