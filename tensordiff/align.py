@@ -23,8 +23,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import yaml
-
+from ._yaml import load_yaml
 from .errors import MappingError
 from .record import PHASES, Record
 from .transforms import Op, parse_op
@@ -120,12 +119,7 @@ class Mapping:
 
     @classmethod
     def from_text(cls, text: str, path: str = "<mapping>", variables: dict[str, str] | None = None) -> "Mapping":
-        try:
-            doc = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise MappingError(f"{path}: not valid YAML{where}; fix the syntax of the mapping file") from None
+        doc = load_yaml(text, path, "mapping file")
         if not isinstance(doc, dict) or "rules" not in doc:
             raise MappingError(f"{path}: a mapping file is a YAML mapping with a 'rules:' list (see docs/mapping.md)")
         values = {str(k): str(v) for k, v in (doc.get("vars") or {}).items()}

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import numpy as np
-import yaml
 
 from . import dtypes
+from ._yaml import load_yaml
 from .compare import Metrics, compare_arrays
 from .errors import MappingError, TensordiffError
 from .tolerance import Tolerances
@@ -355,12 +355,7 @@ class Table:
             known = ", ".join(tables) or "none"
             raise MappingError(f"{name_or_path}: no such checkpoint mapping ({err.strerror}); built-in tables: {known}; "
                                "or pass the path of a YAML table (see docs/checkpoints.md)") from None
-        try:
-            doc = yaml.safe_load(text)
-        except yaml.YAMLError as err:
-            mark = getattr(err, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise MappingError(f"{path}: not valid YAML{where}; fix the syntax of the table") from None
+        doc = load_yaml(text, path, "table")
         name = os.path.basename(path)[:-5] if path.endswith(".yaml") else os.path.basename(path)
         return cls.from_doc(doc, name, path, variables, lenient)
 

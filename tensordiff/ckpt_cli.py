@@ -315,17 +315,15 @@ def _select(rows: list[DiffRow], max_rows: int) -> list[DiffRow | int]:
     """Every failing row; passing rows until ``max_rows``; the rest collapse into counts."""
     if max_rows <= 0 or len(rows) <= max_rows:
         return list(rows)
+    from .report import collapse
+
     budget = max(0, max_rows - sum(1 for r in rows if not r.passed))
-    out: list[DiffRow | int] = []
-    for row in rows:
+    keep: set[int] = set()
+    for i, row in enumerate(rows):
         if not row.passed or budget > 0:
             budget -= row.passed
-            out.append(row)
-        elif out and isinstance(out[-1], int):
-            out[-1] += 1
-        else:
-            out.append(1)
-    return out
+            keep.add(i)
+    return collapse(rows, keep)
 
 
 def _diff(args: argparse.Namespace) -> int:

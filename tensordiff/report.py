@@ -249,7 +249,12 @@ def _select(rows: list[Row], max_rows: int) -> list[Row | int]:
             keep.add(i)
             budget -= 1
         i += 1
-    out: list[Row | int] = []
+    return collapse(rows, keep)
+
+
+def collapse(rows: list, keep: set[int]) -> list:
+    """``rows`` with every run of rows not in ``keep`` replaced by its length (an int: one "… N more" line)."""
+    out: list = []
     for i, row in enumerate(rows):
         if i in keep:
             out.append(row)

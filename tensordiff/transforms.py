@@ -60,6 +60,11 @@ def _interleave(x: np.ndarray, dim: int = 0) -> np.ndarray:
     return out.reshape(x.shape)
 
 
+def _unflatten0(x: np.ndarray, rows: int = 1) -> np.ndarray:
+    """[rows*M, ...] -> [rows, M, ...]: MindFormers' logits [B*S, V] back to [B, S, V]."""
+    return x.reshape((rows, x.shape[0] // rows) + x.shape[1:]) if x.ndim >= 1 and rows > 0 else x
+
+
 def _scale(x: np.ndarray, factor: float) -> np.ndarray:
     return x.astype(np.float64) * factor
 
@@ -85,6 +90,7 @@ def _identity(x: np.ndarray, dim: int = 0) -> np.ndarray:
 
 OPS: dict[str, Callable[..., np.ndarray]] = {
     "identity": _identity,
+    "unflatten0": _unflatten0,
     "unrepeat": _unrepeat,
     "unrepeat_sum": _unrepeat_sum,
     "swap01": _swap01,
@@ -97,7 +103,8 @@ OPS: dict[str, Callable[..., np.ndarray]] = {
 }
 
 #: How each op changes (numel, min, max, mean, l2): None = statistics cannot follow it.
-_PERMUTATION = ("swap01", "transpose", "qkv_grouped", "flatten01", "deinterleave", "interleave", "identity")
+_PERMUTATION = ("swap01", "transpose", "qkv_grouped", "flatten01", "unflatten0", "deinterleave", "interleave",
+                "identity")
 
 
 def _stats_scale(st: tuple, factor: float) -> tuple:
