@@ -61,8 +61,12 @@ class Recorder:
     def _is_tensor(self, value: Any) -> bool:
         raise NotImplementedError
 
-    def _describe(self, t: Any) -> tuple[str, tuple[int, ...]]:
-        """(dtype name as in dtypes.py, shape)."""
+    def _describe(self, t: Any) -> tuple[str | None, tuple[int, ...]]:
+        """(dtype name as in dtypes.py, shape). A dtype of None is asked for again at the end of the
+        step with ``_late_dtype`` (reading it now would wait for an asynchronous op)."""
+        raise NotImplementedError
+
+    def _late_dtype(self, t: Any) -> str:
         raise NotImplementedError
 
     def _stats(self, t: Any) -> Any:
@@ -170,6 +174,7 @@ class Recorder:
         self._seq = 0
         self._rows: list[dict[str, Any]] = []
         self._pending: list[tuple[int, Any]] = []
+        self._late: dict[int, Any] = {}
         self._data: dict[int, Any] = {}
         self._seen: dict[int, tuple[Any, int, int]] = {}
         self._stack: list[tuple[str, int, int, str]] = []
@@ -248,6 +253,8 @@ class Recorder:
         seq = self._seq
         self._seq += 1
         dtype, shape = self._describe(t)
+        if dtype is None:
+            self._late[seq] = t
         numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
         row: dict[str, Any] = {
             "seq": seq, "phase": phase, "module": module, "call": call, "kind": kind, "slot": slot,
@@ -287,6 +294,8 @@ class Recorder:
             handle.remove()
         self._tensor_handles.clear()
         rows = self._rows
+        for seq, t in self._late.items():
+            rows[seq]["dtype"] = self._late_dtype(t)
         values = self._host_stats([s for _, s in self._pending])
         for (seq, _), stat in zip(self._pending, values):
             row = rows[seq]

@@ -29,8 +29,6 @@ from ._capture_common import CaptureOptions, base_attrs, rank_path
 from ._recorder import Recorder
 from .errors import UsageError
 
-_FLOATS = {"float64", "float32", "float16", "bfloat16"}
-
 
 def dtype_name(dtype: Any) -> str:
     """MindSpore dtype -> tensordiff's name ('Float32' -> 'float32', 'BFloat16' -> 'bfloat16')."""
@@ -59,6 +57,11 @@ def numpy_stats(x: np.ndarray) -> tuple[float, float, float, float, float, float
     inf = float(np.isinf(d).sum())
     with np.errstate(invalid="ignore", over="ignore"):
         return float(np.nanmin(d)), float(np.nanmax(d)), float(d.sum()), float(np.linalg.norm(d)), nan, inf
+
+
+def _host_view_stats(t: Any) -> tuple[float, ...]:
+    x = t.view(ms.int16).asnumpy().view(ml_dtypes.bfloat16) if t.dtype == ms.bfloat16 else t.asnumpy()
+    return numpy_stats(x)
 
 
 def check_pynative() -> None:
@@ -113,15 +116,21 @@ class MindSporeCapture(Recorder):
     def _is_tensor(self, value: Any) -> bool:
         return isinstance(value, ms.Tensor)
 
-    def _describe(self, t: Any) -> tuple[str, tuple[int, ...]]:
-        return dtype_name(t.dtype), tuple(int(d) for d in t.shape)
+    def _describe(self, t: Any) -> tuple[str | None, tuple[int, ...]]:
+        # Tensor.dtype waits for the op that makes the tensor: ask at the end of the step instead
+        return (dtype_name(t.dtype) if isinstance(t, ms.Parameter) else None), tuple(int(d) for d in t.shape)
 
-    def _stats(self, t: Any) -> tuple[float, ...]:
-        x = t.view(ms.int16).asnumpy().view(ml_dtypes.bfloat16) if t.dtype == ms.bfloat16 else t.asnumpy()
-        return numpy_stats(x)
+    def _late_dtype(self, t: Any) -> str:
+        return dtype_name(t.dtype)
+
+    def _stats(self, t: Any) -> Any:
+        # PyNative dispatches ops asynchronously: reading a tensor now would wait for it and stall the
+        # pipeline at every hook. Activations and gradients are kept and reduced once, at the end of the
+        # step; parameters (updated in place by the optimizer) are reduced now.
+        return _host_view_stats(t) if isinstance(t, ms.Parameter) else t
 
     def _host_stats(self, pending: list[Any]) -> list[Sequence[float]]:
-        return pending
+        return [p if isinstance(p, tuple) else _host_view_stats(p) for p in pending]
 
     def _copy(self, t: Any) -> np.ndarray:
         return to_numpy(t)
@@ -130,7 +139,7 @@ class MindSporeCapture(Recorder):
         return copy
 
     def _hook_grad(self, t: Any, fn: Any) -> Any:
-        if dtype_name(t.dtype) not in _FLOATS or isinstance(t, ms.Parameter) or not _requires_grad_now():
+        if isinstance(t, ms.Parameter) or not _requires_grad_now():
             return None
 
         def hook(grad: Any) -> Any:
@@ -139,7 +148,7 @@ class MindSporeCapture(Recorder):
 
         try:
             return t.register_hook(hook)
-        except RuntimeError:  # "requires grad is false": a tensor no gradient flows to (ids, masks, buffers)
+        except RuntimeError:  # "requires grad is false": ids, masks, buffers; integer tensors
             return None
 
     def _loss_tensor(self, value: Any) -> Any:
