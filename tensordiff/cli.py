@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--noise-factor", type=float, default=3.0, help="allowed multiple of the measured noise (default 3)")
     d.add_argument("--jump", type=float, default=3.0, help="error growth that counts as introduced (default 3x)")
     d.add_argument("--no-order", action="store_true", help="do not match leftovers by execution order and shape")
+    d.add_argument("--no-hints", action="store_true", help="do not test likely causes at the first divergence")
     d.add_argument("--phase", action="append", help="show only this phase (repeatable)")
     d.add_argument("--step", type=int, action="append", help="compare only this step (repeatable)")
     d.add_argument("--max-rows", type=int, default=40, help="rows per table before ok rows collapse (0: all)")
@@ -188,7 +189,7 @@ def _diff(args: argparse.Namespace) -> int:
     if args.noise:
         tolerances.noise = measure_noise(args.noise[0], args.noise[1], mapping=None)
     options = DiffOptions(mapping=mapping, tolerances=tolerances, order_fallback=not args.no_order, jump=args.jump,
-                          steps=args.step)
+                          steps=args.step, hints=not args.no_hints)
     result = diff(args.a, args.b, options)
     report = DiffReport(result, max_rows=args.max_rows, phases=args.phase, first_only=args.first_divergence)
     _console(args).print(report)

@@ -37,6 +37,8 @@ class DiffOptions:
     """The ULP column counts elements within this many units in the last place."""
     steps: list[int] | None = None
     """Only these steps (default: all steps both captures have)."""
+    hints: bool = True
+    """Test the likely causes at the first divergence (``--no-hints`` turns it off)."""
 
     def __post_init__(self) -> None:
         if self.jump <= 1:
@@ -76,6 +78,9 @@ class DiffResult:
     options: DiffOptions
     only_a_steps: list[int] = field(default_factory=list)
     only_b_steps: list[int] = field(default_factory=list)
+    hints: list = field(default_factory=list)
+    """Likely causes tested at the first divergence (hints.Hint), best first."""
+    hints_note: str = ""
 
     def count(self, verdict: str) -> int:
         return sum(1 for r in self.rows if r.verdict == verdict)
@@ -174,11 +179,16 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         records_a = {step: ca.records(step) for step in common}
         records_b = {step: cb.records(step) for step in common}
         first = find_first_divergence(rows, records_a, options.jump, records_b)
-        return DiffResult(
+        result = DiffResult(
             path_a=path_a, path_b=path_b, attrs_a=dict(ca.attrs), attrs_b=dict(cb.attrs), rows=rows, steps=common,
             first=first, options=options,
             only_a_steps=sorted(set(ca.steps) - set(cb.steps)), only_b_steps=sorted(set(cb.steps) - set(ca.steps)),
         )
+        if first is not None and options.hints:
+            from .hints import find_hints
+
+            result.hints, result.hints_note = find_hints(result, ca, cb)
+        return result
 
 
 def _sample(cap: Capture, step: int) -> str:

@@ -85,6 +85,7 @@ class DiffReport:
             title = "First divergence" if first.introduced else "First divergence (accumulated, not introduced at one place)"
             body = Text(first.explanation)
             yield Panel(body, title=title, title_align="left", border_style=style, box=box.ASCII if console.legacy_windows else box.ROUNDED)
+            yield from self._hints()
         else:
             yield Text("No divergence: every matched pair is within its tolerance.", style="tensordiff.ok")
 
@@ -170,6 +171,29 @@ class DiffReport:
                 table.add_row("", text, *([""] * (len(table.columns) - 2)))
         return table
 
+    def _hints(self) -> RenderResult:
+        res = self.result
+        if res.hints:
+            yield Text("Likely causes, tested on the captured tensors (share of the gap each explains):",
+                       style="tensordiff.title")
+            grid = Table.grid(padding=(0, 1))
+            grid.add_column(no_wrap=True, justify="right")
+            grid.add_column(no_wrap=True, justify="right")
+            grid.add_column(ratio=1, overflow="fold")
+            for i, hint in enumerate(res.hints, 1):
+                text = Text(f"{hint.cause}: ", style="tensordiff.title")
+                text.append(hint.title)
+                if hint.evidence:
+                    text.append(f"\n{hint.evidence}", style="tensordiff.dim")
+                grid.add_row(f"{i}.", Text(f"{hint.explained:.1%}", style="tensordiff.ok" if hint.explained > 0.9 else ""),
+                             text)
+            yield grid
+        elif res.hints_note:
+            yield Text(res.hints_note, style="tensordiff.dim")
+        elif res.first is not None and res.options.hints:
+            yield Text("No known cause explains this divergence (checked: activation, norm epsilon, RoPE, dtype, "
+                       "layout, bias, constant factor, checkpoint). See docs/hints.md.", style="tensordiff.dim")
+
     def _summary(self) -> Text:
         res = self.result
         text = Text()
@@ -210,6 +234,7 @@ class DiffReport:
             "a": {"path": res.path_a, "framework": res.attrs_a.get("framework"), "framework_version": res.attrs_a.get("framework_version")},
             "b": {"path": res.path_b, "framework": res.attrs_b.get("framework"), "framework_version": res.attrs_b.get("framework_version")},
             "steps": res.steps,
+            "hints": [h.as_dict() for h in res.hints], "hints_note": res.hints_note or None,
             "summary": {"ok": res.count("ok"), "diverged": res.count("diverged"), "drift": res.count("drift"), "only_a": len(res.unmatched("a")),
                         "only_b": len(res.unmatched("b")), "shape_mismatch": res.count("shape"), "skipped": res.count("skipped"),
                         "steps_only_a": res.only_a_steps, "steps_only_b": res.only_b_steps},

@@ -35,7 +35,7 @@ def _run(tmp_path, family, fault="none"):
 def test_all_fixes_agree_within_fp32_noise(tmp_path, family):
     code, report, out = _run(tmp_path, family)
     assert code == 0, out[-3000:]
-    assert report["first_divergence"] is None
+    assert report["first_divergence"] is None and report["hints"] == []
     s = report["summary"]
     assert s["diverged"] == 0 and s["shape_mismatch"] == 0
     assert s["ok"] > (150 if family == "llama-legacy" else 250)  # layers, gradients and weights really were compared
@@ -74,6 +74,8 @@ def test_fc1_loaded_unconverted_is_a_checkpoint_divergence(tmp_path):
     assert first["location"] == "decoder.layers.0.mlp.linear_fc1.weight before the first step"
     bad = {r["module_a"] for r in report["rows"] if r["step"] == 0 and r["phase"] == "weights" and r["verdict"] == "diverged"}
     assert bad == {"decoder.layers.0.mlp.linear_fc1", "decoder.layers.1.mlp.linear_fc1"}
+    assert [h["cause"] for h in report["hints"]] == ["checkpoint", "layout"]
+    assert report["hints"][1]["details"]["op"] == "deinterleave(dim=0)"
 
 
 def test_mindspore_default_gelu_is_named(tmp_path):
@@ -85,6 +87,9 @@ def test_mindspore_default_gelu_is_named(tmp_path):
     assert first["location"] == "inside decoder.layers.0.mlp between linear_fc1 and linear_fc2"
     assert first["where"]["b_module"] == "decoder.layers.0.mlp.activation_func"
     assert first["where"]["b_module_class"] == "GELU"
+    top = report["hints"][0]
+    assert top["cause"] == "activation" and top["details"]["b"] == "gelu (tanh approximation)"
+    assert top["explained"] > 0.99
 
 
 def test_mindspore_default_layernorm_epsilon_is_named(tmp_path):
@@ -94,3 +99,6 @@ def test_mindspore_default_layernorm_epsilon_is_named(tmp_path):
     assert (first["step"], first["phase"], first["module_a"], first["kind"]) == (
         0, "forward", "decoder.layers.0.input_layernorm", "output")
     assert first["location"] == "in decoder.layers.0.input_layernorm"
+    top = report["hints"][0]
+    assert top["cause"] == "norm-epsilon" and "MindSpore nn.LayerNorm default" in top["title"]
+    assert top["details"]["eps_b"] == pytest.approx(1e-7, rel=0.05)

@@ -69,6 +69,37 @@ def build_mcore(spec: Spec, seed: int) -> Any:
     )
 
 
+FAULTS = {
+    "none": "no fault",
+    "rope-interleaved": "llama/qwen3: RoPE on interleaved (GPT-J) pairs instead of rotate-half",
+    "rope-base": "llama/qwen3: RoPE base 500000 instead of 10000",
+    "bf16-fc1": "layer 0's linear_fc1 computes in BF16 (inputs, weight and output rounded)",
+}
+
+
+def inject(model: Any, fault: str) -> None:
+    """One deliberate difference on the Megatron side (for the hint tests: A = plain run, B = this)."""
+    if fault == "rope-interleaved":
+        model.rotary_pos_emb.rotary_interleaved = True
+        for layer in model.decoder.layers:
+            layer.self_attention.config.rotary_interleaved = True
+    elif fault == "rope-base":
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        old = model.rotary_pos_emb
+        model.rotary_pos_emb = RotaryEmbedding(kv_channels=old.inv_freq.numel() * 2, rotary_percent=1.0,
+                                               rotary_interleaved=False, rotary_base=500000,
+                                               use_cpu_initialization=True)
+    elif fault == "bf16-fc1":
+        fc1 = model.decoder.layers[0].mlp.linear_fc1
+
+        def forward(x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+            out = F.linear(x.bfloat16(), fc1.weight.bfloat16()).float()
+            return out, (fc1.bias if fc1.skip_bias_add else None)
+
+        fc1.forward = forward
+
+
 def state_for_saving(model: Any) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous() for k, v in model.state_dict().items()
             if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
@@ -84,6 +115,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     p.add_argument("--train-steps", type=int, default=2)
     p.add_argument("--capture", help="capture file (tensordiff capture -o sets it instead)")
     p.add_argument("--capture-steps", type=int, default=2)
+    p.add_argument("--fault", choices=sorted(FAULTS), default="none", help="one deliberate difference (hint tests)")
     args = p.parse_args(argv)
     spec = FAMILIES[args.family]
 
@@ -101,6 +133,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         from safetensors.torch import save_file
 
         save_file(state_for_saving(model), args.save_ckpt)
+    inject(model, args.fault)
     b = load_batch(args.batch, vocab_size=spec.vocab_size, framework="torch")
     opt = torch.optim.SGD(model.parameters(), lr=spec.lr)
     losses = []
