@@ -268,7 +268,7 @@ def _make(row: "Row", st: _Step, prev: _Step | None, came_in: float, introduced:
         where = dict(where, b_module=src.module, b_module_class=src.module_class)
     err = row.err
     head = (f"Step {a.step}, {a.phase}: {a.label} differs from B's {b.label} "
-            f"(relative L2 {err:.3g} > tolerance {row.tol:.3g} for {a.dtype}) while what came in differed by {came_in:.3g}. ")
+            f"(relative L2 {err:.3g} > tolerance {row.tol:.3g} for {row.judged or a.dtype}) while what came in differed by {came_in:.3g}. ")
     if introduced:
         text = head + f"The difference is introduced {location}. " + sentence
     else:

@@ -17,7 +17,7 @@ from .divergence import FirstDivergence, find_first_divergence
 from .errors import AlignmentError, UsageError
 from .record import PHASES
 from .store import Capture
-from .tolerance import Tolerances
+from .tolerance import Tolerances, judged_dtype
 from .transforms import apply, apply_stats
 
 
@@ -60,6 +60,8 @@ class Row:
     """'ok', 'diverged', 'unmatched' (one side only), 'shape' (shapes differ after transforms) or
     'drift' (weights after an optimizer step differ, but nothing computed in that step does)."""
     note: str = ""
+    judged: str = ""
+    """The dtype whose tolerance judged this pair."""
 
     @property
     def err(self) -> float:
@@ -89,10 +91,20 @@ class DiffResult:
         return [r for r in self.rows if r.verdict == "unmatched" and (r.pair.a if side == "a" else r.pair.b) is not None]
 
 
-def compare_pair(ca: Capture, cb: Capture, pair: Pair, tolerances: Tolerances, ulp_k: int) -> tuple[Metrics | None, float, str, str]:
+def compute_dtype(cap: Capture, step: int) -> str:
+    """The narrowest float dtype most of a run's parameters are held in (its compute precision), or ''."""
+    counts: dict[str, int] = {}
+    for rec in cap.records(step):
+        if rec.phase == "weights" and dtypes.is_float(rec.dtype):
+            counts[rec.dtype] = counts.get(rec.dtype, 0) + 1
+    return max(counts, key=lambda d: counts[d]) if counts else ""
+
+
+def compare_pair(ca: Capture, cb: Capture, pair: Pair, tolerances: Tolerances, ulp_k: int,
+                 run_dtype: str = "") -> tuple[Metrics | None, float, str, str]:
     a, b = pair.a, pair.b
     assert a is not None and b is not None
-    tol = tolerances.limit(a.dtype, b.dtype, a.key)
+    tol = tolerances.limit(a.dtype, b.dtype, a.key, run_dtype)
     judged = dtypes.coarsest(a.dtype, b.dtype)
     xa = ca.array(a) if a.has_data else None
     xb = cb.array(b) if b.has_data else None
@@ -158,6 +170,7 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
             raise AlignmentError(f"{path_a} (steps {ca.steps}) and {path_b} (steps {cb.steps}) have no step in common")
         rows: list[Row] = []
         matched_by_name = 0
+        run_dtype = dtypes.coarsest(compute_dtype(ca, common[0]), compute_dtype(cb, common[0]))
         for step in common:
             pairs = align_step(ca.records(step), cb.records(step), options.mapping, options.order_fallback)
             for pair in pairs:
@@ -167,7 +180,9 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
                 if pair.matched:
                     if pair.how not in ("order", "tensor") and rec.phase != "loss" and rec.module != "":
                         matched_by_name += 1
-                    row.metrics, row.tol, row.verdict, row.note = compare_pair(ca, cb, pair, options.tolerances, options.ulp_k)
+                    row.metrics, row.tol, row.verdict, row.note = compare_pair(ca, cb, pair, options.tolerances,
+                                                                               options.ulp_k, run_dtype)
+                    row.judged = judged_dtype(pair.a.dtype, pair.b.dtype, run_dtype)  # type: ignore[union-attr]
                     if pair.how == "order":
                         row.note = (row.note + "; " if row.note else "") + "matched by order"
                 rows.append(row)

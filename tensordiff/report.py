@@ -135,7 +135,8 @@ class DiffReport:
             is_first = first_key is not None and row.pair.a is not None and (row.step, row.phase, row.pair.a.label) == first_key
             name = Text(module_label(rec.module) + (f"[{rec.call}]" if rec.call else ""))
             name.append(f" {rec.tensor_label}", style="tensordiff.dim")
-            if row.pair.a is not None and row.pair.b is not None and row.pair.b.label != row.pair.a.label:
+            if (row.pair.a is not None and row.pair.b is not None and row.pair.b.label != row.pair.a.label
+                    and row.pair.how != "prefix"):  # a wrapper prefix (module., _orig_mod.) is not worth a line
                 name.append(f"\n  B: {row.pair.b.label}", style="tensordiff.dim")
             elif row.pair.a is None:
                 name.append("  (B only)", style="tensordiff.unmatched")

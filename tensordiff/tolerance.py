@@ -38,11 +38,21 @@ class Tolerances:
     noise_factor: float = 3.0
     """A pair is allowed ``noise_factor`` times its measured noise."""
 
-    def limit(self, dtype_a: str, dtype_b: str, key: tuple | None = None) -> float:
-        judged = dtypes.coarsest(dtype_a, dtype_b)
+    def limit(self, dtype_a: str, dtype_b: str, key: tuple | None = None, run_dtype: str = "") -> float:
+        """Relative-L2 limit for a pair; ``run_dtype``: the narrowest compute dtype of the two runs (a BF16
+        run's FP32 outputs, such as its loss, carry BF16 error and are judged as BF16)."""
+        judged = judged_dtype(dtype_a, dtype_b, run_dtype)
         if not dtypes.is_float(judged):
             return EXACT
         base = self.override if self.override is not None else self.by_dtype.get(judged, DEFAULT_RTOL["float32"])
         if key is not None and key in self.noise:
             base = max(base, self.noise_factor * self.noise[key])
         return base
+
+
+def judged_dtype(dtype_a: str, dtype_b: str, run_dtype: str = "") -> str:
+    """The dtype a pair is judged by: the coarser of the two, or the runs' compute dtype for float pairs."""
+    judged = dtypes.coarsest(dtype_a, dtype_b)
+    if run_dtype and dtypes.is_float(judged):
+        judged = dtypes.coarsest(judged, run_dtype)
+    return judged

@@ -36,13 +36,16 @@ def llama(tmp_path_factory):
     save(batch, make(128, 16, 2, seed=0))
     made = {}
 
-    def get(fault):
-        if fault not in made:
-            made[fault] = str(folder / f"{fault}.h5")
-            megatron_side.main(["--family", "llama", "--batch", batch, "--fault", fault, "--capture", made[fault],
-                                "--train-steps", "1", "--capture-steps", "1"])
-        return made[fault]
+    def get(name):
+        if name not in made:
+            made[name] = str(folder / f"{name}.h5")
+            extra = ["--bf16"] if name.startswith("bf16") and name != "bf16-fc1" else []
+            fault = name[len("bf16-"):] if extra and name != "bf16" else ("none" if extra else name)
+            megatron_side.main(["--family", "llama", "--batch", batch, "--fault", fault, "--capture", made[name],
+                                "--train-steps", "1", "--capture-steps", "1", *extra])
+        return made[name]
 
+    get.batch = batch
     return get
 
 
@@ -130,3 +133,40 @@ def test_megatron_vs_hf_gelu_is_named_across_frameworks(tmp_path):
     top = _top(result)
     assert top.cause == "activation" and top.details["b"] == "gelu (tanh approximation)"
     assert top.explained > 0.99
+
+
+def test_bf16_run_against_fp32_reference(llama):
+    """A BF16 run (Megatron-LM's Float16Module, on the CPU here) is judged with BF16 tolerances everywhere, its
+    FP32 loss included: no false alarm; a real fault in it is still found and explained."""
+    clean = diff(llama("none"), llama("bf16"))
+    assert clean.first is None
+    loss_rows = [r for r in clean.rows if r.phase == "loss"]
+    assert loss_rows and all(r.judged == "bfloat16" and r.verdict == "ok" for r in loss_rows)
+    faulty = diff(llama("none"), llama("bf16-rope-base"))
+    assert faulty.first.module_a == "rotary_pos_emb"
+    assert faulty.hints[0].cause == "rope" and "base 500000" in faulty.hints[0].details["b"]
+
+
+def test_bf16_weights_are_recognised_as_bf16(llama):
+    from tensordiff.tolerance import Tolerances
+
+    result = diff(llama("none"), llama("bf16"), DiffOptions(tolerances=Tolerances(override=1e-6)))
+    assert result.first.phase == "weights"
+    causes = [h.cause for h in result.hints]
+    assert causes[:2] == ["checkpoint", "dtype"] and result.hints[1].details["dtype"] == "BF16"
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_on_gpu_against_fp32_on_gpu(tmp_path):
+    """On one GPU: megatron-core in BF16 (Float16Module) vs FP32, same weights and batch; then a RoPE fault in BF16."""
+    batch, ckpt = str(tmp_path / "batch.h5"), str(tmp_path / "init.safetensors")
+    save(batch, make(128, 16, 2, seed=0))
+    paths = {}
+    for name, extra in (("fp32", ["--save-ckpt", ckpt]), ("bf16", ["--load-ckpt", ckpt, "--bf16"]),
+                        ("bf16-rope", ["--load-ckpt", ckpt, "--bf16", "--fault", "rope-base"])):
+        paths[name] = str(tmp_path / f"{name}.h5")
+        megatron_side.main(["--family", "llama", "--batch", batch, "--capture", paths[name], "--train-steps", "1",
+                            "--capture-steps", "1", "--device", "cuda", *extra])
+    assert diff(paths["fp32"], paths["bf16"]).first is None
+    faulty = diff(paths["fp32"], paths["bf16-rope"])
+    assert faulty.first.module_a == "rotary_pos_emb" and faulty.hints[0].cause == "rope"

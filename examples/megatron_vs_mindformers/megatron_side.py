@@ -28,9 +28,25 @@ from tensordiff.compat.megatron_cpu import init_megatron_cpu
 from tensordiff.errors import TensordiffError
 
 
-def build_mcore(spec: Spec, seed: int) -> Any:
+def _init_megatron_cuda(seed: int) -> None:
+    """One process, one GPU: a gloo group with an in-process store, TP=PP=1, megatron's CUDA RNG tracker."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_mcore(spec: Spec, seed: int, device: str = "cpu") -> Any:
     """megatron-core GPTModel (local layer spec, FP32, no dropout) for ``spec``."""
-    init_megatron_cpu(seed)
+    if device == "cuda":
+        _init_megatron_cuda(seed)
+    else:
+        init_megatron_cpu(seed)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -116,11 +132,13 @@ def main(argv: list[str] | None = None) -> list[float]:
     p.add_argument("--capture", help="capture file (tensordiff capture -o sets it instead)")
     p.add_argument("--capture-steps", type=int, default=2)
     p.add_argument("--fault", choices=sorted(FAULTS), default="none", help="one deliberate difference (hint tests)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--bf16", action="store_true", help="train in BF16 the way Megatron-LM does (Float16Module)")
     args = p.parse_args(argv)
     spec = FAMILIES[args.family]
 
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    model = build_mcore(spec, args.seed)
+    model = build_mcore(spec, args.seed, args.device)
     if args.load_ckpt:
         from safetensors.torch import load_file
 
@@ -135,6 +153,15 @@ def main(argv: list[str] | None = None) -> list[float]:
         save_file(state_for_saving(model), args.save_ckpt)
     inject(model, args.fault)
     b = load_batch(args.batch, vocab_size=spec.vocab_size, framework="torch")
+    if args.device == "cuda":
+        model = model.cuda()
+        b = {k: v.cuda() for k, v in b.items()}
+    if args.bf16:  # as Megatron-LM: BF16 parameters, inputs cast on the way in (module names gain 'module.')
+        from megatron.core.transformer.module import Float16Module
+
+        model.config.bf16 = True
+        model.config.params_dtype = torch.bfloat16
+        model = Float16Module(model.config, model)
     opt = torch.optim.SGD(model.parameters(), lr=spec.lr)
     losses = []
     with tensordiff.capture(model, args.capture, steps=args.capture_steps, optimizer=opt) as cap:
