@@ -37,6 +37,8 @@ class CaptureOptions:
     """Record gradients of module outputs and inputs during backward."""
     background: bool = True
     """Write on a background thread (off the training thread)."""
+    perturb: int | None = None
+    """Seed: move every float parameter by one ulp before the first step (only ``tensordiff noise`` sets it)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -66,6 +68,12 @@ def options_from_env(path: str | None, steps: int | None, tensors: str | None, *
         except ValueError:
             raise UsageError(f"{ENV_STEPS}={env_steps!r}: expected a whole number of steps") from None
     tensors = os.environ.get(ENV_TENSORS) or tensors or "first"
+    perturb = os.environ.get("TENSORDIFF_PERTURB")
+    if perturb:
+        try:
+            kw["perturb"] = int(perturb)
+        except ValueError:
+            raise UsageError(f"TENSORDIFF_PERTURB={perturb!r}: expected a whole-number seed") from None
     return CaptureOptions(path=path, steps=steps or 1, tensors=tensors, **kw)
 
 

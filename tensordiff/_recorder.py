@@ -100,6 +100,10 @@ class Recorder:
         """Mean of a tensor as a Python float (the step's loss attribute)."""
         raise NotImplementedError
 
+    def _perturb(self, seed: int) -> None:
+        """Move every floating-point parameter by one ulp in a random direction (``tensordiff noise``)."""
+        raise NotImplementedError
+
     def _remove_framework_hooks(self) -> None:
         """Undo anything beyond the handles (subclasses that need it)."""
 
@@ -191,6 +195,8 @@ class Recorder:
         self._in_step = True
         self._step_id += 1
         self._full = self.options.full_tensors_at(self._step)
+        if self._step == 0 and self.options.perturb is not None:
+            self._perturb(self.options.perturb)  # asked for on purpose: tensordiff noise's second run
         for mod, pname, p in self._params:
             self._record("weights", "param", mod, 0, pname, self._classes.get(mod, ""), p, track=False)
 

@@ -46,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--var", action="append", default=[], metavar="NAME=VALUE", help="value for ${NAME} in the mapping file")
     d.add_argument("--rtol", type=float, help="one relative-L2 tolerance for every float pair (default: by dtype)")
     d.add_argument("--noise", nargs=2, metavar=("R1", "R2"), help="two captures of the same run: their differences set a per-tensor noise floor")
+    d.add_argument("--noise-file", metavar="FILE", help="per-tensor noise written by tensordiff noise")
     d.add_argument("--noise-factor", type=float, default=3.0, help="allowed multiple of the measured noise (default 3)")
     d.add_argument("--jump", type=float, default=3.0, help="error growth that counts as introduced (default 3x)")
     d.add_argument("--no-order", action="store_true", help="do not match leftovers by execution order and shape")
@@ -56,6 +57,17 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--json", metavar="FILE", help="also write a machine-readable report")
     d.add_argument("--width", type=int, help="table width (default: the terminal's)")
     d.add_argument("--no-color", action="store_true", help="plain text output")
+
+    n = sub.add_parser("noise", help="measure one side's run-to-run noise as per-tensor tolerances",
+                       description="Measure the noise of one side: from two captures of the same run (R1 R2), or by "
+                                   "running COMMAND twice, the second time with every float parameter moved by one ulp "
+                                   "before the first step. Writes per-tensor tolerances for diff --noise-file.",
+                       epilog="example: tensordiff noise -o noise.json --steps 1 -- python train.py; "
+                              "tensordiff diff a.h5 b.h5 --noise-file noise.json")
+    n.add_argument("runs", nargs="*", help="R1 R2 (two captures of the same run), or -- COMMAND")
+    n.add_argument("-o", "--output", required=True, help="noise file to write (JSON)")
+    n.add_argument("--steps", type=int, default=1, help="with COMMAND: steps to capture (default 1)")
+    n.add_argument("--seed", type=int, default=1, help="with COMMAND: seed of the one-ulp perturbation (default 1)")
 
     b = sub.add_parser("batch", help="write one batch file that both frameworks load",
                        description="Write a batch file (tokens, labels, loss mask, attention mask, position ids, seed) that "
@@ -92,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().print_help()
         return 2
     try:
-        return {"capture": _capture, "diff": _diff, "batch": _batch, "ls": _ls, "show": _show,
+        return {"capture": _capture, "diff": _diff, "noise": _noise, "batch": _batch, "ls": _ls, "show": _show,
                 "ckpt": ckpt_cli.run}[args.command](args)
     except TensordiffError as err:
         print(f"tensordiff: error: {err}", file=sys.stderr)
@@ -147,6 +159,47 @@ def _capture(args: argparse.Namespace) -> int:
     return 0
 
 
+def _noise(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from . import noise as noises
+    from .engine import measure_noise
+
+    runs = list(args.runs)
+    if runs and runs[0] == "--":
+        runs = runs[1:]
+    if len(runs) == 2 and all(r.endswith(".h5") for r in runs):
+        paths, how = runs, "two captures of the same run"
+        measured = measure_noise(runs[0], runs[1])
+    elif runs:
+        with tempfile.TemporaryDirectory(prefix="tensordiff-noise-") as tmp:
+            paths = [os.path.join(tmp, "plain.h5"), os.path.join(tmp, "perturbed.h5")]
+            for path, perturb in zip(paths, (None, args.seed)):
+                env = dict(os.environ, **{ENV_OUTPUT: path, ENV_STEPS: str(args.steps), ENV_TENSORS: "all"})
+                env.pop("TENSORDIFF_PERTURB", None)
+                if perturb is not None:
+                    env["TENSORDIFF_PERTURB"] = str(perturb)
+                try:
+                    code = subprocess.call(runs, env=env)
+                except FileNotFoundError:
+                    raise UsageError(f"cannot run {runs[0]!r}: no such program; check the command after '--'") from None
+                if code != 0:
+                    print(f"tensordiff: the training command exited with code {code}", file=sys.stderr)
+                    return code if 0 < code < 256 else 2
+                if not os.path.exists(path):
+                    raise UsageError(f"{runs[0]} ran but wrote no capture: it must call tensordiff.capture(model, ...)")
+            measured = measure_noise(paths[0], paths[1])
+            how = f"one run and the same run with every float parameter moved by one ulp (seed {args.seed})"
+            paths = [" ".join(runs), f"{' '.join(runs)} (perturbed)"]
+    else:
+        raise UsageError("tensordiff noise needs R1.h5 R2.h5, or -- COMMAND; e.g. tensordiff noise -o noise.json -- python train.py")
+    noises.save(args.output, measured, paths, how)
+    print(f"tensordiff: wrote {args.output}: noise of {len(measured)} tensors ({how})")
+    for phase, (median, worst, count) in noises.summary(measured).items():
+        print(f"  {phase:<10} {count:4d} tensors  median rel L2 {median:.1e}  max {worst:.1e}")
+    return 0
+
+
 def _batch(args: argparse.Namespace) -> int:
     from . import batch as batches
 
@@ -188,6 +241,10 @@ def _diff(args: argparse.Namespace) -> int:
     tolerances = Tolerances(override=args.rtol, noise_factor=args.noise_factor)
     if args.noise:
         tolerances.noise = measure_noise(args.noise[0], args.noise[1], mapping=None)
+    if args.noise_file:
+        from . import noise as noises
+
+        tolerances.noise = {**noises.load(args.noise_file), **tolerances.noise}
     options = DiffOptions(mapping=mapping, tolerances=tolerances, order_fallback=not args.no_order, jump=args.jump,
                           steps=args.step, hints=not args.no_hints)
     result = diff(args.a, args.b, options)

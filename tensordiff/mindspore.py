@@ -157,6 +157,15 @@ class MindSporeCapture(Recorder):
     def _scalar(self, t: Any) -> float:
         return float(np.mean(to_numpy(t).astype(np.float64)))
 
+    def _perturb(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _, _, p in self._params:
+            x = to_numpy(p)
+            if x.dtype.kind != "f" or not x.size:  # numpy floats only (BF16 parameters are left as they are)
+                continue
+            toward = np.where(rng.integers(0, 2, x.shape).astype(bool), np.inf, -np.inf).astype(x.dtype)
+            p.set_data(ms.Tensor(np.where(x == 0, x, np.nextafter(x, toward))))  # zeros stay zeros
+
     # public API ---------------------------------------------------------------
     def grads(self, grads: Any, params: Sequence[Any] | None = None) -> None:
         """Record the step's parameter gradients: a dict name -> gradient, or a sequence matching

@@ -18,6 +18,7 @@ them in place). Everything is removed after the last captured step or on exit.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from functools import partial
 from typing import Any, Sequence
@@ -199,6 +200,15 @@ class TorchCapture(Recorder):
     def _optimizer_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.active and self._in_step:
             self._step_ready = True
+
+    def _perturb(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for _, _, p in self._params:
+                if p.is_floating_point() and p.numel():
+                    up = torch.randint(0, 2, p.shape, generator=g).to(p.device).bool()
+                    toward = torch.where(up, torch.full_like(p, math.inf), torch.full_like(p, -math.inf))
+                    p.copy_(torch.where(p == 0, p, torch.nextafter(p, toward)))  # zeros stay zeros (no denormals)
 
     def _reset_step(self) -> None:
         super()._reset_step()
