@@ -46,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--var", action="append", default=[], metavar="NAME=VALUE", help="value for ${NAME} in the mapping file")
     d.add_argument("--rtol", type=float, help="one relative-L2 tolerance for every float pair (default: by dtype)")
     d.add_argument("--noise", nargs=2, metavar=("R1", "R2"), help="two captures of the same run: their differences set a per-tensor noise floor")
+    d.add_argument("--reference", metavar="R", help="three-way: an FP32 capture of the same model, checkpoint and batch; "
+                                                    "B is judged by its error against R next to A's own")
+    d.add_argument("--reference-mapping", metavar="FILE", help="rename rules from R's names to A's (default: by name)")
+    d.add_argument("--reference-factor", type=float, default=3.0,
+                   help="three-way: B is off when its error against R exceeds this many times A's (default 3)")
     d.add_argument("--noise-file", metavar="FILE", help="per-tensor noise written by tensordiff noise")
     d.add_argument("--noise-factor", type=float, default=3.0, help="allowed multiple of the measured noise (default 3)")
     d.add_argument("--jump", type=float, default=3.0, help="error growth that counts as introduced (default 3x)")
@@ -57,6 +62,21 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--json", metavar="FILE", help="also write a machine-readable report")
     d.add_argument("--width", type=int, help="table width (default: the terminal's)")
     d.add_argument("--no-color", action="store_true", help="plain text output")
+
+    r = sub.add_parser("replay", help="run one module of A's code on B's captured inputs: introduced or inherited?",
+                       description="Build the model with --model (side A's framework), load the module's weights from "
+                                   "A's capture and run it on A's and on B's captured inputs. Exit 1: the difference is "
+                                   "introduced in the module; 0: inherited from its inputs; 2: error.",
+                       epilog="example: tensordiff replay a.h5 b.h5 --module decoder.layers.1.mlp --model examples.gpt.models:replay_model")
+    r.add_argument("a")
+    r.add_argument("b")
+    r.add_argument("--module", required=True, help="the module (A's name) to replay")
+    r.add_argument("--model", required=True, metavar="MODULE:FUNCTION", help="a function that builds side A's model")
+    r.add_argument("--mapping", help="rename rules from B's names to A's (see docs/mapping.md)")
+    r.add_argument("--var", action="append", default=[], metavar="NAME=VALUE")
+    r.add_argument("--step", type=int, default=None, help="step to replay (default: the first in both)")
+    r.add_argument("--call", type=int, default=0, help="which call of the module (default 0)")
+    r.add_argument("--json", metavar="FILE")
 
     n = sub.add_parser("noise", help="measure one side's run-to-run noise as per-tensor tolerances",
                        description="Measure the noise of one side: from two captures of the same run (R1 R2), or by "
@@ -104,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().print_help()
         return 2
     try:
-        return {"capture": _capture, "diff": _diff, "noise": _noise, "batch": _batch, "ls": _ls, "show": _show,
+        return {"capture": _capture, "diff": _diff, "replay": _replay, "noise": _noise, "batch": _batch, "ls": _ls, "show": _show,
                 "ckpt": ckpt_cli.run}[args.command](args)
     except TensordiffError as err:
         print(f"tensordiff: error: {err}", file=sys.stderr)
@@ -157,6 +177,31 @@ def _capture(args: argparse.Namespace) -> int:
             print(f"tensordiff: wrote {out}: {len(cap.steps)} step(s), {sum(len(cap.records(s)) for s in cap.steps)} records, "
                   f"{cap.nbytes() / 1e6:.1f} MB")
     return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    import json
+
+    from .align import Mapping
+    from .replay import load_factory, replay
+
+    variables = dict(v.partition("=")[::2] for v in args.var)
+    mapping = Mapping.load(args.mapping, variables) if args.mapping else None
+    res = replay(args.a, args.b, args.module, load_factory(args.model), step=args.step, call=args.call, mapping=mapping)
+    print(f"replay of {res.module} ({res.module_class}), step {res.step}, call {res.call}, with A's code:")
+    print(f"  A's output vs B's output, as captured      {res.ab:10.3g}")
+    print(f"  on A's inputs, vs A's output (faithful?)   {res.replay_a:10.3g}")
+    print(f"  on B's inputs, vs B's output               {res.replay_b:10.3g}")
+    print(f"  on B's inputs, vs A's output               {res.replay_b_vs_a:10.3g}")
+    for note in res.notes:
+        print(f"  note: {note}")
+    print(res.sentence())
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(res.as_dict(), fh, indent=1)
+    if res.verdict == "unfaithful":
+        return 2
+    return 1 if res.verdict == "introduced" else 0
 
 
 def _noise(args: argparse.Namespace) -> int:
@@ -246,7 +291,9 @@ def _diff(args: argparse.Namespace) -> int:
 
         tolerances.noise = {**noises.load(args.noise_file), **tolerances.noise}
     options = DiffOptions(mapping=mapping, tolerances=tolerances, order_fallback=not args.no_order, jump=args.jump,
-                          steps=args.step, hints=not args.no_hints)
+                          steps=args.step, hints=not args.no_hints, reference=args.reference,
+                          reference_mapping=Mapping.load(args.reference_mapping, variables) if args.reference_mapping else None,
+                          reference_factor=args.reference_factor)
     result = diff(args.a, args.b, options)
     report = DiffReport(result, max_rows=args.max_rows, phases=args.phase, first_only=args.first_divergence)
     _console(args).print(report)

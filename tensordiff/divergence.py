@@ -267,8 +267,13 @@ def _make(row: "Row", st: _Step, prev: _Step | None, came_in: float, introduced:
                      f"compare that {src.module_class} with what A computes in its place.")
         where = dict(where, b_module=src.module, b_module_class=src.module_class)
     err = row.err
-    head = (f"Step {a.step}, {a.phase}: {a.label} differs from B's {b.label} "
-            f"(relative L2 {err:.3g} > tolerance {row.tol:.3g} for {row.judged or a.dtype}) while what came in differed by {came_in:.3g}. ")
+    if getattr(row, "ab", None) is not None:  # three-way: B judged against the reference
+        head = (f"Step {a.step}, {a.phase}: B's {b.label} is {err:.3g} (relative L2) away from the reference, more than "
+                f"the limit {row.tol:.3g} set by A's own {row.ref_a:.3g} (A's {a.label}), while what came in was "
+                f"{came_in:.3g} away. ")
+    else:
+        head = (f"Step {a.step}, {a.phase}: {a.label} differs from B's {b.label} "
+                f"(relative L2 {err:.3g} > tolerance {row.tol:.3g} for {row.judged or a.dtype}) while what came in differed by {came_in:.3g}. ")
     if introduced:
         text = head + f"The difference is introduced {location}. " + sentence
     else:

@@ -15,7 +15,7 @@ from .align import Mapping, Pair, align_step
 from .compare import Metrics, compare_arrays, compare_stats
 from .divergence import FirstDivergence, find_first_divergence
 from .errors import AlignmentError, UsageError
-from .record import PHASES
+from .record import PHASES, Record
 from .store import Capture
 from .tolerance import Tolerances, judged_dtype
 from .transforms import apply, apply_stats
@@ -39,6 +39,12 @@ class DiffOptions:
     """Only these steps (default: all steps both captures have)."""
     hints: bool = True
     """Test the likely causes at the first divergence (``--no-hints`` turns it off)."""
+    reference: str | None = None
+    """Three-way mode: an FP32 capture R of the same model, checkpoint and batch (``--reference R.h5``)."""
+    reference_mapping: Mapping | None = None
+    """Rename rules from R's names to A's (default: R is lined up with A by name)."""
+    reference_factor: float = 3.0
+    """Three-way: B is off when its error against R exceeds this many times A's own error against R."""
 
     def __post_init__(self) -> None:
         if self.jump <= 1:
@@ -62,6 +68,10 @@ class Row:
     note: str = ""
     judged: str = ""
     """The dtype whose tolerance judged this pair."""
+    ab: Metrics | None = None
+    """Three-way mode: A vs B (``metrics`` then holds B vs the reference)."""
+    ref_a: float = math.nan
+    """Three-way mode: relative L2 of A against the reference."""
 
     @property
     def err(self) -> float:
@@ -193,6 +203,8 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
             )
         records_a = {step: ca.records(step) for step in common}
         records_b = {step: cb.records(step) for step in common}
+        if options.reference:
+            _judge_against_reference(rows, ca, cb, common, options)
         first = find_first_divergence(rows, records_a, options.jump, records_b)
         result = DiffResult(
             path_a=path_a, path_b=path_b, attrs_a=dict(ca.attrs), attrs_b=dict(cb.attrs), rows=rows, steps=common,
@@ -204,6 +216,65 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
 
             result.hints, result.hints_note = find_hints(result, ca, cb)
         return result
+
+
+def _reference_metrics(cap_x: Capture, x: Record, ops_x: tuple, cr: Capture, r: Record, ops_r: tuple,
+                       ulp_k: int) -> Metrics | None:
+    """One side against the reference, both brought into A's layout."""
+    xx = cap_x.array(x) if x.has_data else None
+    xr = cr.array(r) if r.has_data else None
+    if xx is not None and xr is not None:
+        try:
+            xx = apply(ops_x, xx) if ops_x else xx
+            xr = apply(ops_r, xr) if ops_r else xr
+        except Exception:
+            return None
+        if xx.shape != xr.shape:
+            return None
+        return compare_arrays(xx, xr, dtypes.coarsest(x.dtype, r.dtype), ulp_k)
+    if ops_x or ops_r or x.numel != r.numel:
+        return None
+    return compare_stats(x, r)
+
+
+def _judge_against_reference(rows: list[Row], ca: Capture, cb: Capture, common: list[int], options: DiffOptions) -> None:
+    """Three-way: judge B by its error against an FP32 reference R, relative to A's own error against R.
+
+    A BF16 kernel on side B is then held to what side A's BF16 kernels do against the same FP32
+    reference, not to a fixed tolerance against the other kernel. Each row's ``metrics`` become B-vs-R,
+    ``ab`` keeps A-vs-B, ``ref_a`` is A-vs-R and the limit is max(factor x A-vs-R, R's own dtype tolerance).
+    """
+    with Capture(options.reference) as cr:  # type: ignore[arg-type]
+        missing = [s for s in common if s not in cr.steps]
+        if missing:
+            raise AlignmentError(f"{options.reference}: the reference has steps {cr.steps}, not {missing}; capture "
+                                 "it for the same steps")
+        for step in common:
+            partner: dict[int, tuple[Record, tuple]] = {}
+            for pair in align_step(ca.records(step), cr.records(step), options.reference_mapping, order_fallback=False):
+                if pair.matched:
+                    partner[pair.a.seq] = (pair.b, pair.ops)  # type: ignore[union-attr]
+            for row in rows:
+                if row.step != step or not row.pair.matched:
+                    continue
+                a, b = row.pair.a, row.pair.b
+                assert a is not None and b is not None
+                hit = partner.get(a.seq)
+                if hit is None:
+                    row.note = (row.note + "; " if row.note else "") + "not in the reference"
+                    continue
+                r, ops_r = hit
+                m_a = _reference_metrics(ca, a, (), cr, r, ops_r, options.ulp_k)
+                m_b = _reference_metrics(cb, b, row.pair.ops, cr, r, ops_r, options.ulp_k)
+                if m_a is None or m_b is None:
+                    continue
+                floor = options.tolerances.limit(r.dtype, r.dtype, a.key)
+                row.ab, row.ref_a = row.metrics, m_a.rel_l2
+                row.metrics = m_b
+                row.tol = max(options.reference_factor * m_a.rel_l2, floor)
+                row.verdict = "ok" if m_b.rel_l2 <= row.tol and m_b.nonfinite_mismatch == 0 else "diverged"
+                if m_a.rel_l2 > max(options.reference_factor * m_b.rel_l2, floor):
+                    row.note = (row.note + "; " if row.note else "") + "A is further from the reference than B"
 
 
 def _sample(cap: Capture, step: int) -> str:

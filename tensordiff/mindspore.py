@@ -252,3 +252,32 @@ class MindSporeCapture(Recorder):
                 where = (mod, pname)
             out.append((where[0], where[1], grad))
         return out
+
+
+def replay_call(model: Any, module_name: str, inputs: list[tuple[str, np.ndarray]],
+                weights: dict[str, np.ndarray]) -> np.ndarray:
+    """Call cell ``module_name`` of ``model`` with captured inputs and weights; its output.0 (``tensordiff replay``)."""
+    from ._recorder import flatten
+
+    check_pynative()
+    cells = dict(model.cells_and_names())
+    if module_name not in cells:
+        raise UsageError(f"the model has no cell {module_name!r}")
+    sub = cells[module_name]
+    params = dict(sub.parameters_and_names())
+    for name, value in weights.items():
+        if name in params:
+            params[name].set_data(ms.Tensor(np.ascontiguousarray(value)))
+    positional: dict[int, Any] = {}
+    kwargs: dict[str, Any] = {}
+    for slot, x in inputs:
+        t = ms.Tensor(np.ascontiguousarray(x))
+        if slot.isdigit():
+            positional[int(slot)] = t
+        elif "." not in slot:
+            kwargs[slot] = t
+    args = [positional.get(i) for i in range(max(positional) + 1)] if positional else []
+    out = sub(*args, **kwargs)
+    for _, t in flatten(out, "", lambda v: isinstance(v, ms.Tensor)):
+        return to_numpy(t)
+    raise ValueError(f"{module_name} returned no tensor")

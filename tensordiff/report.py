@@ -97,8 +97,14 @@ class DiffReport:
         table.add_column("module · tensor", overflow="fold", ratio=1)
         if wide:
             table.add_column("dtype", no_wrap=True)
-        table.add_column("rel L2", justify="right", no_wrap=True)
-        table.add_column("max|Δ|", justify="right", no_wrap=True)
+        three = self.result.options.reference is not None
+        if three:  # B judged by its error against the reference R, next to A's own
+            table.add_column("A↔B", justify="right", no_wrap=True)
+            table.add_column("A↔R", justify="right", no_wrap=True)
+            table.add_column("B↔R", justify="right", no_wrap=True)
+        else:
+            table.add_column("rel L2", justify="right", no_wrap=True)
+            table.add_column("max|Δ|", justify="right", no_wrap=True)
         if wide:
             table.add_column("cos", justify="right", no_wrap=True)
             table.add_column("ulp%", justify="right", no_wrap=True)
@@ -153,7 +159,12 @@ class DiffReport:
             if wide:
                 cells.append(rec.dtype if row.pair.b is None or row.pair.b.dtype == rec.dtype else f"{rec.dtype}/{row.pair.b.dtype}")
             approx = "~" if m is not None and m.source == "stats" else ""
-            cells += [approx + fmt(m.rel_l2) if m else "-", fmt(m.max_abs) if m else "-"]
+            if three:
+                cells += [fmt(row.ab.rel_l2) if row.ab else (approx + fmt(m.rel_l2) if m else "-"),
+                          fmt(row.ref_a) if not math.isnan(row.ref_a) else "-",
+                          (approx + fmt(m.rel_l2)) if m and row.ab else "-"]
+            else:
+                cells += [approx + fmt(m.rel_l2) if m else "-", fmt(m.max_abs) if m else "-"]
             if wide:
                 cells += [fmt_cos(m.cosine) if m else "-", f"{100 * m.ulp_share:.1f}" if m and not math.isnan(m.ulp_share) else "-", fmt(row.tol) if m else "-"]
             cells.append(Text(verdict, style=vstyle))

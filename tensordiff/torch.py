@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ._capture_common import CaptureOptions, base_attrs, rank_path
-from ._recorder import Recorder
+from ._recorder import Recorder, flatten
 
 _NUMPY_VIEW = {
     torch.bfloat16: (torch.int16, ml_dtypes.bfloat16),
@@ -224,3 +224,37 @@ class TorchCapture(Recorder):
                 grad = self._grad_snapshots.get(id(p))
             grads.append((mod, pname, grad))
         self._param_grads(grads)
+
+
+def _from_numpy(x: np.ndarray) -> torch.Tensor:
+    for torch_dtype, (int_dtype, np_dtype) in _NUMPY_VIEW.items():
+        if x.dtype == np_dtype:
+            return torch.from_numpy(np.ascontiguousarray(x).view(np.dtype(str(int_dtype).replace("torch.", "")))).view(torch_dtype)
+    return torch.from_numpy(np.ascontiguousarray(x))
+
+
+def replay_call(model: torch.nn.Module, module_name: str, inputs: list[tuple[str, np.ndarray]],
+                weights: dict[str, np.ndarray]) -> np.ndarray:
+    """Call ``module_name`` of ``model`` with captured inputs and weights; its output.0 as numpy (``tensordiff replay``)."""
+    sub = model.get_submodule(module_name) if module_name else model
+    first = next(sub.parameters(), None)
+    device = first.device if first is not None else torch.device("cpu")
+    with torch.no_grad():
+        params = dict(sub.named_parameters())
+        for name, value in weights.items():
+            if name in params:
+                params[name].copy_(_from_numpy(value).to(params[name].device))
+    positional: dict[int, torch.Tensor] = {}
+    kwargs: dict[str, torch.Tensor] = {}
+    for slot, x in inputs:
+        t = _from_numpy(x).to(device)
+        if slot.isdigit():
+            positional[int(slot)] = t
+        elif "." not in slot:
+            kwargs[slot] = t
+    args = [positional.get(i) for i in range(max(positional) + 1)] if positional else []
+    with torch.no_grad():
+        out = sub(*args, **kwargs)
+    for _, t in flatten(out, "", lambda v: isinstance(v, torch.Tensor)):
+        return to_numpy(t.detach().to("cpu"))
+    raise ValueError(f"{module_name} returned no tensor")

@@ -305,3 +305,9 @@ def _self_check(spec: Optional[GPTSpec] = None) -> None:
 
 if __name__ == "__main__":
     _self_check()
+
+
+def replay_model() -> Any:
+    """The default tiny megatron-core GPT, for ``tensordiff replay --model examples.gpt.models:replay_model``
+    (the weights come from the capture)."""
+    return build_mcore_gpt(GPTSpec())

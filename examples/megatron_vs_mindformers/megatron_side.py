@@ -90,6 +90,7 @@ FAULTS = {
     "rope-interleaved": "llama/qwen3: RoPE on interleaved (GPT-J) pairs instead of rotate-half",
     "rope-base": "llama/qwen3: RoPE base 500000 instead of 10000",
     "bf16-fc1": "layer 0's linear_fc1 computes in BF16 (inputs, weight and output rounded)",
+    "norm-eps": "layer 1's pre-MLP RMSNorm uses epsilon 3e-4 instead of 1e-6",
 }
 
 
@@ -106,6 +107,9 @@ def inject(model: Any, fault: str) -> None:
         model.rotary_pos_emb = RotaryEmbedding(kv_channels=old.inv_freq.numel() * 2, rotary_percent=1.0,
                                                rotary_interleaved=False, rotary_base=500000,
                                                use_cpu_initialization=True)
+    elif fault == "norm-eps":
+        norm = model.decoder.layers[1].pre_mlp_layernorm
+        norm.eps = 3e-4
     elif fault == "bf16-fc1":
         fc1 = model.decoder.layers[0].mlp.linear_fc1
 
@@ -114,6 +118,16 @@ def inject(model: Any, fault: str) -> None:
             return out, (fc1.bias if fc1.skip_bias_add else None)
 
         fc1.forward = forward
+
+
+def gpt2_model() -> Any:
+    """For ``tensordiff replay --model examples.megatron_vs_mindformers.megatron_side:gpt2_model``."""
+    return build_mcore(FAMILIES["gpt2"], 1234)
+
+
+def llama_model() -> Any:
+    """For ``tensordiff replay --model examples.megatron_vs_mindformers.megatron_side:llama_model``."""
+    return build_mcore(FAMILIES["llama"], 1234)
 
 
 def state_for_saving(model: Any) -> dict[str, torch.Tensor]:

@@ -159,3 +159,16 @@ def build(cfg: MSGPTConfig, state: dict[str, np.ndarray] | None = None) -> GPTMo
         if missing or unexpected:
             raise KeyError(f"checkpoint does not fit the model: missing {missing}, unexpected {unexpected}")
     return model
+
+
+def replay_model(gelu_approximate: bool = False) -> GPTModel:
+    """The default port, for ``tensordiff replay --model examples.megatron_vs_mindformers.ms_gpt:replay_model``
+    (PyNative; the weights come from the capture)."""
+    ms.set_context(mode=ms.PYNATIVE_MODE)
+    ms.set_device("CPU")
+    return build(MSGPTConfig(gelu_approximate=gelu_approximate))
+
+
+def replay_model_gelu_approx() -> GPTModel:
+    """The port with MindSpore's default nn.GELU() (``run.py --fault gelu-approx``)."""
+    return replay_model(gelu_approximate=True)
