@@ -170,3 +170,41 @@ def test_bf16_on_gpu_against_fp32_on_gpu(tmp_path):
     assert diff(paths["fp32"], paths["bf16"]).first is None
     faulty = diff(paths["fp32"], paths["bf16-rope"])
     assert faulty.first.module_a == "rotary_pos_emb" and faulty.hints[0].cause == "rope"
+
+
+def test_swiglu_halves_swapped(llama):
+    top = _top(diff(llama("none"), llama("swiglu-swapped")))
+    assert top.cause == "activation" and top.explained > 0.99
+    assert top.details["b"] == "swiglu silu(up) * gate, [gate; up] swapped"
+
+
+def test_missing_bias_megatron_skip_bias_add_vs_hf(tmp_path):
+    """megatron-core's linear_proj returns its output without the bias (skip_bias_add), HF's c_proj adds it:
+    compared output to output (the built-in mapping does not), the hint names the bias."""
+    pytest.importorskip("transformers")
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tensordiff.align import Mapping
+
+    init, ckpt, ref, hf = (str(tmp_path / n) for n in ("init.safetensors", "ckpt.safetensors", "ref.h5", "hf.h5"))
+    train.main(["--train-steps", "0", "--save-ckpt", init])
+    state = load_file(init)
+    g = torch.Generator().manual_seed(0)
+    for key in state:  # megatron initialises biases to zero: give them values so that leaving one out shows
+        if key.endswith(".bias"):
+            state[key] = 0.05 * torch.randn(state[key].shape, generator=g)
+    save_file(state, ckpt)
+    train.main(["--load-ckpt", ckpt, "--capture", ref, "--train-steps", "1", "--capture-steps", "1"])
+    train.main(["--framework", "hf", "--load-ckpt", ckpt, "--capture", hf, "--train-steps", "1", "--capture-steps", "1"])
+    with open(Mapping.load("hf-gpt2-to-mcore").path) as fh:
+        text = fh.read()
+    rule = "    a: 'decoder.layers.\\1.self_attention.linear_proj'\n    kinds: [input, grad_input, param, grad]\n"
+    assert rule in text
+    mapping = Mapping.from_text(text.replace(rule, "    a: 'decoder.layers.\\1.self_attention.linear_proj'\n"),
+                                "outputs.yaml", {"heads": "4"})
+    result = diff(ref, hf, DiffOptions(mapping=mapping))
+    assert (result.first.module_a, result.first.kind) == ("decoder.layers.0.self_attention.linear_proj", "output")
+    top = _top(result)
+    assert top.cause == "missing-bias" and top.explained > 0.99
+    assert "B adds the bias of decoder.layers.0.self_attention.linear_proj" in top.title

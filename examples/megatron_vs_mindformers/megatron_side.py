@@ -91,7 +91,22 @@ FAULTS = {
     "rope-base": "llama/qwen3: RoPE base 500000 instead of 10000",
     "bf16-fc1": "layer 0's linear_fc1 computes in BF16 (inputs, weight and output rounded)",
     "norm-eps": "layer 1's pre-MLP RMSNorm uses epsilon 3e-4 instead of 1e-6",
+    "swiglu-swapped": "layer 0's SwiGLU computes silu(up) * gate instead of silu(gate) * up",
 }
+
+
+def inject_late(model: Any, fault: str) -> list[Any]:
+    """Faults that act on a module's output after capture recorded it (registered once capture is on)."""
+    if fault != "swiglu-swapped":
+        return []
+
+    def swap_halves(module: Any, args: Any, output: Any) -> Any:
+        out, bias = output
+        gate, up = torch.chunk(out, 2, dim=-1)
+        return torch.cat([up, gate], dim=-1), bias  # MLP's glu then takes silu(up) * gate
+
+    mlp = model.decoder.layers[0].mlp
+    return [mlp.linear_fc1.register_forward_hook(swap_halves)]
 
 
 def inject(model: Any, fault: str) -> None:
@@ -179,6 +194,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     opt = torch.optim.SGD(model.parameters(), lr=spec.lr)
     losses = []
     with tensordiff.capture(model, args.capture, steps=args.capture_steps, optimizer=opt) as cap:
+        inject_late(model, args.fault)
         for step in range(args.train_steps):
             per_token = model(b["tokens"], b["position_ids"], b["attention_mask"], labels=b["labels"])  # [B, S]
             loss = (per_token.float() * b["loss_mask"]).sum() / b["loss_mask"].sum()
