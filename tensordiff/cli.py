@@ -7,6 +7,7 @@ Errors print one line, never a traceback.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -78,6 +79,19 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--call", type=int, default=0, help="which call of the module (default 0)")
     r.add_argument("--json", metavar="FILE")
 
+    u = sub.add_parser("runs", help="compare two whole training runs: loss, perplexity, grad norm",
+                       description="Compare the loss curves of two runs (Megatron-LM or MindFormers training logs, or "
+                                   "tensordiff captures), aligned by step. Exit 0: the relative loss error stays within "
+                                   "--threshold after --warmup steps; 1: it does not; 2: bad input.",
+                       epilog="example: tensordiff runs megatron.log mindformers.log --threshold 0.01 --warmup 20")
+    u.add_argument("a", help="run A: a training log or a capture")
+    u.add_argument("b", help="run B")
+    u.add_argument("--threshold", type=float, default=0.01, help="largest relative loss error allowed (default 0.01 = 1%%)")
+    u.add_argument("--warmup", type=int, default=0, help="steps not judged at the start (default 0)")
+    u.add_argument("--json", metavar="FILE", help="also write a machine-readable report")
+    u.add_argument("--width", type=int)
+    u.add_argument("--no-color", action="store_true")
+
     n = sub.add_parser("noise", help="measure one side's run-to-run noise as per-tensor tolerances",
                        description="Measure the noise of one side: from two captures of the same run (R1 R2), or by "
                                    "running COMMAND twice, the second time with every float parameter moved by one ulp "
@@ -124,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _parser().print_help()
         return 2
     try:
-        return {"capture": _capture, "diff": _diff, "replay": _replay, "noise": _noise, "batch": _batch, "ls": _ls, "show": _show,
+        return {"capture": _capture, "diff": _diff, "runs": _runs, "replay": _replay, "noise": _noise, "batch": _batch, "ls": _ls, "show": _show,
                 "ckpt": ckpt_cli.run}[args.command](args)
     except TensordiffError as err:
         print(f"tensordiff: error: {err}", file=sys.stderr)
@@ -177,6 +191,50 @@ def _capture(args: argparse.Namespace) -> int:
             print(f"tensordiff: wrote {out}: {len(cap.steps)} step(s), {sum(len(cap.records(s)) for s in cap.steps)} records, "
                   f"{cap.nbytes() / 1e6:.1f} MB")
     return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.table import Table
+
+    from .runs import compare_runs, read_run
+
+    res = compare_runs(read_run(args.a), read_run(args.b), threshold=args.threshold, warmup=args.warmup)
+    console = _console(args)
+    console.print(f"A {res.a.path} ({res.a.kind}, {len(res.a.loss)} steps)")
+    console.print(f"B {res.b.path} ({res.b.kind}, {len(res.b.loss)} steps)")
+    table = Table(title=f"{len(res.steps)} common steps, judged after step {res.warmup}", title_justify="left")
+    table.add_column("measure")
+    table.add_column("A", justify="right")
+    table.add_column("B", justify="right")
+    table.add_column("relative", justify="right")
+    table.add_row("mean relative loss error", "", "", f"{res.mean_rel_loss:.3%}")
+    table.add_row(f"max relative loss error (step {res.max_rel_step})", f"{res.a.loss[res.max_rel_step]:.6g}",
+                  f"{res.b.loss[res.max_rel_step]:.6g}", f"{res.max_rel_loss:.3%}")
+    if res.final_loss and res.final_ppl:
+        table.add_row(f"final training loss (step {res.steps[-1]})", f"{res.final_loss[0]:.6g}", f"{res.final_loss[1]:.6g}",
+                      f"{abs(res.final_loss[1] - res.final_loss[0]) / abs(res.final_loss[0]):.3%}")
+        table.add_row("final training perplexity", f"{res.final_ppl[0]:.6g}", f"{res.final_ppl[1]:.6g}",
+                      f"{abs(res.final_ppl[1] - res.final_ppl[0]) / res.final_ppl[0]:.3%}")
+    if res.val is not None:
+        step, la, lb = res.val
+        pa, pb = math.exp(la), math.exp(lb)
+        table.add_row(f"validation perplexity (step {step})", f"{pa:.6g}", f"{pb:.6g}", f"{abs(pb - pa) / pa:.3%}")
+    if res.grad_norm_mean_rel is not None:
+        table.add_row("grad norm, mean / max relative difference", "", "",
+                      f"{res.grad_norm_mean_rel:.3%} / {res.grad_norm_max_rel:.3%}")
+    console.print(table)
+    if res.passed:
+        console.print(f"PASS: the relative loss error stays within {res.threshold:.2%} after step {res.warmup}.",
+                      style="tensordiff.ok")
+    else:
+        console.print(f"FAIL: the relative loss error first exceeds {res.threshold:.2%} at step {res.first_over} "
+                      f"(max {res.max_rel_loss:.3%} at step {res.max_rel_step}).", style="tensordiff.diverged")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(res.as_dict(), fh, indent=1)
+    return 0 if res.passed else 1
 
 
 def _replay(args: argparse.Namespace) -> int:

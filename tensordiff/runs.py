@@ -1,0 +1,195 @@
+"""Whole training runs side by side: loss, perplexity and grad-norm curves of two frameworks.
+
+Readers, by what the file holds (sniffed, not by name):
+
+* Megatron-LM training logs: ``iteration N/ M | ... | lm loss: X | ... | grad norm: Y | ...`` and
+  ``validation loss at iteration N | lm loss value: X | lm loss PPL: P``;
+* MindFormers logs: ``{ Epoch:[e/E], step:[s/S], loss: X, ... global_norm: [Y] ...}`` (the step is
+  made global: s + (e-1)·S), also the ``loss:[X/mean]`` form;
+* tensordiff captures (``.h5``): the loss of each captured step.
+
+Framework-free: plain text and HDF5.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import TensordiffError
+
+
+class RunsError(TensordiffError):
+    """A run file is missing or in no format tensordiff reads."""
+
+
+@dataclass
+class Run:
+    path: str
+    kind: str
+    """'megatron-lm log', 'mindformers log' or 'tensordiff capture'."""
+    loss: dict[int, float] = field(default_factory=dict)
+    grad_norm: dict[int, float] = field(default_factory=dict)
+    lr: dict[int, float] = field(default_factory=dict)
+    val_loss: dict[int, float] = field(default_factory=dict)
+
+
+_NUM = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
+_MEGATRON_ITER = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|")
+_MEGATRON_FIELD = re.compile(r"\|\s*([a-zA-Z][a-zA-Z0-9 _\-()/]*?):\s*" + _NUM)
+_MEGATRON_VAL = re.compile(r"validation loss at iteration\s+(\d+)\s*\|(.*)")
+_MF_STEP = re.compile(r"\{\s*Epoch:\[\s*(\d+)\s*/\s*(\d+)\s*\],\s*step:\[\s*(\d+)\s*/\s*(\d+)\s*\],\s*(.*)")
+_MF_LOSS = re.compile(r"loss:\s*\[?\s*" + _NUM)
+_MF_NORM = re.compile(r"global_norm:\s*\[?\s*" + _NUM)
+_MF_LR = re.compile(r"\blr:\s*\[?\s*" + _NUM)
+
+
+def _float(text: str) -> float:
+    return float(text)
+
+
+def _parse_megatron(line: str, run: Run) -> bool:
+    m = _MEGATRON_VAL.search(line)
+    if m:
+        fields = dict((k.strip(), v) for k, v in _MEGATRON_FIELD.findall("|" + m.group(2)))
+        value = fields.get("lm loss value")
+        if value is not None:
+            run.val_loss[int(m.group(1))] = _float(value)
+            return True
+        return False
+    m = _MEGATRON_ITER.search(line)
+    if not m:
+        return False
+    step = int(m.group(1))
+    fields = {k.strip(): v for k, v in _MEGATRON_FIELD.findall(line[m.end() - 1:])}
+    if "lm loss" not in fields:
+        return False
+    run.loss[step] = _float(fields["lm loss"])
+    if "grad norm" in fields:
+        run.grad_norm[step] = _float(fields["grad norm"])
+    if "learning rate" in fields:
+        run.lr[step] = _float(fields["learning rate"])
+    return True
+
+
+def _parse_mindformers(line: str, run: Run) -> bool:
+    m = _MF_STEP.search(line)
+    if not m:
+        return False
+    epoch, step, per_epoch, rest = int(m.group(1)), int(m.group(3)), int(m.group(4)), m.group(5)
+    loss = _MF_LOSS.search(rest)
+    if not loss:
+        return False
+    global_step = step + (epoch - 1) * per_epoch
+    run.loss[global_step] = _float(loss.group(1))
+    norm = _MF_NORM.search(rest)
+    if norm:
+        run.grad_norm[global_step] = _float(norm.group(1))
+    lr = _MF_LR.search(rest)
+    if lr:
+        run.lr[global_step] = _float(lr.group(1))
+    return True
+
+
+def read_run(path: str) -> Run:
+    """Read a training log or a capture; the format is recognised from the content."""
+    if not os.path.exists(path):
+        raise RunsError(f"{path}: no such file; pass a Megatron-LM or MindFormers training log, or a tensordiff capture")
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+    if head.startswith(b"\x89HDF"):
+        from .store import Capture
+
+        run = Run(path, "tensordiff capture")
+        with Capture(path) as cap:
+            for step in cap.steps:
+                loss = cap.step_attrs(step).get("loss")
+                if loss is not None:
+                    run.loss[step] = float(loss)
+        if not run.loss:
+            raise RunsError(f"{path}: the capture has no loss for any step; call cap.step(loss) in the training loop")
+        return run
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        lines = fh.readlines()
+    for kind, parse in (("megatron-lm log", _parse_megatron), ("mindformers log", _parse_mindformers)):
+        run = Run(path, kind)
+        hits = sum(parse(line, run) for line in lines)
+        if hits:
+            return run
+    first = next((line.strip() for line in lines if line.strip()), "")
+    raise RunsError(f"{path}: no line in a known format (Megatron-LM 'iteration N/M | ... | lm loss: X', MindFormers "
+                    f"'{{ Epoch:[..], step:[..], loss: X', or a tensordiff capture); the first line reads "
+                    f"{first[:120]!r}")
+
+
+@dataclass
+class Comparison:
+    a: Run
+    b: Run
+    steps: list[int]
+    threshold: float
+    warmup: int
+    rel_loss: dict[int, float]
+    mean_rel_loss: float
+    max_rel_loss: float
+    max_rel_step: int | None
+    first_over: int | None
+    final_loss: tuple[float, float] | None
+    final_ppl: tuple[float, float] | None
+    val: tuple[int, float, float] | None
+    grad_norm_mean_rel: float | None
+    grad_norm_max_rel: float | None
+    passed: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        def clean(v: Any) -> Any:
+            return None if isinstance(v, float) and not math.isfinite(v) else v
+
+        return {
+            "tensordiff_runs": 1,
+            "a": {"path": self.a.path, "kind": self.a.kind, "steps": len(self.a.loss)},
+            "b": {"path": self.b.path, "kind": self.b.kind, "steps": len(self.b.loss)},
+            "common_steps": len(self.steps), "threshold": self.threshold, "warmup": self.warmup,
+            "mean_rel_loss": clean(self.mean_rel_loss), "max_rel_loss": clean(self.max_rel_loss),
+            "max_rel_step": self.max_rel_step, "first_step_over_threshold": self.first_over,
+            "final_loss": self.final_loss, "final_ppl": self.final_ppl,
+            "validation": None if self.val is None else {"step": self.val[0], "loss_a": self.val[1], "loss_b": self.val[2],
+                                                         "ppl_a": math.exp(self.val[1]), "ppl_b": math.exp(self.val[2])},
+            "grad_norm_mean_rel": self.grad_norm_mean_rel, "grad_norm_max_rel": self.grad_norm_max_rel,
+            "passed": self.passed,
+            "rel_loss": {str(k): clean(v) for k, v in self.rel_loss.items()},
+        }
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(b - a) / abs(a) if a != 0 else (0.0 if b == 0 else math.inf)
+
+
+def compare_runs(a: Run, b: Run, threshold: float = 0.01, warmup: int = 0) -> Comparison:
+    """Align by step (only steps both logged) and measure the relative loss error after ``warmup`` steps."""
+    steps = sorted(set(a.loss) & set(b.loss))
+    if not steps:
+        raise RunsError(f"{a.path} (steps {min(a.loss)}..{max(a.loss)}) and {b.path} (steps {min(b.loss)}..{max(b.loss)}) "
+                        "share no logged step; log both at a common interval")
+    rel = {s: _rel(a.loss[s], b.loss[s]) for s in steps}
+    judged = [s for s in steps if s > warmup] or steps
+    values = [rel[s] for s in judged]
+    worst = max(judged, key=lambda s: rel[s])
+    first_over = next((s for s in judged if rel[s] > threshold), None)
+    last = steps[-1]
+    final = (a.loss[last], b.loss[last])
+    ppl = (math.exp(min(final[0], 700)), math.exp(min(final[1], 700)))
+    val_steps = sorted(set(a.val_loss) & set(b.val_loss))
+    val = (val_steps[-1], a.val_loss[val_steps[-1]], b.val_loss[val_steps[-1]]) if val_steps else None
+    gn_steps = [s for s in sorted(set(a.grad_norm) & set(b.grad_norm)) if s > warmup]
+    gn = [_rel(a.grad_norm[s], b.grad_norm[s]) for s in gn_steps]
+    return Comparison(
+        a=a, b=b, steps=steps, threshold=threshold, warmup=warmup, rel_loss=rel,
+        mean_rel_loss=sum(values) / len(values), max_rel_loss=rel[worst], max_rel_step=worst, first_over=first_over,
+        final_loss=final, final_ppl=ppl, val=val,
+        grad_norm_mean_rel=sum(gn) / len(gn) if gn else None, grad_norm_max_rel=max(gn) if gn else None,
+        passed=first_over is None,
+    )
