@@ -6,9 +6,11 @@ Readers, by what the file holds (sniffed, not by name):
   ``validation loss at iteration N | lm loss value: X | lm loss PPL: P``;
 * MindFormers logs: ``{ Epoch:[e/E], step:[s/S], loss: X, ... global_norm: [Y] ...}`` (the step is
   made global: s + (e-1)·S), also the ``loss:[X/mean]`` form;
+* TensorBoard event files (``events.out.tfevents.*``, as MindFormers, Megatron-LM and tensorboardX
+  write them): scalars ``loss``/``lm loss``, ``grad-norm``, ``learning-rate``, ``lm loss validation``;
 * tensordiff captures (``.h5``): the loss of each captured step.
 
-Framework-free: plain text and HDF5.
+Framework-free: plain text, HDF5, and a small reader of TFRecord-framed ``Event`` protobufs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import struct
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +33,7 @@ class RunsError(TensordiffError):
 class Run:
     path: str
     kind: str
-    """'megatron-lm log', 'mindformers log' or 'tensordiff capture'."""
+    """'megatron-lm log', 'mindformers log', 'tensorboard events' or 'tensordiff capture'."""
     loss: dict[int, float] = field(default_factory=dict)
     grad_norm: dict[int, float] = field(default_factory=dict)
     lr: dict[int, float] = field(default_factory=dict)
@@ -94,12 +97,114 @@ def _parse_mindformers(line: str, run: Run) -> bool:
     return True
 
 
+#: TensorBoard tags -> what they are (the first tags are MindFormers' and Megatron-LM's own).
+TB_TAGS = {
+    "loss": "loss", "lm loss": "loss", "lm_loss": "loss", "train/loss": "loss", "train_loss": "loss",
+    "grad-norm": "grad_norm", "grad_norm": "grad_norm", "global_norm": "grad_norm",
+    "learning-rate": "lr", "learning_rate": "lr", "lr": "lr",
+    "lm loss validation": "val_loss", "validation loss": "val_loss", "val/loss": "val_loss", "eval_loss": "val_loss",
+}
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _fields(buf: bytes):
+    """(field number, wire type, value) of a protobuf message; length-delimited values as bytes."""
+    pos = 0
+    while pos < len(buf):
+        key, pos = _varint(buf, pos)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _varint(buf, pos)
+        elif wire == 1:
+            value, pos = buf[pos:pos + 8], pos + 8
+        elif wire == 2:
+            size, pos = _varint(buf, pos)
+            value, pos = buf[pos:pos + size], pos + size
+        elif wire == 5:
+            value, pos = buf[pos:pos + 4], pos + 4
+        else:
+            raise ValueError(f"wire type {wire}")
+        yield number, wire, value
+
+
+def _tensor_scalar(buf: bytes) -> float | None:
+    """A scalar TensorProto (dtype float/double): float_val (5) or double_val (6) or tensor_content (4)."""
+    dtype = None
+    for number, wire, value in _fields(buf):
+        if number == 1 and wire == 0:
+            dtype = value
+        elif number == 5:
+            return struct.unpack("<f", value[:4])[0] if wire == 2 else struct.unpack("<f", value)[0]
+        elif number == 6:
+            return struct.unpack("<d", value[:8])[0]
+        elif number == 4 and len(value) in (4, 8):
+            return struct.unpack("<f" if (dtype in (None, 1) and len(value) == 4) else "<d", value)[0]
+    return None
+
+
+def _read_tfevents(path: str, data: bytes) -> Run:
+    run = Run(path, "tensorboard events")
+    pos = 0
+    while pos + 12 <= len(data):
+        (length,) = struct.unpack("<Q", data[pos:pos + 8])
+        record = data[pos + 12:pos + 12 + length]
+        pos += 12 + length + 4
+        if len(record) < length:
+            raise RunsError(f"{path}: truncated TensorBoard event file (a record of {length} bytes is cut short); "
+                            "copy the file again once the run has flushed it")
+        step = 0
+        values: list[tuple[str, float]] = []
+        for number, wire, value in _fields(record):
+            if number == 2 and wire == 0:
+                step = value
+            elif number == 5 and wire == 2:  # Summary
+                for n2, w2, val in _fields(value):
+                    if n2 != 1 or w2 != 2:
+                        continue
+                    tag, scalar = "", None
+                    for n3, w3, v3 in _fields(val):
+                        if n3 == 1 and w3 == 2:
+                            tag = v3.decode("utf-8", "replace")
+                        elif n3 == 2 and w3 == 5:
+                            scalar = struct.unpack("<f", v3)[0]
+                        elif n3 == 8 and w3 == 2:
+                            scalar = _tensor_scalar(v3)
+                    if tag and scalar is not None:
+                        values.append((tag, float(scalar)))
+        for tag, scalar in values:
+            what = TB_TAGS.get(tag.strip().lower())
+            if what is not None:
+                getattr(run, what)[step] = scalar
+    if not run.loss:
+        raise RunsError(f"{path}: a TensorBoard event file with no loss scalar (tags read: {', '.join(sorted(TB_TAGS))}); "
+                        "pass the training log instead")
+    return run
+
+
 def read_run(path: str) -> Run:
     """Read a training log or a capture; the format is recognised from the content."""
     if not os.path.exists(path):
         raise RunsError(f"{path}: no such file; pass a Megatron-LM or MindFormers training log, or a tensordiff capture")
     with open(path, "rb") as fh:
         head = fh.read(8)
+    if os.path.basename(path).startswith("events.out.tfevents"):
+        with open(path, "rb") as fh:
+            data = fh.read()
+        try:
+            return _read_tfevents(path, data)
+        except (ValueError, IndexError, struct.error):
+            raise RunsError(f"{path}: not a readable TensorBoard event file (corrupt record); pass the training log "
+                            "instead") from None
     if head.startswith(b"\x89HDF"):
         from .store import Capture
 

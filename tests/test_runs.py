@@ -121,3 +121,26 @@ def test_unknown_format_names_the_line(tmp_path, capsys):
     assert len(err.splitlines()) == 1 and str(junk) in err and "'hello world'" in err
     with pytest.raises(RunsError, match="no such file"):
         read_run(str(tmp_path / "missing.log"))
+
+
+def test_tensorboard_events_from_tensorboardx(tmp_path, logs):
+    """The event files MindFormers writes (through tensorboardX's SummaryWriter, its tensor_writer)."""
+    tbx = pytest.importorskip("tensorboardX")
+    writer = tbx.SummaryWriter(str(tmp_path / "tb"))
+    for step in range(10, 201, 10):
+        writer.add_scalar("loss", 10 * math.exp(-step / 80) + 2, global_step=step)
+        writer.add_scalar("grad-norm", 1.5 + step / 1000, global_step=step)
+        writer.add_scalar("learning-rate", 3e-4, global_step=step)
+    writer.close()
+    (events,) = [str(p) for p in (tmp_path / "tb").iterdir()]
+    run = read_run(events)
+    assert run.kind == "tensorboard events" and sorted(run.loss) == list(range(10, 201, 10))
+    assert run.loss[100] == pytest.approx(10 * math.exp(-1.25) + 2, rel=1e-6)  # stored as float32
+    assert run.grad_norm[200] == pytest.approx(1.7, rel=1e-6)
+    res = compare_runs(read_run(logs[0]), run)
+    assert res.passed and res.max_rel_loss < 1e-6  # the Megatron-LM log and these events hold the same curve
+    cut = tmp_path / "events.out.tfevents.cut"
+    with open(events, "rb") as fh:
+        cut.write_bytes(fh.read()[:-7])
+    with pytest.raises(RunsError, match="truncated TensorBoard event file"):
+        read_run(str(cut))
