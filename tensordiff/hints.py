@@ -78,16 +78,11 @@ def _explained(before: float, after: float) -> float:
 
 
 # ----------------------------------------------------------------------------- activations
-def _erf(x: np.ndarray) -> np.ndarray:
-    # Abramowitz-Stegun 7.1.26 is too coarse; use math.erf through a vectorised ufunc (float64, exact)
-    return _ERF(x)
-
-
-_ERF = np.frompyfunc(math.erf, 1, 1)
+_erf = np.vectorize(math.erf, otypes=[np.float64])  # numpy has no erf; math.erf is exact in float64
 
 
 def _gelu_erf(x: np.ndarray) -> np.ndarray:
-    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)).astype(np.float64))
+    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
 
 
 def _gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -119,7 +114,7 @@ ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 
 
 def _d_gelu_erf(x: np.ndarray) -> np.ndarray:
-    return 0.5 * (1.0 + _erf(x / math.sqrt(2.0)).astype(np.float64)) + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+    return 0.5 * (1.0 + _erf(x / math.sqrt(2.0))) + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
 
 
 def _d_gelu_tanh(x: np.ndarray) -> np.ndarray:
@@ -218,6 +213,8 @@ class _Site:
             xb = apply(row.pair.ops, xb) if row.pair.ops else xb
             self.xb = np.asarray(xb, dtype=np.float64)
         self.before = _rel(self.xa, self.xb) if self.ready else math.nan
+        self._weights: dict[str, dict[str, np.ndarray]] = {}
+        self._inputs: dict[tuple[str, int], list[np.ndarray]] = {}
 
     @property
     def ready(self) -> bool:
@@ -228,22 +225,20 @@ class _Site:
         return None if x is None else x.astype(np.float64)
 
     def weights(self, module: str) -> dict[str, np.ndarray]:
-        out = {}
-        for r in self.recs_a:
-            if r.phase == "weights" and r.module == module:
-                x = self.array(r)
-                if x is not None:
-                    out[r.slot] = x
-        return out
+        """A's parameters of ``module`` at this step (read once; several checks ask)."""
+        if module not in self._weights:
+            self._weights[module] = {r.slot: x for r in self.recs_a if r.phase == "weights" and r.module == module
+                                     for x in [self.array(r)] if x is not None}
+        return self._weights[module]
 
     def inputs(self, module: str, call: int) -> list[np.ndarray]:
-        out = []
-        for r in self.recs_a:
-            if r.phase == "forward" and r.kind == "input" and r.module == module and r.call == call:
-                x = self.array(r)
-                if x is not None and np.issubdtype(x.dtype, np.floating):
-                    out.append(x)
-        return out
+        """A's floating-point inputs of that call, in record order (read once)."""
+        if (module, call) not in self._inputs:
+            self._inputs[(module, call)] = [
+                x for r in self.recs_a
+                if r.phase == "forward" and r.kind == "input" and r.module == module and r.call == call
+                for x in [self.array(r)] if x is not None and np.issubdtype(x.dtype, np.floating)]
+        return self._inputs[(module, call)]
 
     def earlier_outputs(self, limit: int = 4) -> Iterator[Record]:
         """A's forward outputs made just before the diverged tensor inside the same parent call, newest first."""
@@ -261,6 +256,25 @@ class _Site:
             found += 1
             if found >= limit:
                 return
+
+
+def _fit_sides(site: "_Site", outs: dict) -> tuple[Any, Any, float] | None:
+    """Of candidate rebuilds, the one closest to A and the one closest to B: (key A, key B, B's residual), or
+    None when no candidate reproduces A (the inputs are not this op's) or A's and B's best are the same."""
+    if not outs:
+        return None
+    key_a = min(outs, key=lambda k: _rel(outs[k], site.xa))
+    if _rel(outs[key_a], site.xa) > 0.05 * site.before:
+        return None
+    key_b = min(outs, key=lambda k: _rel(outs[k], site.xb))
+    if key_b == key_a:
+        return None
+    return key_a, key_b, _rel(outs[key_b], site.xb)
+
+
+def _rope_name(k: tuple) -> str:
+    return (f"{'interleaved (GPT-J)' if k[0] else 'rotate-half (NeoX)'} pairs, base {k[1]:g}"
+            + (f", positions from {k[2]}" if k[2] else ""))
 
 
 def _hint(cause: str, title: str, site: _Site, after: float, evidence: str = "", **details: Any) -> Hint:
@@ -287,15 +301,10 @@ def check_activation(site: _Site) -> Iterator[Hint]:
                     continue
                 if y.shape == site.xa.shape:
                     outs[name] = y
-            if not outs:
+            fit = _fit_sides(site, outs)
+            if fit is None:
                 continue
-            name_a = min(outs, key=lambda n: _rel(outs[n], site.xa))
-            if _rel(outs[name_a], site.xa) > 0.05 * site.before:
-                continue  # does not reproduce A: this is not the activation's input
-            name_b = min(outs, key=lambda n: _rel(outs[n], site.xb))
-            if name_b == name_a:
-                continue
-            after = _rel(outs[name_b], site.xb)
+            name_a, name_b, after = fit
             yield _hint("activation", f"B computes {name_b} where A computes {name_a}", site, after,
                         f"input: A's {label}; A = {name_a} of it (rel L2 {_rel(outs[name_a], site.xa):.1e}), "
                         f"B = {name_b} of it (rel L2 {after:.1e})", a=name_a, b=name_b, input=label)
@@ -324,14 +333,10 @@ def check_activation_backward(site: _Site) -> Iterator[Hint]:
         if g is None:
             continue
         for suffix, pre in pres:
-            outs = {name: g * d(pre) for name, d in DERIVATIVES.items()}
-            name_a = min(outs, key=lambda n: _rel(outs[n], site.xa))
-            if _rel(outs[name_a], site.xa) > 0.05 * site.before:
+            fit = _fit_sides(site, {name: g * d(pre) for name, d in DERIVATIVES.items()})
+            if fit is None:
                 continue
-            name_b = min(outs, key=lambda n: _rel(outs[n], site.xb))
-            if name_b == name_a:
-                continue
-            after = _rel(outs[name_b], site.xb)
+            name_a, name_b, after = fit
             yield _hint("activation-backward", f"B's backward multiplies by the derivative of {name_b}; A's by that "
                         f"of {name_a}", site, after,
                         f"A's {up.module} {up.tensor_label} × {name_b}'({fwd.module} {fwd.tensor_label}{suffix}) "
@@ -397,23 +402,15 @@ def check_rope(site: _Site) -> Iterator[Hint]:
                 for base in (10000.0, 500000.0, 1000000.0, 50000.0):
                     for offset in (0, 1):
                         variants[(interleaved, base, offset)] = _rope(x, base, interleaved, offset, seq_axis)
-            key_a = min(variants, key=lambda k: _rel(variants[k], site.xa))
-            if _rel(variants[key_a], site.xa) > 0.05 * site.before:
+            fit = _fit_sides(site, variants)
+            if fit is None:
                 continue
-            key_b = min(variants, key=lambda k: _rel(variants[k], site.xb))
-            if key_b == key_a:
-                continue
-            after = _rel(variants[key_b], site.xb)
+            key_a, key_b, after = fit
             err = np.abs(site.xa - site.xb).max(axis=tuple(i for i in range(4) if i != seq_axis))
-
-            def name(k: tuple) -> str:
-                return (f"{'interleaved (GPT-J)' if k[0] else 'rotate-half (NeoX)'} pairs, base {k[1]:g}"
-                        + (f", positions from {k[2]}" if k[2] else ""))
-
-            yield _hint("rope", f"B applies RoPE with {name(key_b)}; A with {name(key_a)}", site, after,
+            yield _hint("rope", f"B applies RoPE with {_rope_name(key_b)}; A with {_rope_name(key_a)}", site, after,
                         f"input: A's {src.module} {src.tensor_label}; max error by position: "
                         f"{err[0]:.1e} at 0, {err[len(err) // 2]:.1e} at {len(err) // 2}, {err[-1]:.1e} at {len(err) - 1}",
-                        a=name(key_a), b=name(key_b))
+                        a=_rope_name(key_a), b=_rope_name(key_b))
             return
 
 
@@ -432,22 +429,14 @@ def check_rope_table(site: _Site) -> Iterator[Hint]:
 
     variants = {(i, b, o): table(i, b, o) for i in (False, True) for b in (10000.0, 50000.0, 500000.0, 1000000.0)
                 for o in (0, 1)}
-    key_a = min(variants, key=lambda k: _rel(variants[k], site.xa))
-    if _rel(variants[key_a], site.xa) > 0.05 * site.before:
+    fit = _fit_sides(site, variants)
+    if fit is None:
         return
-    key_b = min(variants, key=lambda k: _rel(variants[k], site.xb))
-    if key_b == key_a:
-        return
-    after = _rel(variants[key_b], site.xb)
-
-    def name(k: tuple) -> str:
-        return (f"{'interleaved (GPT-J)' if k[0] else 'rotate-half (NeoX)'} pairs, base {k[1]:g}"
-                + (f", positions from {k[2]}" if k[2] else ""))
-
+    key_a, key_b, after = fit
     err = np.abs(site.xa - site.xb).reshape(s_len, -1).max(axis=1)
-    yield _hint("rope", f"B's RoPE uses {name(key_b)}; A's uses {name(key_a)}", site, after,
+    yield _hint("rope", f"B's RoPE uses {_rope_name(key_b)}; A's uses {_rope_name(key_a)}", site, after,
                 f"fitted angle tables; largest difference at position 0: {err[0]:.1e}, at {s_len - 1}: {err[-1]:.1e}",
-                a=name(key_a), b=name(key_b))
+                a=_rope_name(key_a), b=_rope_name(key_b))
 
 
 def _representable(x: np.ndarray, dtype: Any) -> float:
@@ -459,21 +448,24 @@ def check_dtype(site: _Site) -> Iterator[Hint]:
     """B computes (or stores) this tensor in BF16/FP16: recomputed from rounded inputs it matches B, or its values
     sit on the narrow grid with an error of the format's rounding size (2^-8 for BF16)."""
     a = site.a
+    linear = None  # (input, weight) of a linear layer whose exact product reproduces A
+    if a.phase == "forward" and a.kind == "output":
+        w = site.weights(a.module).get("weight")
+        ins = site.inputs(a.module, a.call)
+        if w is not None and w.ndim == 2 and ins and ins[0].shape[-1] == w.shape[1] \
+                and _rel(ins[0] @ w.T, site.xa) <= 0.05 * site.before:
+            linear = (ins[0], w)
     for name, dt, eps in (("BF16", ml_dtypes.bfloat16, 2.0 ** -8), ("FP16", np.float16, 2.0 ** -11)):
-        # 1. a linear layer recomputed from rounded inputs and weight, output rounded
-        if a.phase == "forward" and a.kind == "output":
-            w = site.weights(a.module).get("weight")
-            ins = site.inputs(a.module, a.call)
-            if w is not None and w.ndim == 2 and ins and ins[0].shape[-1] == w.shape[1]:
-                x = ins[0]
-                if _rel(x @ w.T, site.xa) <= 0.05 * site.before:
-                    r = lambda v: v.astype(np.float32).astype(dt).astype(np.float64)  # noqa: E731
-                    after = _rel(r(r(x) @ r(w).T), site.xb)
-                    if _explained(site.before, after) >= MIN_EXPLAINED:
-                        yield _hint("dtype", f"B computes {a.module} in {name}: inputs, weight and output rounded to "
-                                    f"{name}", site, after, f"A's input and weight rounded to {name}, multiplied in "
-                                    f"float64, the product rounded: reproduces B to rel L2 {after:.1e}", dtype=name)
-                        return
+        # 1. the linear layer recomputed from rounded inputs and weight, output rounded
+        if linear is not None:
+            x, w = linear
+            r = lambda v: v.astype(np.float32).astype(dt).astype(np.float64)  # noqa: E731
+            after = _rel(r(r(x) @ r(w).T), site.xb)
+            if _explained(site.before, after) >= MIN_EXPLAINED:
+                yield _hint("dtype", f"B computes {a.module} in {name}: inputs, weight and output rounded to "
+                            f"{name}", site, after, f"A's input and weight rounded to {name}, multiplied in "
+                            f"float64, the product rounded: reproduces B to rel L2 {after:.1e}", dtype=name)
+                return
         # 2. the signature: B's values are all numbers of the narrow format, A's are not
         share_b = _representable(site.xb, dt)
         share_a = _representable(site.xa, dt)

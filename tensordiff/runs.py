@@ -50,17 +50,13 @@ _MF_NORM = re.compile(r"global_norm:\s*\[?\s*" + _NUM)
 _MF_LR = re.compile(r"\blr:\s*\[?\s*" + _NUM)
 
 
-def _float(text: str) -> float:
-    return float(text)
-
-
 def _parse_megatron(line: str, run: Run) -> bool:
     m = _MEGATRON_VAL.search(line)
     if m:
         fields = dict((k.strip(), v) for k, v in _MEGATRON_FIELD.findall("|" + m.group(2)))
         value = fields.get("lm loss value")
         if value is not None:
-            run.val_loss[int(m.group(1))] = _float(value)
+            run.val_loss[int(m.group(1))] = float(value)
             return True
         return False
     m = _MEGATRON_ITER.search(line)
@@ -70,11 +66,11 @@ def _parse_megatron(line: str, run: Run) -> bool:
     fields = {k.strip(): v for k, v in _MEGATRON_FIELD.findall(line[m.end() - 1:])}
     if "lm loss" not in fields:
         return False
-    run.loss[step] = _float(fields["lm loss"])
+    run.loss[step] = float(fields["lm loss"])
     if "grad norm" in fields:
-        run.grad_norm[step] = _float(fields["grad norm"])
+        run.grad_norm[step] = float(fields["grad norm"])
     if "learning rate" in fields:
-        run.lr[step] = _float(fields["learning rate"])
+        run.lr[step] = float(fields["learning rate"])
     return True
 
 
@@ -87,13 +83,13 @@ def _parse_mindformers(line: str, run: Run) -> bool:
     if not loss:
         return False
     global_step = step + (epoch - 1) * per_epoch
-    run.loss[global_step] = _float(loss.group(1))
+    run.loss[global_step] = float(loss.group(1))
     norm = _MF_NORM.search(rest)
     if norm:
-        run.grad_norm[global_step] = _float(norm.group(1))
+        run.grad_norm[global_step] = float(norm.group(1))
     lr = _MF_LR.search(rest)
     if lr:
-        run.lr[global_step] = _float(lr.group(1))
+        run.lr[global_step] = float(lr.group(1))
     return True
 
 

@@ -227,10 +227,13 @@ class TorchCapture(Recorder):
 
 
 def _from_numpy(x: np.ndarray) -> torch.Tensor:
-    for torch_dtype, (int_dtype, np_dtype) in _NUMPY_VIEW.items():
+    """The inverse of ``to_numpy``: ml_dtypes arrays come back as torch BF16/FP8 through their raw bits."""
+    x = np.ascontiguousarray(x)
+    for torch_dtype, (_, np_dtype) in _NUMPY_VIEW.items():
         if x.dtype == np_dtype:
-            return torch.from_numpy(np.ascontiguousarray(x).view(np.dtype(str(int_dtype).replace("torch.", "")))).view(torch_dtype)
-    return torch.from_numpy(np.ascontiguousarray(x))
+            bits = np.uint16 if x.dtype.itemsize == 2 else np.uint8
+            return torch.from_numpy(x.view(bits)).view(torch_dtype)
+    return torch.from_numpy(x)
 
 
 def replay_call(model: torch.nn.Module, module_name: str, inputs: list[tuple[str, np.ndarray]],
