@@ -7,15 +7,18 @@ DEMO   := out/demo
 
 FAMILY ?= llama
 FAULT  ?= none
+# WikiText-2 (valid.txt, test.txt): never copied into the repository
+WIKITEXT2 ?= $(or $(TENSORDIFF_WIKITEXT2),../shared/data/wikitext-2)
+STEPS  ?= 300
 
-.PHONY: setup demo compare test clean
+.PHONY: setup demo compare wikitext2 test clean
 
 $(VENV)/.done: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch pinned: 2.13.0 is the CPU build on this machine's disk (an unpinned torch pulls CUDA)
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[megatron,transformers,mindformers,safetensors,dev]"
+	$(PY) -m pip install -q -e ".[megatron,transformers,mindformers,safetensors,plot,wikitext,dev]"
 	touch $@
 
 setup: $(VENV)/.done
@@ -30,6 +33,10 @@ demo: setup
 compare: setup
 	$(PY) examples/megatron_vs_mindformers/run.py --family $(FAMILY) --fault $(FAULT); \
 	  code=$$?; test $$code -le 1 && echo "(exit code $$code: 0 = the runs agree, 1 = a divergence was found; JSON in out/megatron_vs_mindformers/)"
+
+wikitext2: setup
+	$(PY) examples/wikitext2/run.py --data $(WIKITEXT2) --steps $(STEPS); \
+	  code=$$?; test $$code -le 1 && echo "(exit code $$code: 0 = the loss curves agree within 1%, 1 = they do not; plot and report in out/wikitext2/)"
 
 test: setup
 	$(PY) -m pytest -q

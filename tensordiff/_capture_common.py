@@ -134,7 +134,10 @@ class NullCapture:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def step(self, loss: Any = None, grads: Any = None) -> None:
+    def step(self, loss: Any = None, grads: Any = None, **scalars: Any) -> None:
+        return None
+
+    def log(self, step: int | None = None, **values: Any) -> None:
         return None
 
     def loss(self, value: Any) -> None:

@@ -55,6 +55,8 @@ class Recorder:
         self._step_ready = False
         self._done = False
         self._failed = False
+        self._iteration = 0  # step() calls: the training step in flight, for scalars
+        self._closed = False
         self._reset_step()
 
     # framework hooks for subclasses ---------------------------------------------
@@ -130,16 +132,40 @@ class Recorder:
         except Exception as err:
             self._fail(err)
 
-    def step(self, loss: Any = None) -> None:
-        """End the step in flight (recording ``loss`` first, if given)."""
+    def step(self, loss: Any = None, **scalars: Any) -> None:
+        """End the step in flight (recording ``loss`` first, if given).
+
+        ``loss`` and any keyword scalars (``grad_norm=``, ``lr=``, ``val_loss=`` ...) are also
+        appended to the file's per-step scalars, for every step of the run, including those
+        after the captured ones: ``tensordiff runs`` reads them."""
         if loss is not None:
             self.loss(loss)
+            scalars = {"loss": self._loss if self._loss is not None else loss, **scalars}
+        if scalars:
+            self.log(**scalars)
+        self._iteration += 1
         if not self.active:
             return
         try:
             self._end_step()
         except Exception as err:
             self._fail(err)
+
+    def log(self, step: int | None = None, **values: Any) -> None:
+        """Append per-step scalars (numbers or one-element tensors), e.g. ``cap.log(val_loss=v)``.
+
+        ``step`` defaults to the training step in flight (the number of ``step()`` calls so far).
+        Cheap and kept for the whole run, after the captured steps too; never raises."""
+        if self._closed or not values:
+            return
+        try:
+            at = self._iteration if step is None else int(step)
+            out = {name: float(v) if isinstance(v, (int, float)) else self._scalar(self._loss_tensor(v))
+                   for name, v in values.items() if v is not None}
+            self._writer.submit_scalars(at, out)
+        except Exception as err:
+            warnings.warn(f"tensordiff: scalars {sorted(values)} not recorded ({type(err).__name__}: {err}); "
+                          "training goes on", RuntimeWarning, stacklevel=2)
 
     def close(self) -> None:
         """Finish the step in flight, remove every hook, close the file."""
@@ -149,6 +175,7 @@ class Recorder:
             except Exception as err:
                 self._fail(err)
         self._remove_hooks()
+        self._closed = True
         self._writer.close()
 
     # bookkeeping --------------------------------------------------------------

@@ -7,7 +7,6 @@ Errors print one line, never a traceback.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import subprocess
 import sys
@@ -83,12 +82,15 @@ def _parser() -> argparse.ArgumentParser:
                        description="Compare the loss curves of two runs (Megatron-LM or MindFormers training logs, or "
                                    "tensordiff captures), aligned by step. Exit 0: the relative loss error stays within "
                                    "--threshold after --warmup steps; 1: it does not; 2: bad input.",
-                       epilog="example: tensordiff runs megatron.log mindformers.log --threshold 0.01 --warmup 20")
+                       epilog="example: tensordiff runs megatron.log mindformers.log --threshold 0.01 --warmup 20 --plot runs.png")
     u.add_argument("a", help="run A: a training log or a capture")
     u.add_argument("b", help="run B")
     u.add_argument("--threshold", type=float, default=0.01, help="largest relative loss error allowed (default 0.01 = 1%%)")
     u.add_argument("--warmup", type=int, default=0, help="steps not judged at the start (default 0)")
     u.add_argument("--json", metavar="FILE", help="also write a machine-readable report")
+    u.add_argument("--plot", metavar="PNG", help="draw both loss curves, their relative error and the grad norms "
+                                                  "(needs matplotlib: pip install 'tensordiff[plot]')")
+    u.add_argument("--html", metavar="FILE", help="write a self-contained HTML report with the plot and the table")
     u.add_argument("--width", type=int)
     u.add_argument("--no-color", action="store_true")
 
@@ -205,32 +207,23 @@ def _runs(args: argparse.Namespace) -> int:
     console.print(f"A {res.a.path} ({res.a.kind}, {len(res.a.loss)} steps)")
     console.print(f"B {res.b.path} ({res.b.kind}, {len(res.b.loss)} steps)")
     table = Table(title=f"{len(res.steps)} common steps, judged after step {res.warmup}", title_justify="left")
-    table.add_column("measure")
-    table.add_column("A", justify="right")
-    table.add_column("B", justify="right")
-    table.add_column("relative", justify="right")
-    table.add_row("mean relative loss error", "", "", f"{res.mean_rel_loss:.3%}")
-    table.add_row(f"max relative loss error (step {res.max_rel_step})", f"{res.a.loss[res.max_rel_step]:.6g}",
-                  f"{res.b.loss[res.max_rel_step]:.6g}", f"{res.max_rel_loss:.3%}")
-    if res.final_loss and res.final_ppl:
-        table.add_row(f"final training loss (step {res.steps[-1]})", f"{res.final_loss[0]:.6g}", f"{res.final_loss[1]:.6g}",
-                      f"{abs(res.final_loss[1] - res.final_loss[0]) / abs(res.final_loss[0]):.3%}")
-        table.add_row("final training perplexity", f"{res.final_ppl[0]:.6g}", f"{res.final_ppl[1]:.6g}",
-                      f"{abs(res.final_ppl[1] - res.final_ppl[0]) / res.final_ppl[0]:.3%}")
-    if res.val is not None:
-        step, la, lb = res.val
-        pa, pb = math.exp(la), math.exp(lb)
-        table.add_row(f"validation perplexity (step {step})", f"{pa:.6g}", f"{pb:.6g}", f"{abs(pb - pa) / pa:.3%}")
-    if res.grad_norm_mean_rel is not None:
-        table.add_row("grad norm, mean / max relative difference", "", "",
-                      f"{res.grad_norm_mean_rel:.3%} / {res.grad_norm_max_rel:.3%}")
+    for name, justify in (("measure", "left"), ("A", "right"), ("B", "right"), ("relative", "right")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for row in res.measures():
+        table.add_row(*row)
     console.print(table)
-    if res.passed:
-        console.print(f"PASS: the relative loss error stays within {res.threshold:.2%} after step {res.warmup}.",
-                      style="tensordiff.ok")
-    else:
-        console.print(f"FAIL: the relative loss error first exceeds {res.threshold:.2%} at step {res.first_over} "
-                      f"(max {res.max_rel_loss:.3%} at step {res.max_rel_step}).", style="tensordiff.diverged")
+    console.print(res.verdict(), style="tensordiff.ok" if res.passed else "tensordiff.diverged")
+    if args.plot or args.html:
+        from .runs_report import plot_png, write_html
+
+        png = plot_png(res)
+        if args.plot:
+            with open(args.plot, "wb") as fh:
+                fh.write(png)
+            console.print(f"plot: {args.plot}")
+        if args.html:
+            write_html(res, args.html, png)
+            console.print(f"report: {args.html}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump(res.as_dict(), fh, indent=1)

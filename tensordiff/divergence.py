@@ -150,7 +150,7 @@ def _locate(row: "Row", st: _Step, prev_step: _Step | None) -> tuple[str, str, d
         return ("the loss computation", "The model's outputs agree but the loss does not: the loss function or its reduction differs "
                 "(mean vs sum, masking, label shift).", {})
     if a.phase == "param_grad":
-        return (f"the weight gradient of {mod}.{a.slot}",
+        return (f"in the weight gradient of {mod}.{a.slot}",
                 f"The activations and gradients around {mod} agree, but the gradient of its parameter {a.slot} does not{on_b}: "
                 "the weight-gradient computation, gradient scaling, accumulation or reduction differs there.",
                 {"module": a.module, "param": a.slot})

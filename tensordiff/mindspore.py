@@ -178,11 +178,12 @@ class MindSporeCapture(Recorder):
         except Exception as err:
             self._fail(err)
 
-    def step(self, loss: Any = None, grads: Any = None) -> None:  # type: ignore[override]
-        """End the step in flight, recording ``loss`` and ``grads`` (see :meth:`grads`) first, if given."""
+    def step(self, loss: Any = None, grads: Any = None, **scalars: Any) -> None:  # type: ignore[override]
+        """End the step in flight, recording ``loss`` and ``grads`` (see :meth:`grads`) first, if given;
+        keyword scalars as in :meth:`Recorder.step`."""
         if grads is not None:
             self.grads(grads)
-        super().step(loss)
+        super().step(loss, **scalars)
 
     # hooks --------------------------------------------------------------------
     def _install(self) -> None:

@@ -8,7 +8,8 @@ Readers, by what the file holds (sniffed, not by name):
   made global: s + (e-1)·S), also the ``loss:[X/mean]`` form;
 * TensorBoard event files (``events.out.tfevents.*``, as MindFormers, Megatron-LM and tensorboardX
   write them): scalars ``loss``/``lm loss``, ``grad-norm``, ``learning-rate``, ``lm loss validation``;
-* tensordiff captures (``.h5``): the loss of each captured step.
+* tensordiff captures (``.h5``): the per-step scalars given to ``cap.step(loss, grad_norm=..., lr=...)``
+  and ``cap.log(val_loss=...)`` for every step of the run, else the loss of each captured step.
 
 Framework-free: plain text, HDF5, and a small reader of TFRecord-framed ``Event`` protobufs.
 """
@@ -99,6 +100,7 @@ TB_TAGS = {
     "grad-norm": "grad_norm", "grad_norm": "grad_norm", "global_norm": "grad_norm",
     "learning-rate": "lr", "learning_rate": "lr", "lr": "lr",
     "lm loss validation": "val_loss", "validation loss": "val_loss", "val/loss": "val_loss", "eval_loss": "val_loss",
+    "val_loss": "val_loss",
 }
 
 
@@ -187,6 +189,33 @@ def _read_tfevents(path: str, data: bytes) -> Run:
     return run
 
 
+def _read_capture(path: str) -> Run:
+    """A capture's per-step scalars (``cap.step(loss, grad_norm=...)``, every step of the run), or else
+    the loss of each captured step."""
+    from .store import Capture
+
+    run = Run(path, "tensordiff capture")
+    try:
+        with Capture(path) as cap:
+            # a capture counts steps from 0; the logs count iterations from 1: step k is iteration k + 1
+            for name, values in cap.scalars().items():
+                what = TB_TAGS.get(name)
+                if what is not None:
+                    getattr(run, what).update({step + 1: v for step, v in values.items()})
+            if not run.loss:
+                for step in cap.steps:
+                    loss = cap.step_attrs(step).get("loss")
+                    if loss is not None:
+                        run.loss[step + 1] = float(loss)
+    except TensordiffError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise RunsError(f"{path}: unreadable capture ({err}); capture the run again") from None
+    if not run.loss:
+        raise RunsError(f"{path}: the capture has no loss for any step; call cap.step(loss) in the training loop")
+    return run
+
+
 def read_run(path: str) -> Run:
     """Read a training log or a capture; the format is recognised from the content."""
     if not os.path.exists(path):
@@ -202,17 +231,7 @@ def read_run(path: str) -> Run:
             raise RunsError(f"{path}: not a readable TensorBoard event file (corrupt record); pass the training log "
                             "instead") from None
     if head.startswith(b"\x89HDF"):
-        from .store import Capture
-
-        run = Run(path, "tensordiff capture")
-        with Capture(path) as cap:
-            for step in cap.steps:
-                loss = cap.step_attrs(step).get("loss")
-                if loss is not None:
-                    run.loss[step] = float(loss)
-        if not run.loss:
-            raise RunsError(f"{path}: the capture has no loss for any step; call cap.step(loss) in the training loop")
-        return run
+        return _read_capture(path)
     with open(path, encoding="utf-8", errors="replace") as fh:
         lines = fh.readlines()
     for kind, parse in (("megatron-lm log", _parse_megatron), ("mindformers log", _parse_mindformers)):
@@ -245,6 +264,33 @@ class Comparison:
     grad_norm_max_rel: float | None
     passed: bool
 
+    def measures(self) -> list[tuple[str, str, str, str]]:
+        """(measure, A, B, relative) rows of the report, as text (the terminal table and the HTML share them)."""
+        rows = [("mean relative loss error", "", "", f"{pct(self.mean_rel_loss)}")]
+        if self.max_rel_step is not None:
+            s = self.max_rel_step
+            rows.append((f"max relative loss error (step {s})", f"{self.a.loss[s]:.6g}", f"{self.b.loss[s]:.6g}",
+                         f"{pct(self.max_rel_loss)}"))
+        if self.final_loss and self.final_ppl:
+            (la, lb), (pa, pb) = self.final_loss, self.final_ppl
+            rows.append((f"final training loss (step {self.steps[-1]})", f"{la:.6g}", f"{lb:.6g}", f"{pct(_rel(la, lb))}"))
+            rows.append(("final training perplexity", f"{pa:.6g}", f"{pb:.6g}", f"{pct(_rel(pa, pb))}"))
+        if self.val is not None:
+            step, la, lb = self.val
+            pa, pb = math.exp(min(la, 700)), math.exp(min(lb, 700))
+            rows.append((f"validation loss (step {step})", f"{la:.6g}", f"{lb:.6g}", f"{pct(_rel(la, lb))}"))
+            rows.append((f"validation perplexity (step {step})", f"{pa:.6g}", f"{pb:.6g}", f"{pct(_rel(pa, pb))}"))
+        if self.grad_norm_mean_rel is not None:
+            rows.append(("grad norm, mean / max relative difference", "", "",
+                         f"{pct(self.grad_norm_mean_rel)} / {pct(self.grad_norm_max_rel)}"))
+        return rows
+
+    def verdict(self) -> str:
+        if self.passed:
+            return f"PASS: the relative loss error stays within {self.threshold:.2%} after step {self.warmup}."
+        return (f"FAIL: the relative loss error first exceeds {self.threshold:.2%} at step {self.first_over} "
+                f"(max {pct(self.max_rel_loss)} at step {self.max_rel_step}).")
+
     def as_dict(self) -> dict[str, Any]:
         def clean(v: Any) -> Any:
             return None if isinstance(v, float) and not math.isfinite(v) else v
@@ -263,6 +309,13 @@ class Comparison:
             "passed": self.passed,
             "rel_loss": {str(k): clean(v) for k, v in self.rel_loss.items()},
         }
+
+
+def pct(x: float | None) -> str:
+    """A relative error as a percentage, readable at any size (0.0042% rather than 0.000%)."""
+    if x is None or not math.isfinite(x):
+        return "n/a" if x is None else str(x)
+    return f"{x:.3%}" if x >= 1e-3 or x == 0 else f"{x * 100:.2g}%"
 
 
 def _rel(a: float, b: float) -> float:

@@ -6,6 +6,8 @@ Layout (see docs/format.md)::
     /steps/000000        attrs: complete=1, loss, records, wall_time
         index            compound dataset, one row per record (metadata + float64 stats)
         data/<seq>       the tensor, in its own dtype (BF16 as raw uint16 bits), chunked+gzip
+    /scalars             compound dataset (step, name, value): per-step scalars of the whole run
+                         (loss, grad_norm, lr, val_loss, ...), appended and flushed as they come
 
 A step is written whole and flushed, then marked ``complete``; readers ignore
 incomplete steps, so a crash loses at most the step in flight.
@@ -57,6 +59,8 @@ INDEX_DTYPE = np.dtype(
     ]
 )
 _ROW_FIELDS = INDEX_DTYPE.names
+SCALAR_NAME_LEN = 48
+SCALAR_DTYPE = np.dtype([("step", "<i8"), ("name", f"S{SCALAR_NAME_LEN}"), ("value", "<f8")])
 
 #: Tensors smaller than this are stored contiguous (chunking small data only costs space).
 _CHUNK_MIN_BYTES = 64 * 1024
@@ -86,13 +90,15 @@ class CaptureWriter:
         self.path = path
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
-        self._file = h5py.File(path, "w", libver="v110")
+        self._file = h5py.File(path, "w", libver=("earliest", "v110"))  # superblock v0: no "open for write" flag, so a killed run stays readable
         self._file.attrs[FORMAT_ATTR] = FORMAT_VERSION
         for key, value in attrs.items():
             self._file.attrs[key] = _attr_value(value)
         self._file.create_group("steps")
         self._file.flush()
         self.error: BaseException | None = None
+        self._closed = False
+        self._scalars: h5py.Dataset | None = None
         self._queue: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         if background:
@@ -109,7 +115,18 @@ class CaptureWriter:
         else:
             self._queue.put(job)
 
+    def submit_scalars(self, step: int, values: dict[str, float]) -> None:
+        """Append per-step scalars (written and flushed off the training thread)."""
+        if self.error is not None or self._closed:
+            return
+        job = ("scalars", step, values)
+        if self._queue is None:
+            self._write_guarded(job)
+        else:
+            self._queue.put(job)
+
     def close(self) -> None:
+        self._closed = True
         if self._queue is not None and self._thread is not None:
             self._queue.put(None)
             self._thread.join()
@@ -131,15 +148,31 @@ class CaptureWriter:
         if self.error is not None:
             return
         try:
-            self._write(*job)
+            if job[0] == "scalars":
+                self._write_scalars(job[1], job[2])
+            else:
+                self._write(*job)
         except BaseException as err:  # never let storage problems reach training
             self.error = err
             warnings.warn(
-                f"tensordiff: writing step {job[0]} to {self.path} failed ({err}); "
+                f"tensordiff: writing {'scalars' if job[0] == 'scalars' else f'step {job[0]}'} to {self.path} "
+                f"failed ({err}); "
                 "capture stopped, training goes on",
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+    def _write_scalars(self, step: int, values: dict[str, float]) -> None:
+        if self._scalars is None:
+            self._scalars = self._file.create_dataset("scalars", shape=(0,), maxshape=(None,), dtype=SCALAR_DTYPE,
+                                                      chunks=(1024,))
+        ds = self._scalars
+        n = ds.shape[0]
+        rows = np.array([(step, name.encode()[:SCALAR_NAME_LEN], value) for name, value in values.items()],
+                        dtype=SCALAR_DTYPE)
+        ds.resize((n + len(rows),))
+        ds[n:] = rows
+        self._file.flush()
 
     def _write(self, step: int, rows: list[dict[str, Any]], data: dict[int, np.ndarray], attrs: dict[str, Any]) -> None:
         grp = self._file.create_group(step_group_name(step))
@@ -223,6 +256,17 @@ class Capture:
 
     def step_attrs(self, step: int) -> dict[str, Any]:
         return {k: (_decode(v) if isinstance(v, bytes) else v) for k, v in self._file[step_group_name(step)].attrs.items()}
+
+    def scalars(self) -> dict[str, dict[int, float]]:
+        """Per-step scalars of the run: name -> {step: value} (a later value of a step wins)."""
+        out: dict[str, dict[int, float]] = {}
+        ds = self._file.get("scalars")
+        if not isinstance(ds, h5py.Dataset) or ds.dtype.names is None or \
+                not {"step", "name", "value"} <= set(ds.dtype.names):
+            return out
+        for row in ds[()]:
+            out.setdefault(_decode(row["name"]), {})[int(row["step"])] = float(row["value"])
+        return out
 
     def records(self, step: int) -> list[Record]:
         cached = self._cache.get(step)

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import struct
 import subprocess
 import sys
 
@@ -107,7 +108,7 @@ def test_captures_are_runs_too(tmp_path):
     la = train.main(["--capture", a, "--train-steps", "3", "--capture-steps", "3"])
     lb = train.main(["--capture", b, "--train-steps", "3", "--capture-steps", "3", "--fault", "optimizer-wd"])
     res = compare_runs(read_run(a), read_run(b))
-    assert res.steps == [0, 1, 2] and res.rel_loss[0] == 0.0
+    assert res.steps == [1, 2, 3] and res.rel_loss[1] == 0.0  # a capture's step k is iteration k + 1, as in the logs
     assert res.final_loss == (pytest.approx(la[-1], rel=1e-6), pytest.approx(lb[-1], rel=1e-6))
 
 
@@ -144,3 +145,102 @@ def test_tensorboard_events_from_tensorboardx(tmp_path, logs):
         cut.write_bytes(fh.read()[:-7])
     with pytest.raises(RunsError, match="truncated TensorBoard event file"):
         read_run(str(cut))
+
+
+TINY_TRAIN = r"""
+import os, signal, sys, torch, tensordiff
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+x, y = torch.randn(32, 8), torch.randn(32, 1)
+kill_at = int(sys.argv[2])
+with tensordiff.capture(model, sys.argv[1], steps=2, optimizer=opt) as cap:
+    for step in range(40):
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        opt.step()
+        opt.zero_grad()
+        cap.step(loss, grad_norm=norm, lr=0.05)
+        print(step, repr(loss.item()), repr(norm.item()), flush=True)
+        if step % 10 == 9:
+            cap.log(val_loss=loss.item() + 1.0, step=step)
+        if step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _tiny_run(tmp_path, name, kill_at=-1):
+    pytest.importorskip("torch")
+    path = str(tmp_path / name)
+    proc = subprocess.run([sys.executable, "-c", TINY_TRAIN, path, str(kill_at)], capture_output=True, text=True,
+                          timeout=300)
+    printed = {int(s) + 1: (float(l), float(n)) for s, l, n in (line.split() for line in proc.stdout.splitlines())}
+    return path, proc.returncode, printed
+
+
+def test_capture_scalars_cover_the_whole_run(tmp_path):
+    """cap.step(loss, grad_norm=..., lr=...) and cap.log(val_loss=...) keep every step, not only the captured two."""
+    from tensordiff.store import Capture
+
+    path, code, printed = _tiny_run(tmp_path, "tiny.h5")
+    assert code == 0 and len(printed) == 40
+    with Capture(path) as cap:
+        assert cap.steps == [0, 1]  # tensors of two steps ...
+        scalars = cap.scalars()  # ... scalars of all forty, counted from 0
+    assert sorted(scalars["loss"]) == list(range(40)) and sorted(scalars["val_loss"]) == [9, 19, 29, 39]
+    run = read_run(path)
+    assert run.kind == "tensordiff capture" and sorted(run.loss) == list(range(1, 41))
+    assert all(run.loss[s] == pytest.approx(printed[s][0], rel=1e-7) for s in printed)
+    assert all(run.grad_norm[s] == pytest.approx(printed[s][1], rel=1e-7) for s in printed)
+    assert run.lr[40] == pytest.approx(0.05) and run.val_loss[10] == pytest.approx(printed[10][0] + 1.0)
+    res = compare_runs(run, read_run(path))
+    assert res.passed and res.max_rel_loss == 0.0 and res.val == (40, run.val_loss[40], run.val_loss[40])
+
+
+def test_scalars_survive_sigkill(tmp_path):
+    """Each step's scalars are flushed as they come: a killed run keeps every step before the one in flight."""
+    path, code, printed = _tiny_run(tmp_path, "killed.h5", kill_at=24)
+    from tensordiff.store import Capture
+
+    assert code == -9 and max(printed) == 25
+    with Capture(path) as cap:
+        assert cap.steps == [0, 1]  # the captured steps are whole
+    run = read_run(path)
+    # step 25 was in flight; the writer thread may still hold the one before (writes are off the training thread)
+    assert max(run.loss) >= 23, sorted(run.loss)
+    assert all(run.loss[s] == pytest.approx(printed[s][0], rel=1e-7) for s in run.loss)
+
+
+def test_plot_and_self_contained_html(logs, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    other = tmp_path / "other.log"
+    with open(logs[0]) as src:  # the same run, 2% higher loss from iteration 150 on
+        text = src.read().splitlines()
+    out = []
+    for line in text:
+        if "| lm loss:" in line and int(line.split("iteration")[1].split("/")[0]) >= 150:
+            value = float(line.split("lm loss:")[1].split("|")[0])
+            line = line.replace(f"lm loss: {value:.6E}", f"lm loss: {value * 1.02:.6E}")
+        out.append(line)
+    other.write_text("\n".join(out) + "\n")
+    png, page = str(tmp_path / "runs.png"), str(tmp_path / "runs.html")
+    assert main(["runs", logs[0], str(other), "--plot", png, "--html", page]) == 1
+    assert "FAIL: the relative loss error first exceeds 1.00% at step 150" in capsys.readouterr().out
+    with open(png, "rb") as fh:
+        head = fh.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", head[16:24])
+    assert width >= 800 and height >= 700  # three panels: loss, relative error, grad norm
+    html_text = open(page, encoding="utf-8").read()
+    assert "data:image/png;base64," in html_text and "first exceeds 1.00% at step 150" in html_text
+    assert "http://" not in html_text and "https://" not in html_text and "<script" not in html_text
+    assert html_text.count("<tr>") == 1 + 7 + 1 + 20  # header, 7 measures, per-step header, 20 common steps
+
+
+def test_plot_without_matplotlib_is_one_line(logs, tmp_path):
+    code = ("import sys; sys.modules['matplotlib'] = None; from tensordiff.cli import main; "
+            f"sys.exit(main(['runs', {logs[0]!r}, {logs[0]!r}, '--plot', {str(tmp_path / 'p.png')!r}]))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "pip install 'tensordiff[plot]'" in proc.stderr

@@ -39,7 +39,7 @@ def _run(cmd: list[str], quiet: bool, cwd: str) -> int:
     if quiet:  # the frameworks' own start-up chatter goes to a log next to the outputs
         proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout.splitlines():
-            if line.startswith(("tensordiff", "megatron-core", "mindspore ")):
+            if line.startswith(("tensordiff", "megatron-core", "mindspore ", "mindformers step", "prepare.py")):
                 print("  " + line)
         if proc.returncode != 0:  # show what went wrong in full
             print(proc.stdout[-6000:], file=sys.stderr)

@@ -1,0 +1,121 @@
+"""Train MindFormers' GPTModel (parallel_core, GPT-2-shaped) on WikiText-2 (MindSpore CPU, FP32, PyNative),
+from the shared checkpoint, with tensordiff on.
+
+    python examples/wikitext2/mindformers_train.py --tokens tokens.h5 --load-ckpt init.ckpt \\
+        --capture mindformers.h5
+
+The model is MindFormers 1.9's Megatron-style GPTModel with LayerNorm, GELU, learned absolute
+positions (they reach the embedding only with ``use_eod_reset=True``), biases and tied embeddings;
+the optimizer is MindFormers' own AdamW (run under ``mindspore.jit``: its PyNative form costs more
+than the model's step here), with the per-step learning rates of common.py. MindFormers lacks some
+CPU kernels: ``tensordiff.compat.mindformers_cpu`` supplies them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import numpy as np
+
+import tensordiff
+from examples.wikitext2.common import Tokens, Train, decays, learning_rates, model_spec
+from tensordiff.ckpt_io import load as read_checkpoint
+from tensordiff.compat.mindformers_cpu import enable, init_mindformers_cpu
+
+FP32 = dict(compute_dtype="float32", params_dtype="float32", layernorm_compute_dtype="float32",
+            softmax_compute_dtype="float32", rotary_dtype="float32")
+
+
+def gpt2_model(spec, gelu: str = "tanh"):
+    from mindformers.parallel_core.training_graph.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from mindformers.parallel_core.training_graph.base_models.gpt.gpt_model import GPTModel
+    from mindformers.parallel_core.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim, seq_length=spec.seq_length, vocab_size=spec.vocab_size,
+        position_embedding_type="learned_absolute", normalization="LayerNorm", layernorm_epsilon=spec.layernorm_epsilon,
+        gated_linear_unit=False, hidden_act="gelu", add_bias_linear=True, use_flash_attention=False,
+        hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=-1, use_eod_reset=True, **FP32)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=spec.vocab_size,
+                     max_sequence_length=spec.seq_length, position_embedding_type="learned_absolute",
+                     share_embeddings_and_output_weights=True)
+    if gelu == "erf":
+        for layer in model.decoder.layers:
+            layer.mlp.activation_func.approximate = False
+    return model
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", required=True, help="written by prepare.py")
+    p.add_argument("--steps", type=int, default=Train.steps)
+    p.add_argument("--load-ckpt", required=True, help="the shared initial weights, converted to MindFormers names")
+    p.add_argument("--capture", help="tensordiff capture file")
+    args = p.parse_args(argv)
+    t = Train(steps=args.steps)
+    data = Tokens(args.tokens)
+    spec = model_spec(data.vocab_size, data.seq_length, t.batch_size)
+
+    init_mindformers_cpu(0)
+    enable()
+    import mindspore as ms
+    from mindformers.core.optim import AdamW
+
+    from examples.megatron_vs_mindformers.mf_models import load_state
+
+    model = gpt2_model(spec)
+    model.set_train(True)
+    load_state(model, {k: np.asarray(v) for k, v in read_checkpoint(args.load_ckpt).items()})
+    params = model.trainable_params()
+    lrs = learning_rates(t)
+    opt = AdamW([{"params": [p for p in params if decays(p.name, p.ndim)], "weight_decay": t.weight_decay},
+                 {"params": [p for p in params if not decays(p.name, p.ndim)], "weight_decay": 0.0}],
+                learning_rate=lrs, betas=t.betas, eps=t.eps)
+    weights = list(opt.parameters)  # the optimizer's (grouped) order: gradients come back in it
+    seq = data.seq_length
+    position_ids = ms.Tensor(np.tile(np.arange(seq, dtype=np.int32), (t.batch_size, 1)))
+    loss_mask = ms.Tensor(np.ones((t.batch_size, seq), dtype=np.float32))
+
+    def lm_loss(window: np.ndarray):
+        ids = ms.Tensor(window[:, :-1].astype(np.int32))
+        labels = ms.Tensor(window[:, 1:].astype(np.int32))
+        # train mode returns (loss, mtp_loss, extra_loss, attention_loss); loss is the masked mean
+        return model(ids, position_ids=position_ids, labels=labels, loss_mask=loss_mask)[0].reshape(())
+
+    grad_fn = ms.value_and_grad(lm_loss, None, weights)
+
+    @ms.jit
+    def clip(grads):
+        norm = ms.ops.sqrt(sum(ms.ops.sum(g * g) for g in grads))
+        scale = ms.ops.minimum(t.clip_grad / (norm + 1e-6), 1.0)  # torch.nn.utils.clip_grad_norm_'s rule
+        return norm, tuple(g * scale for g in grads)
+
+    update = ms.jit(opt.construct)
+    started = time.time()
+    with tensordiff.capture(model, args.capture, steps=1) as cap:
+        for step in range(t.steps):
+            loss, grads = grad_fn(data.batch(step, t.batch_size))
+            grad_norm, grads = clip(ms.mutable(tuple(grads)))  # mutable: one compilation, not one per step
+            cap.grads(grads, weights)
+            update(ms.mutable(grads))
+            cap.step(loss, grad_norm=grad_norm, lr=lrs[step])
+            it = step + 1
+            if it % t.eval_interval == 0 or it == t.steps:
+                losses = [float(lm_loss(w)) for w in data.valid_batches(t.batch_size, t.eval_batches)]
+                val = sum(losses) / len(losses)
+                cap.log(val_loss=val, step=step)
+                print(f"mindformers step {it}/{t.steps}: loss {float(loss):.4f}, validation loss {val:.4f} "
+                      f"({time.time() - started:.0f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
