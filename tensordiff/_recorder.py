@@ -142,7 +142,7 @@ class Recorder:
             self.loss(loss)
             scalars = {"loss": self._loss if self._loss is not None else loss, **scalars}
         if scalars:
-            self.log(**scalars)
+            self.log(self._iteration, **scalars)
         self._iteration += 1
         if not self.active:
             return
@@ -154,12 +154,13 @@ class Recorder:
     def log(self, step: int | None = None, **values: Any) -> None:
         """Append per-step scalars (numbers or one-element tensors), e.g. ``cap.log(val_loss=v)``.
 
-        ``step`` defaults to the training step in flight (the number of ``step()`` calls so far).
-        Cheap and kept for the whole run, after the captured steps too; never raises."""
+        ``step`` defaults to the step that ``step()`` ended last (0 before the first): validation
+        logged after ``cap.step(loss)`` lands on that step, as Megatron-LM's "validation loss at
+        iteration N" does. Cheap and kept for the whole run, after the captured steps too; never raises."""
         if self._closed or not values:
             return
         try:
-            at = self._iteration if step is None else int(step)
+            at = max(self._iteration - 1, 0) if step is None else int(step)
             out = {name: float(v) if isinstance(v, (int, float)) else self._scalar(self._loss_tensor(v))
                    for name, v in values.items() if v is not None}
             self._writer.submit_scalars(at, out)

@@ -171,3 +171,30 @@ def test_graph_mode_under_cli_exits_2(tmp_path):
     assert last.startswith("tensordiff: error: ") and "mindspore_side.py" in last
     assert "GRAPH_MODE" in last and "PYNATIVE_MODE" in last
     assert "Traceback" not in proc.stderr.split("tensordiff: error")[-1]
+
+
+def test_scalars_for_every_step_after_the_captured_ones(tmp_path):
+    """cap.step(loss, grads=..., grad_norm=...) keeps the scalars of all steps; tensors only of the first."""
+    from tensordiff.runs import read_run
+
+    path = str(tmp_path / "ms.h5")
+    model, b = _tiny(), _batch()
+    opt = ms.nn.SGD(model.trainable_params(), learning_rate=0.1)
+    fn = ms.value_and_grad(lambda: model(b["tokens"], b["position_ids"], b["attention_mask"], b["labels"], b["loss_mask"]),
+                           None, opt.parameters)
+    losses, norms = [], []
+    with tensordiff.capture(model, path, steps=1) as cap:
+        for step in range(6):
+            loss, grads = fn()
+            norm = ms.ops.sqrt(sum(ms.ops.sum(g * g) for g in grads))
+            opt(grads)
+            cap.step(loss, grads=grads, grad_norm=norm, lr=0.1)
+            losses.append(float(loss))
+            norms.append(float(norm))
+        cap.log(val_loss=losses[-1] + 0.5)
+    with Capture(path) as c:
+        assert c.steps == [0]
+    run = read_run(path)
+    assert sorted(run.loss) == [1, 2, 3, 4, 5, 6] and run.loss[6] == pytest.approx(losses[-1], rel=1e-7)
+    assert [run.grad_norm[s] for s in range(1, 7)] == pytest.approx(norms, rel=1e-7)
+    assert run.val_loss == {6: pytest.approx(losses[-1] + 0.5)}  # logged after the last step(): its step

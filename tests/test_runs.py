@@ -164,7 +164,7 @@ with tensordiff.capture(model, sys.argv[1], steps=2, optimizer=opt) as cap:
         cap.step(loss, grad_norm=norm, lr=0.05)
         print(step, repr(loss.item()), repr(norm.item()), flush=True)
         if step % 10 == 9:
-            cap.log(val_loss=loss.item() + 1.0, step=step)
+            cap.log(val_loss=loss.item() + 1.0)
         if step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 """

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
                 with torch.no_grad():
                     losses = [lm_loss(w).item() for w in data.valid_batches(t.batch_size, t.eval_batches)]
                 val = sum(losses) / len(losses)
-                cap.log(val_loss=val, step=step)
+                cap.log(val_loss=val)  # lands on the step just ended
                 if log:
                     print(f" validation loss at iteration {it} | lm loss value: {val:.6E} | "
                           f"lm loss PPL: {torch.tensor(val).exp().item():.6E} |", file=log, flush=True)

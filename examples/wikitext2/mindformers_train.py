@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             if it % t.eval_interval == 0 or it == t.steps:
                 losses = [float(lm_loss(w)) for w in data.valid_batches(t.batch_size, t.eval_batches)]
                 val = sum(losses) / len(losses)
-                cap.log(val_loss=val, step=step)
+                cap.log(val_loss=val)  # lands on the step just ended
                 print(f"mindformers step {it}/{t.steps}: loss {float(loss):.4f}, validation loss {val:.4f} "
                       f"({time.time() - started:.0f} s)", flush=True)
     return 0
