@@ -9,6 +9,7 @@ import base64
 import datetime
 import html
 import io
+import math
 import os
 
 from .errors import UsageError
@@ -52,20 +53,23 @@ def plot_png(res: Comparison, dpi: int = 110) -> bytes:
 
     ax = axes[1]
     steps = res.steps
-    rel = [max(res.rel_loss[s], 1e-12) for s in steps]
+    # steps where the losses are bit-identical have no place on a log scale: left as gaps
+    rel = [res.rel_loss[s] if res.rel_loss[s] > 0 else math.nan for s in steps]
     ax.semilogy(steps, rel, color="#444444", lw=1.0, label="loss |B − A| / |A|")
     if gn_steps:
-        ax.semilogy(gn_steps, [max(abs(b.grad_norm[s] - a.grad_norm[s]) / abs(a.grad_norm[s]), 1e-12)
-                               if a.grad_norm[s] else float("nan") for s in gn_steps],
+        ax.semilogy(gn_steps, [abs(b.grad_norm[s] - a.grad_norm[s]) / abs(a.grad_norm[s])
+                               if a.grad_norm[s] and b.grad_norm[s] != a.grad_norm[s] else math.nan for s in gn_steps],
                     color="#ff7f0e", lw=0.8, alpha=0.8, label="grad norm |B − A| / |A| (not judged)")
     ax.axhline(res.threshold, color=BAD_COLOR, ls="--", lw=1, label=f"threshold {res.threshold:.2%}")
     if res.warmup > 0:
         ax.axvspan(steps[0], min(res.warmup, steps[-1]), color="#999999", alpha=0.15, label="warm-up (not judged)")
     if res.first_over is not None:
         ax.axvline(res.first_over, color=BAD_COLOR, lw=1, label=f"first over: step {res.first_over}")
+    low, high = ax.get_ylim()
+    ax.set_ylim(low / 100, max(high, res.threshold * 3))  # room below the curves for the legend
     ax.set_ylabel("relative difference")
-    ax.legend(fontsize=8, loc="upper right")
-    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="lower right", ncol=2, framealpha=0.85)
+    ax.grid(alpha=0.3, which="major")
 
     if gn_steps:
         ax = axes[2]

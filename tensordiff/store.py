@@ -211,6 +211,12 @@ class Capture:
         try:
             self._file = h5py.File(path, "r")
         except OSError as err:
+            if "unable to lock file" in str(err):
+                raise CaptureFileError(f"{path}: still open for writing (a capture in progress holds its lock); "
+                                       "read it once that run has ended or closed the capture") from None
+            if "already open for write" in str(err):
+                raise CaptureFileError(f"{path}: written by a run that did not close it, with an older tensordiff "
+                                       "(HDF5 consistency flag set); clear it with `h5clear -s FILE` and retry") from None
             reason = str(err).split("(")[0].strip().rstrip(":") or "unreadable"
             raise CaptureFileError(
                 f"{path}: not a readable HDF5 file ({reason}); the file is truncated or of another kind, re-run the capture"

@@ -11,6 +11,7 @@ other side to convert. Plain SGD, loss = masked mean of Megatron's per-token los
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from typing import Any
@@ -69,7 +70,7 @@ def build_mcore(spec: Spec, seed: int, device: str = "cpu") -> Any:
         layernorm_epsilon=spec.layernorm_epsilon,
         add_bias_linear=gpt2,
         gated_linear_unit=not gpt2,
-        activation_func=F.gelu if gpt2 else F.silu,
+        activation_func=(functools.partial(F.gelu, approximate="tanh") if spec.gelu == "tanh" else F.gelu) if gpt2 else F.silu,
         bias_activation_fusion=False,
         qk_layernorm=spec.qk_layernorm,
     )

@@ -31,6 +31,7 @@ class Spec:
     layernorm_epsilon: float = 1e-5
     rotary_base: int = 10000
     qk_layernorm: bool = False
+    gelu: str = "erf"  # gpt2: "erf" (torch's F.gelu) or "tanh" (GPT-2's own, MindFormers' default)
     lr: float = 0.1  # plain SGD on both sides: the same update maths in both frameworks
 
     @property

@@ -32,10 +32,10 @@ class Train:
     eval_batches: int = 4
 
 
-def model_spec(vocab_size: int, seq_length: int, batch_size: int) -> Spec:
+def model_spec(vocab_size: int, seq_length: int, batch_size: int, gelu: str = "tanh") -> Spec:
     return Spec(family="gpt2", num_layers=2, hidden_size=128, ffn_hidden_size=512, num_attention_heads=4,
                 num_query_groups=4, vocab_size=vocab_size, seq_length=seq_length, batch_size=batch_size,
-                init_std=0.02, layernorm_epsilon=1e-5)
+                init_std=0.02, layernorm_epsilon=1e-5, gelu=gelu)
 
 
 def learning_rates(t: Train) -> list[float]:

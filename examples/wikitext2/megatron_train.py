@@ -12,7 +12,6 @@ Megatron-LM's training loop prints them.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import time
@@ -21,7 +20,6 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch
-import torch.nn.functional as F
 
 import tensordiff
 from examples.megatron_vs_mindformers.megatron_side import build_mcore, state_for_saving
@@ -41,13 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     t = Train(steps=args.steps)
     data = Tokens(args.tokens)
-    spec = model_spec(data.vocab_size, data.seq_length, t.batch_size)
+    spec = model_spec(data.vocab_size, data.seq_length, t.batch_size, gelu=args.gelu)
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
     model = build_mcore(spec, args.seed)
-    if args.gelu == "tanh":
-        for layer in model.decoder.layers:
-            layer.mlp.activation_func = functools.partial(F.gelu, approximate="tanh")
     if args.save_ckpt:
         from safetensors.torch import save_file
 
@@ -60,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     lrs = learning_rates(t)
     seq = data.seq_length
     position_ids = torch.arange(seq).unsqueeze(0).expand(t.batch_size, seq)
-    causal = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)  # True = masked
+    # True = masked; one per sample, as MindFormers builds it (a [1, 1, S, S] mask broadcasts the same)
+    causal = torch.triu(torch.ones(seq, seq, dtype=torch.bool), diagonal=1).expand(t.batch_size, 1, seq, seq)
 
     def lm_loss(window) -> torch.Tensor:
         ids = torch.from_numpy(window).long()

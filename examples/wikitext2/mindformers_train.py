@@ -32,7 +32,7 @@ FP32 = dict(compute_dtype="float32", params_dtype="float32", layernorm_compute_d
             softmax_compute_dtype="float32", rotary_dtype="float32")
 
 
-def gpt2_model(spec, gelu: str = "tanh"):
+def gpt2_model(spec):
     from mindformers.parallel_core.training_graph.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from mindformers.parallel_core.training_graph.base_models.gpt.gpt_model import GPTModel
     from mindformers.parallel_core.transformer_config import TransformerConfig
@@ -44,12 +44,10 @@ def gpt2_model(spec, gelu: str = "tanh"):
         position_embedding_type="learned_absolute", normalization="LayerNorm", layernorm_epsilon=spec.layernorm_epsilon,
         gated_linear_unit=False, hidden_act="gelu", add_bias_linear=True, use_flash_attention=False,
         hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=-1, use_eod_reset=True, **FP32)
+    # hidden_act "gelu": MindFormers' GELU cell, tanh form by default (GPT-2's own)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=spec.vocab_size,
                      max_sequence_length=spec.seq_length, position_embedding_type="learned_absolute",
                      share_embeddings_and_output_weights=True)
-    if gelu == "erf":
-        for layer in model.decoder.layers:
-            layer.mlp.activation_func.approximate = False
     return model
 
 

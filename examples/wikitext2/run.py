@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="output folder (default out/wikitext2)")
     p.add_argument("--threshold", type=float, default=0.01, help="largest relative loss error allowed (default 1%%)")
     p.add_argument("--warmup", type=int, default=10, help="steps not judged at the start (default 10)")
+    p.add_argument("--megatron-gelu", choices=("tanh", "erf"), default="tanh",
+                   help="Megatron's GELU: tanh matches MindFormers (default); erf (torch's F.gelu default) is a "
+                        "deliberate first-step difference to see what the curves make of it")
     p.add_argument("--verbose", action="store_true", help="show the frameworks' own output")
     args = p.parse_args(argv)
     try:
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     pipeline = [
         [py, os.path.join(HERE, "prepare.py"), "--data", data, "-o", f["tokens"]],
         [py, os.path.join(HERE, "megatron_train.py"), "--tokens", f["tokens"], "--steps", steps,
-         "--save-ckpt", f["ckpt"], "--capture", f["a"], "--log", f["log"]],
+         "--save-ckpt", f["ckpt"], "--capture", f["a"], "--log", f["log"], "--gelu", args.megatron_gelu],
         td + ["ckpt", "convert", f["ckpt"], f["ms_ckpt"], "--mapping", "mcore-to-mindformers", "--to", "mindformers",
               "--var", "norm=layernorm", "--var", "fc1_layout=stacked", "--var", "heads=4", "--var", "groups=4"],
         [py, os.path.join(HERE, "mindformers_train.py"), "--tokens", f["tokens"], "--steps", steps,
