@@ -204,8 +204,8 @@ def _runs(args: argparse.Namespace) -> int:
 
     res = compare_runs(read_run(args.a), read_run(args.b), threshold=args.threshold, warmup=args.warmup)
     console = _console(args)
-    console.print(f"A {res.a.path} ({res.a.kind}, {len(res.a.loss)} steps)")
-    console.print(f"B {res.b.path} ({res.b.kind}, {len(res.b.loss)} steps)")
+    console.print(f"A {res.a.describe()}")
+    console.print(f"B {res.b.describe()}")
     table = Table(title=f"{len(res.steps)} common steps, judged after step {res.warmup}", title_justify="left")
     for name, justify in (("measure", "left"), ("A", "right"), ("B", "right"), ("relative", "right")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]

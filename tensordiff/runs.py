@@ -39,6 +39,21 @@ class Run:
     grad_norm: dict[int, float] = field(default_factory=dict)
     lr: dict[int, float] = field(default_factory=dict)
     val_loss: dict[int, float] = field(default_factory=dict)
+    relogged: set[int] = field(default_factory=set)
+    """steps logged more than once (a restart from a checkpoint): the last value is kept"""
+
+    def set_loss(self, step: int, value: float) -> None:
+        if step in self.loss:
+            self.relogged.add(step)
+        self.loss[step] = value
+
+    def describe(self) -> str:
+        text = f"{self.path} ({self.kind}, {len(self.loss)} steps"
+        if self.relogged:
+            lo, hi = min(self.relogged), max(self.relogged)
+            which = f"step {lo}" if lo == hi else f"{len(self.relogged)} steps in {lo}..{hi}"
+            text += f"; {which} logged again after a restart, the later values kept"
+        return text + ")"
 
 
 _NUM = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
@@ -67,7 +82,7 @@ def _parse_megatron(line: str, run: Run) -> bool:
     fields = {k.strip(): v for k, v in _MEGATRON_FIELD.findall(line[m.end() - 1:])}
     if "lm loss" not in fields:
         return False
-    run.loss[step] = float(fields["lm loss"])
+    run.set_loss(step, float(fields["lm loss"]))
     if "grad norm" in fields:
         run.grad_norm[step] = float(fields["grad norm"])
     if "learning rate" in fields:
@@ -84,7 +99,7 @@ def _parse_mindformers(line: str, run: Run) -> bool:
     if not loss:
         return False
     global_step = step + (epoch - 1) * per_epoch
-    run.loss[global_step] = float(loss.group(1))
+    run.set_loss(global_step, float(loss.group(1)))
     norm = _MF_NORM.search(rest)
     if norm:
         run.grad_norm[global_step] = float(norm.group(1))
@@ -182,7 +197,10 @@ def _read_tfevents(path: str, data: bytes) -> Run:
         for tag, scalar in values:
             what = TB_TAGS.get(tag.strip().lower())
             if what is not None:
-                getattr(run, what)[step] = scalar
+                if what == "loss":
+                    run.set_loss(step, scalar)
+                else:
+                    getattr(run, what)[step] = scalar
     if not run.loss:
         raise RunsError(f"{path}: a TensorBoard event file with no loss scalar (tags read: {', '.join(sorted(TB_TAGS))}); "
                         "pass the training log instead")
@@ -297,8 +315,8 @@ class Comparison:
 
         return {
             "tensordiff_runs": 1,
-            "a": {"path": self.a.path, "kind": self.a.kind, "steps": len(self.a.loss)},
-            "b": {"path": self.b.path, "kind": self.b.kind, "steps": len(self.b.loss)},
+            "a": {"path": self.a.path, "kind": self.a.kind, "steps": len(self.a.loss), "relogged": sorted(self.a.relogged)},
+            "b": {"path": self.b.path, "kind": self.b.kind, "steps": len(self.b.loss), "relogged": sorted(self.b.relogged)},
             "common_steps": len(self.steps), "threshold": self.threshold, "warmup": self.warmup,
             "mean_rel_loss": clean(self.mean_rel_loss), "max_rel_loss": clean(self.max_rel_loss),
             "max_rel_step": self.max_rel_step, "first_step_over_threshold": self.first_over,

@@ -111,8 +111,8 @@ def write_html(res: Comparison, path: str, png: bytes | None = None) -> None:
 <html lang="en"><head><meta charset="utf-8"><title>tensordiff runs: {e(os.path.basename(res.a.path))} vs {e(os.path.basename(res.b.path))}</title>
 <style>{_CSS}</style></head><body>
 <h1>tensordiff runs</h1>
-<p>A <code>{e(res.a.path)}</code> ({e(res.a.kind)}, {len(res.a.loss)} steps)<br>
-B <code>{e(res.b.path)}</code> ({e(res.b.kind)}, {len(res.b.loss)} steps)</p>
+<p>A <code>{e(res.a.describe())}</code><br>
+B <code>{e(res.b.describe())}</code></p>
 <p class="{'pass' if res.passed else 'fail'}"><b>{e(res.verdict())}</b></p>
 <table><tr><th>{len(res.steps)} common steps, judged after step {res.warmup}</th><th>A</th><th>B</th><th>relative</th></tr>
 {rows}

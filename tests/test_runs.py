@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -244,3 +245,32 @@ def test_plot_without_matplotlib_is_one_line(logs, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "pip install 'tensordiff[plot]'" in proc.stderr
+
+
+def _iteration(line):
+    m = re.search(r" iteration\s+(\d+)\s*/", line)
+    return int(m.group(1)) if m else None
+
+
+def test_restart_keeps_the_later_values(tmp_path, capsys):
+    """A job that blew up at iteration 60 and resumed from its checkpoint of iteration 50 logs 51..60 twice."""
+    whole, resumed = tmp_path / "whole.log", tmp_path / "resumed.log"
+    megatron_log(str(whole))
+    lines = whole.read_text().splitlines()
+    before = []
+    for ln in lines:
+        it = _iteration(ln)
+        if it is not None and it > 60:
+            break
+        if it is not None and it > 50:  # the diverging attempt: loss 50% higher
+            value = float(ln.split("lm loss:")[1].split("|")[0])
+            ln = ln.replace(f"lm loss: {value:.6E}", f"lm loss: {value * 1.5:.6E}")
+        before.append(ln)
+    before.append("Traceback (most recent call last): RuntimeError: loss is nan")
+    after = [ln for ln in lines if _iteration(ln) is None or _iteration(ln) > 50]
+    resumed.write_text("\n".join(before + after) + "\n")
+    run = read_run(str(resumed))
+    assert run.relogged == {60} and sorted(run.loss) == list(range(10, 201, 10))
+    assert run.loss[60] == pytest.approx(10 * math.exp(-60 / 80) + 2, rel=1e-6)  # the resumed value
+    assert main(["runs", str(resumed), str(whole), "--width", "200"]) == 0
+    assert "step 60 logged again after a restart, the later values kept" in capsys.readouterr().out
