@@ -381,6 +381,9 @@ def _ls(args: argparse.Namespace) -> int:
         console.print(table)
         if cap.incomplete_steps:
             console.print(f"  incomplete steps (ignored): {cap.incomplete_steps}")
+        for name, values in sorted(cap.scalars().items()):
+            steps = sorted(values)
+            console.print(f"  scalar {name}: {len(steps)} steps ({steps[0]}..{steps[-1]}), last {values[steps[-1]]:.6g}")
     return 0
 
 

@@ -180,7 +180,7 @@ def _tiny_run(tmp_path, name, kill_at=-1):
     return path, proc.returncode, printed
 
 
-def test_capture_scalars_cover_the_whole_run(tmp_path):
+def test_capture_scalars_cover_the_whole_run(tmp_path, capsys):
     """cap.step(loss, grad_norm=..., lr=...) and cap.log(val_loss=...) keep every step, not only the captured two."""
     from tensordiff.store import Capture
 
@@ -197,6 +197,9 @@ def test_capture_scalars_cover_the_whole_run(tmp_path):
     assert run.lr[40] == pytest.approx(0.05) and run.val_loss[10] == pytest.approx(printed[10][0] + 1.0)
     res = compare_runs(run, read_run(path))
     assert res.passed and res.max_rel_loss == 0.0 and res.val == (40, run.val_loss[40], run.val_loss[40])
+    assert main(["ls", path]) == 0
+    out = capsys.readouterr().out
+    assert "scalar loss: 40 steps (0..39)" in out and "scalar val_loss: 4 steps (9..39)" in out
 
 
 def test_scalars_survive_sigkill(tmp_path):
