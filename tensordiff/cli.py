@@ -87,6 +87,11 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("b", help="run B")
     u.add_argument("--threshold", type=float, default=0.01, help="largest relative loss error allowed (default 0.01 = 1%%)")
     u.add_argument("--warmup", type=int, default=0, help="steps not judged at the start (default 0)")
+    u.add_argument("--window", metavar="LO:HI", help="judge only steps LO..HI (both included; either may be left out)")
+    u.add_argument("--ppl-threshold", type=float, metavar="REL",
+                   help="also fail when the final or validation perplexities differ by more than REL (e.g. 0.02)")
+    u.add_argument("--grad-norm-threshold", type=float, metavar="REL",
+                   help="also fail when the mean relative grad-norm difference exceeds REL (e.g. 0.05)")
     u.add_argument("--json", metavar="FILE", help="also write a machine-readable report")
     u.add_argument("--plot", metavar="PNG", help="draw both loss curves, their relative error and the grad norms "
                                                   "(needs matplotlib: pip install 'tensordiff[plot]')")
@@ -202,11 +207,21 @@ def _runs(args: argparse.Namespace) -> int:
 
     from .runs import compare_runs, read_run
 
-    res = compare_runs(read_run(args.a), read_run(args.b), threshold=args.threshold, warmup=args.warmup)
+    window = None
+    if args.window:
+        lo, sep, hi = args.window.partition(":")
+        try:
+            window = (int(lo) if lo else 0, int(hi) if hi else 2**62)
+        except ValueError:
+            raise UsageError(f"--window {args.window}: expected LO:HI step numbers, e.g. --window 100:300 or 100:") from None
+        if not sep:
+            raise UsageError(f"--window {args.window}: expected LO:HI step numbers, e.g. --window 100:300 or 100:")
+    res = compare_runs(read_run(args.a), read_run(args.b), threshold=args.threshold, warmup=args.warmup, window=window,
+                       ppl_threshold=args.ppl_threshold, grad_norm_threshold=args.grad_norm_threshold)
     console = _console(args)
     console.print(f"A {res.a.describe()}")
     console.print(f"B {res.b.describe()}")
-    table = Table(title=f"{len(res.steps)} common steps, judged after step {res.warmup}", title_justify="left")
+    table = Table(title=f"{len(res.steps)} common steps, judged {res.judged_text()}", title_justify="left")
     for name, justify in (("measure", "left"), ("A", "right"), ("B", "right"), ("relative", "right")):
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for row in res.measures():

@@ -114,7 +114,7 @@ def write_html(res: Comparison, path: str, png: bytes | None = None) -> None:
 <p>A <code>{e(res.a.describe())}</code><br>
 B <code>{e(res.b.describe())}</code></p>
 <p class="{'pass' if res.passed else 'fail'}"><b>{e(res.verdict())}</b></p>
-<table><tr><th>{len(res.steps)} common steps, judged after step {res.warmup}</th><th>A</th><th>B</th><th>relative</th></tr>
+<table><tr><th>{len(res.steps)} common steps, judged {e(res.judged_text())}</th><th>A</th><th>B</th><th>relative</th></tr>
 {rows}
 </table>
 {img}

@@ -277,3 +277,37 @@ def test_restart_keeps_the_later_values(tmp_path, capsys):
     assert run.loss[60] == pytest.approx(10 * math.exp(-60 / 80) + 2, rel=1e-6)  # the resumed value
     assert main(["runs", str(resumed), str(whole), "--width", "200"]) == 0
     assert "step 60 logged again after a restart, the later values kept" in capsys.readouterr().out
+
+
+def test_window_and_extra_thresholds(logs, tmp_path, capsys):
+    """--window judges part of the run; --ppl-threshold and --grad-norm-threshold add to the verdict."""
+    whole, other = tmp_path / "a.log", tmp_path / "b.log"
+    megatron_log(str(whole))
+    lines = []
+    for ln in whole.read_text().splitlines():  # B: loss 3% higher from iteration 150, grad norm 10% higher
+        it = _iteration(ln)
+        if it is not None:
+            value = float(ln.split("lm loss:")[1].split("|")[0])
+            if it >= 150:
+                ln = ln.replace(f"lm loss: {value:.6E}", f"lm loss: {value * 1.03:.6E}")
+            norm = float(ln.split("grad norm:")[1].split("|")[0])
+            ln = ln.replace(f"grad norm: {norm:.3f}", f"grad norm: {norm * 1.1:.3f}")
+        lines.append(ln)
+    other.write_text("\n".join(lines) + "\n")
+    a, b = read_run(str(whole)), read_run(str(other))
+    early = compare_runs(a, b, window=(1, 140))
+    assert early.passed and early.max_rel_step <= 140 and early.judged_text() == "in steps 1..140"
+    late = compare_runs(a, b, window=(150, 10**9))
+    assert not late.passed and late.first_over == 150 and late.judged_text() == "in steps 150..200"
+    gn = compare_runs(a, b, window=(1, 140), grad_norm_threshold=0.05)
+    assert not gn.passed and gn.failures == ["the mean relative grad-norm difference is 10.000% > 5.00%"]
+    ppl = compare_runs(a, b, ppl_threshold=0.02, threshold=0.05)
+    assert not ppl.passed and ppl.first_over is None
+    assert [f.split(" differs")[0] for f in ppl.failures] == ["the final training perplexity"]  # validation: same lines
+    assert main(["runs", str(whole), str(other), "--window", "1:140", "--grad-norm-threshold", "0.2", "--width", "200"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS: the relative loss error stays within 1.00% in steps 1..140; grad norm within 20.00%." in out
+    assert main(["runs", str(whole), str(other), "--window", "150"]) == 2
+    assert "--window 150: expected LO:HI" in capsys.readouterr().err
+    assert main(["runs", str(whole), str(other), "--window", "300:400"]) == 2
+    assert "no common step is judged" in capsys.readouterr().err
