@@ -106,3 +106,29 @@ def test_megatron_vs_mindformers_on_wikitext2(tmp_path):
     assert sorted(log.loss) == sorted(cap.loss) == list(range(1, 13))
     assert all(abs(log.loss[s] - cap.loss[s]) <= 1e-6 * cap.loss[s] for s in cap.loss)
     assert np.isclose(log.val_loss[12], cap.val_loss[12], rtol=1e-6)
+
+
+def test_megatron_bf16_on_gpu_tracks_fp32(tmp_path):
+    """Megatron-LM's BF16 recipe (Float16Module, megatron-core DDP and optimizer) on a GPU vs FP32 on the CPU."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    data = _wikitext2()
+    if data is None:
+        pytest.skip("WikiText-2 not found: set TENSORDIFF_WIKITEXT2 to a folder with valid.txt and test.txt")
+    _needs_bpe()
+    tokens, ckpt = str(tmp_path / "tokens.h5"), str(tmp_path / "init.safetensors")
+    train = os.path.join(ROOT, "examples", "wikitext2", "megatron_train.py")
+    env = dict(os.environ, PYTHONPATH=ROOT, TENSORDIFF_TENSORS="none")
+    subprocess.run([sys.executable, PREPARE, "--data", data, "-o", tokens], check=True, timeout=300)
+    runs = {}
+    for name, extra in (("cpu", ["--save-ckpt", ckpt, "--device", "cpu"]), ("gpu", ["--load-ckpt", ckpt, "--device", "cuda", "--bf16"])):
+        runs[name] = str(tmp_path / f"{name}.h5")
+        env_side = dict(env, CUDA_VISIBLE_DEVICES="") if name == "cpu" else env  # megatron's CPU mode needs no GPU in sight
+        proc = subprocess.run([sys.executable, train, "--tokens", tokens, "--steps", "30", "--capture", runs[name]] + extra,
+                              capture_output=True, text=True, timeout=900, env=env_side)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    from tensordiff.runs import compare_runs, read_run
+
+    res = compare_runs(read_run(runs["cpu"]), read_run(runs["gpu"]), warmup=5)
+    assert res.passed and 1e-6 < res.mean_rel_loss < 5e-3  # BF16 moves the loss, but well inside 1%

@@ -30,12 +30,14 @@ from tensordiff.errors import TensordiffError
 
 
 def _init_megatron_cuda(seed: int) -> None:
-    """One process, one GPU: a gloo group with an in-process store, TP=PP=1, megatron's CUDA RNG tracker."""
+    """One process, one GPU: an NCCL group (megatron-core's DDP all-reduces CUDA tensors) with an in-process
+    store, TP=PP=1, megatron's CUDA RNG tracker."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(seed)
