@@ -172,7 +172,8 @@ class CaptureWriter:
                         dtype=SCALAR_DTYPE)
         ds.resize((n + len(rows),))
         ds[n:] = rows
-        self._file.flush()
+        if self._queue is None or self._queue.empty():  # else the job behind it (a step: flushed) is on its way
+            self._file.flush()
 
     def _write(self, step: int, rows: list[dict[str, Any]], data: dict[int, np.ndarray], attrs: dict[str, Any]) -> None:
         grp = self._file.create_group(step_group_name(step))
