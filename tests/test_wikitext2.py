@@ -106,6 +106,11 @@ def test_megatron_vs_mindformers_on_wikitext2(tmp_path):
     assert sorted(log.loss) == sorted(cap.loss) == list(range(1, 13))
     assert all(abs(log.loss[s] - cap.loss[s]) <= 1e-6 * cap.loss[s] for s in cap.loss)
     assert np.isclose(log.val_loss[12], cap.val_loss[12], rtol=1e-6)
+    # ... and so do MindFormers' own log lines (its MFLossMonitor, in output/log/rank_0/info.log)
+    mf_log, mf_cap = read_run(str(out / "output" / "log" / "rank_0" / "info.log")), read_run(str(out / "mindformers.h5"))
+    assert mf_log.kind == "mindformers log" and sorted(mf_log.loss) == list(range(1, 13))
+    assert all(abs(mf_log.loss[s] - mf_cap.loss[s]) <= 1e-6 for s in mf_cap.loss)  # printed with 6 decimals
+    assert all(abs(mf_log.grad_norm[s] / mf_cap.grad_norm[s] - 1) < 1e-6 for s in mf_cap.loss)
 
 
 def test_megatron_bf16_on_gpu_tracks_fp32(tmp_path):

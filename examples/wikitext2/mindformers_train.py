@@ -4,6 +4,9 @@ from the shared checkpoint, with tensordiff on.
     python examples/wikitext2/mindformers_train.py --tokens tokens.h5 --load-ckpt init.ckpt \\
         --capture mindformers.h5
 
+MindFormers' own log lines (``{ Epoch:[  1/  1], step:[    1/  300], loss: ...``, printed by its
+``MFLossMonitor``) go to ``output/log/rank_0/info.log`` under the working folder, as in any MindFormers run.
+
 The model is MindFormers 1.9's Megatron-style GPTModel with LayerNorm, GELU, learned absolute
 positions (they reach the embedding only with ``use_eod_reset=True``), biases and tied embeddings;
 the optimizer is MindFormers' own AdamW (run under ``mindspore.jit``: its PyNative form costs more
@@ -17,6 +20,7 @@ import argparse
 import os
 import sys
 import time
+import types
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -97,15 +101,26 @@ def main(argv: list[str] | None = None) -> int:
         return norm, tuple(g * scale for g in grads)
 
     update = ms.jit(opt.construct)
+    # MindFormers' own training log (MFLossMonitor, as its Trainer prints it): output/log/rank_0/info.log
+    from mindformers.core.callback.callback import MFLossMonitor
+
+    monitor = MFLossMonitor(learning_rate=lrs[0], per_print_times=1)
+    sink = types.SimpleNamespace(dataset_sink_mode=True)
     started = time.time()
     with tensordiff.capture(model, args.capture, steps=1) as cap:
         for step in range(t.steps):
+            t0 = time.time()
             loss, grads = grad_fn(data.batch(step, t.batch_size))
             grad_norm, grads = clip(ms.mutable(tuple(grads)))  # mutable: one compilation, not one per step
             cap.grads(grads, weights)
             update(ms.mutable(grads))
             cap.step(loss, grad_norm=grad_norm, lr=lrs[step])
             it = step + 1
+            took = time.time() - t0
+            monitor.learning_rate = lrs[step]
+            monitor.print_output_info(sink, 1, 1, t.batch_size / took, it, t.steps, float(loss), took * 1000, False, 1.0,
+                                      (t.steps - it) * took, 100 * it / t.steps, np.array([float(grad_norm)]),
+                                      np.array([float(loss)]), np.zeros(1), np.zeros(1), np.zeros(1))
             if it % t.eval_interval == 0 or it == t.steps:
                 losses = [float(lm_loss(w)) for w in data.valid_batches(t.batch_size, t.eval_batches)]
                 val = sum(losses) / len(losses)
