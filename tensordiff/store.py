@@ -90,7 +90,8 @@ class CaptureWriter:
         self.path = path
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
-        self._file = h5py.File(path, "w", libver=("earliest", "v110"))  # superblock v0: no "open for write" flag, so a killed run stays readable
+        # superblock v0 (low bound "earliest"): no "open for writing" flag, so a killed run's file opens as it is
+        self._file = h5py.File(path, "w", libver=("earliest", "v110"))
         self._file.attrs[FORMAT_ATTR] = FORMAT_VERSION
         for key, value in attrs.items():
             self._file.attrs[key] = _attr_value(value)
