@@ -211,11 +211,11 @@ def _runs(args: argparse.Namespace) -> int:
     if args.window:
         lo, sep, hi = args.window.partition(":")
         try:
+            if not sep:
+                raise ValueError
             window = (int(lo) if lo else 0, int(hi) if hi else 2**62)
         except ValueError:
             raise UsageError(f"--window {args.window}: expected LO:HI step numbers, e.g. --window 100:300 or 100:") from None
-        if not sep:
-            raise UsageError(f"--window {args.window}: expected LO:HI step numbers, e.g. --window 100:300 or 100:")
     res = compare_runs(read_run(args.a), read_run(args.b), threshold=args.threshold, warmup=args.warmup, window=window,
                        ppl_threshold=args.ppl_threshold, grad_norm_threshold=args.grad_norm_threshold)
     console = _console(args)

@@ -42,10 +42,11 @@ class Run:
     relogged: set[int] = field(default_factory=set)
     """steps logged more than once (a restart from a checkpoint): the last value is kept"""
 
-    def set_loss(self, step: int, value: float) -> None:
-        if step in self.loss:
+    def put(self, what: str, step: int, value: float) -> None:
+        """Record ``what`` ('loss', 'grad_norm', 'lr' or 'val_loss') of ``step``; a later value wins."""
+        if what == "loss" and step in self.loss:
             self.relogged.add(step)
-        self.loss[step] = value
+        getattr(self, what)[step] = value
 
     def describe(self) -> str:
         text = f"{self.path} ({self.kind}, {len(self.loss)} steps"
@@ -82,7 +83,7 @@ def _parse_megatron(line: str, run: Run) -> bool:
     fields = {k.strip(): v for k, v in _MEGATRON_FIELD.findall(line[m.end() - 1:])}
     if "lm loss" not in fields:
         return False
-    run.set_loss(step, float(fields["lm loss"]))
+    run.put("loss", step, float(fields["lm loss"]))
     if "grad norm" in fields:
         run.grad_norm[step] = float(fields["grad norm"])
     if "learning rate" in fields:
@@ -99,7 +100,7 @@ def _parse_mindformers(line: str, run: Run) -> bool:
     if not loss:
         return False
     global_step = step + (epoch - 1) * per_epoch
-    run.set_loss(global_step, float(loss.group(1)))
+    run.put("loss", global_step, float(loss.group(1)))
     norm = _MF_NORM.search(rest)
     if norm:
         run.grad_norm[global_step] = float(norm.group(1))
@@ -197,10 +198,7 @@ def _read_tfevents(path: str, data: bytes) -> Run:
         for tag, scalar in values:
             what = TB_TAGS.get(tag.strip().lower())
             if what is not None:
-                if what == "loss":
-                    run.set_loss(step, scalar)
-                else:
-                    getattr(run, what)[step] = scalar
+                run.put(what, step, scalar)
     if not run.loss:
         raise RunsError(f"{path}: a TensorBoard event file with no loss scalar (tags read: {', '.join(sorted(TB_TAGS))}); "
                         "pass the training log instead")
@@ -280,7 +278,6 @@ class Comparison:
     val: tuple[int, float, float] | None
     grad_norm_mean_rel: float | None
     grad_norm_max_rel: float | None
-    passed: bool
     window: tuple[int, int] | None = None
     """only steps in [lo, hi] are judged (``--window``)"""
     failures: list[str] = field(default_factory=list)
@@ -288,22 +285,26 @@ class Comparison:
     ppl_threshold: float | None = None
     grad_norm_threshold: float | None = None
 
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
     def measures(self) -> list[tuple[str, str, str, str]]:
         """(measure, A, B, relative) rows of the report, as text (the terminal table and the HTML share them)."""
-        rows = [("mean relative loss error", "", "", f"{pct(self.mean_rel_loss)}")]
+        rows = [("mean relative loss error", "", "", pct(self.mean_rel_loss))]
         if self.max_rel_step is not None:
             s = self.max_rel_step
             rows.append((f"max relative loss error (step {s})", f"{self.a.loss[s]:.6g}", f"{self.b.loss[s]:.6g}",
-                         f"{pct(self.max_rel_loss)}"))
+                         pct(self.max_rel_loss)))
         if self.final_loss and self.final_ppl:
             (la, lb), (pa, pb) = self.final_loss, self.final_ppl
-            rows.append((f"final training loss (step {self.steps[-1]})", f"{la:.6g}", f"{lb:.6g}", f"{pct(_rel(la, lb))}"))
-            rows.append(("final training perplexity", f"{pa:.6g}", f"{pb:.6g}", f"{pct(_rel(pa, pb))}"))
+            rows.append((f"final training loss (step {self.steps[-1]})", f"{la:.6g}", f"{lb:.6g}", pct(_rel(la, lb))))
+            rows.append(("final training perplexity", f"{pa:.6g}", f"{pb:.6g}", pct(_rel(pa, pb))))
         if self.val is not None:
             step, la, lb = self.val
-            pa, pb = math.exp(min(la, 700)), math.exp(min(lb, 700))
-            rows.append((f"validation loss (step {step})", f"{la:.6g}", f"{lb:.6g}", f"{pct(_rel(la, lb))}"))
-            rows.append((f"validation perplexity (step {step})", f"{pa:.6g}", f"{pb:.6g}", f"{pct(_rel(pa, pb))}"))
+            pa, pb = _ppl(la), _ppl(lb)
+            rows.append((f"validation loss (step {step})", f"{la:.6g}", f"{lb:.6g}", pct(_rel(la, lb))))
+            rows.append((f"validation perplexity (step {step})", f"{pa:.6g}", f"{pb:.6g}", pct(_rel(pa, pb))))
         if self.grad_norm_mean_rel is not None:
             rows.append(("grad norm, mean / max relative difference", "", "",
                          f"{pct(self.grad_norm_mean_rel)} / {pct(self.grad_norm_max_rel)}"))
@@ -338,7 +339,7 @@ class Comparison:
             "max_rel_step": self.max_rel_step, "first_step_over_threshold": self.first_over,
             "final_loss": self.final_loss, "final_ppl": self.final_ppl,
             "validation": None if self.val is None else {"step": self.val[0], "loss_a": self.val[1], "loss_b": self.val[2],
-                                                         "ppl_a": math.exp(self.val[1]), "ppl_b": math.exp(self.val[2])},
+                                                         "ppl_a": _ppl(self.val[1]), "ppl_b": _ppl(self.val[2])},
             "grad_norm_mean_rel": self.grad_norm_mean_rel, "grad_norm_max_rel": self.grad_norm_max_rel,
             "passed": self.passed,
             "rel_loss": {str(k): clean(v) for k, v in self.rel_loss.items()},
@@ -355,6 +356,10 @@ def pct(x: float | None) -> str:
 def _thr(x: float) -> str:
     """A threshold as the user wrote it: 1.00%, 0.05%."""
     return f"{x:.2%}" if x >= 1e-4 else pct(x)
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(min(loss, 700))  # no overflow for a diverged run
 
 
 def _rel(a: float, b: float) -> float:
@@ -382,7 +387,7 @@ def compare_runs(a: Run, b: Run, threshold: float = 0.01, warmup: int = 0, windo
     first_over = next((s for s in judged if rel[s] > threshold), None)
     last = steps[-1]
     final = (a.loss[last], b.loss[last])
-    ppl = (math.exp(min(final[0], 700)), math.exp(min(final[1], 700)))
+    ppl = (_ppl(final[0]), _ppl(final[1]))
     val_steps = sorted(set(a.val_loss) & set(b.val_loss))
     val = (val_steps[-1], a.val_loss[val_steps[-1]], b.val_loss[val_steps[-1]]) if val_steps else None
     gn_steps = [s for s in sorted(set(a.grad_norm) & set(b.grad_norm)) if s > warmup and lo <= s <= hi]
@@ -395,8 +400,7 @@ def compare_runs(a: Run, b: Run, threshold: float = 0.01, warmup: int = 0, windo
     if ppl_threshold is not None:
         checks = [("final training perplexity", ppl)]
         if val is not None:
-            checks.append((f"validation perplexity at step {val[0]}",
-                           (math.exp(min(val[1], 700)), math.exp(min(val[2], 700)))))
+            checks.append((f"validation perplexity at step {val[0]}", (_ppl(val[1]), _ppl(val[2]))))
         for name, (pa, pb) in checks:
             if _rel(pa, pb) > ppl_threshold:
                 failures.append(f"the {name} differs by {pct(_rel(pa, pb))} > {_thr(ppl_threshold)}")
@@ -410,6 +414,6 @@ def compare_runs(a: Run, b: Run, threshold: float = 0.01, warmup: int = 0, windo
         mean_rel_loss=sum(values) / len(values), max_rel_loss=rel[worst], max_rel_step=worst, first_over=first_over,
         final_loss=final, final_ppl=ppl, val=val,
         grad_norm_mean_rel=gn_mean, grad_norm_max_rel=max(gn) if gn else None,
-        passed=not failures, window=window, failures=failures, ppl_threshold=ppl_threshold,
+        window=window, failures=failures, ppl_threshold=ppl_threshold,
         grad_norm_threshold=grad_norm_threshold,
     )

@@ -110,17 +110,15 @@ class CaptureWriter:
     def submit(self, step: int, rows: list[dict[str, Any]], data: dict[int, np.ndarray], attrs: dict[str, Any]) -> None:
         if self.error is not None:
             return
-        job = (step, rows, data, attrs)
-        if self._queue is None:
-            self._write_guarded(job)
-        else:
-            self._queue.put(job)
+        self._enqueue((step, rows, data, attrs))
 
     def submit_scalars(self, step: int, values: dict[str, float]) -> None:
         """Append per-step scalars (written and flushed off the training thread)."""
         if self.error is not None or self._closed:
             return
-        job = ("scalars", step, values)
+        self._enqueue(("scalars", step, values))
+
+    def _enqueue(self, job: tuple) -> None:
         if self._queue is None:
             self._write_guarded(job)
         else:

@@ -56,6 +56,7 @@ def build_mcore(spec: Spec, seed: int, device: str = "cpu") -> Any:
 
     gpt2 = spec.family == "gpt2"
     norm = "LayerNorm" if gpt2 else "RMSNorm"
+    gelu = functools.partial(F.gelu, approximate="tanh") if spec.gelu == "tanh" else F.gelu
     config = TransformerConfig(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -72,7 +73,7 @@ def build_mcore(spec: Spec, seed: int, device: str = "cpu") -> Any:
         layernorm_epsilon=spec.layernorm_epsilon,
         add_bias_linear=gpt2,
         gated_linear_unit=not gpt2,
-        activation_func=(functools.partial(F.gelu, approximate="tanh") if spec.gelu == "tanh" else F.gelu) if gpt2 else F.silu,
+        activation_func=gelu if gpt2 else F.silu,
         bias_activation_fusion=False,
         qk_layernorm=spec.qk_layernorm,
     )

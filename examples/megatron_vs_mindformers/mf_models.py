@@ -1,7 +1,7 @@
-"""MindFormers models of spec.py's ``llama`` and ``qwen3`` families, with the shared checkpoint loaded.
+"""MindFormers models of spec.py's families (and the GPT-2-shaped one of examples/wikitext2).
 
 Call ``tensordiff.compat.mindformers_cpu.init_mindformers_cpu()`` and ``enable()`` first (the CPU
-kernels MindFormers lacks). Both models are MindFormers 1.9's Megatron-style
+kernels MindFormers lacks). GPTModel and Qwen3 are MindFormers 1.9's Megatron-style
 ``parallel_core`` code: parameter names are megatron-core's, activations ``[S, B, H]``.
 """
 
@@ -16,20 +16,34 @@ FP32 = dict(compute_dtype="float32", params_dtype="float32", layernorm_compute_d
             softmax_compute_dtype="float32", rotary_dtype="float32")
 
 
-def _gpt_model(spec: Any) -> Any:
+def _parallel_core_gpt(spec: Any, position_embedding_type: str, share_embeddings: bool, **config: Any) -> Any:
+    """MindFormers' parallel_core GPTModel for ``spec`` (FP32, no dropout, local layer spec); ``config``:
+    what differs between the model families (norm, activation, biases, ...)."""
     from mindformers.parallel_core.training_graph.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from mindformers.parallel_core.training_graph.base_models.gpt.gpt_model import GPTModel
     from mindformers.parallel_core.transformer_config import TransformerConfig
 
-    config = TransformerConfig(
+    cfg = TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
         num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
         kv_channels=spec.head_dim, seq_length=spec.seq_length, vocab_size=spec.vocab_size,
-        position_embedding_type="rope", rotary_base=spec.rotary_base, normalization="RMSNorm",
-        layernorm_epsilon=spec.layernorm_epsilon, gated_linear_unit=True, hidden_act="silu", add_bias_linear=False,
-        use_flash_attention=False, hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=0, **FP32)
-    return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=spec.vocab_size,
-                    max_sequence_length=spec.seq_length, position_embedding_type="rope", rotary_base=spec.rotary_base)
+        position_embedding_type=position_embedding_type, layernorm_epsilon=spec.layernorm_epsilon,
+        use_flash_attention=False, hidden_dropout=0.0, attention_dropout=0.0, **config, **FP32)
+    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=spec.vocab_size,
+                    max_sequence_length=spec.seq_length, position_embedding_type=position_embedding_type,
+                    share_embeddings_and_output_weights=share_embeddings, rotary_base=spec.rotary_base)
+
+
+def _gpt_model(spec: Any) -> Any:
+    return _parallel_core_gpt(spec, "rope", False, rotary_base=spec.rotary_base, normalization="RMSNorm",
+                              gated_linear_unit=True, hidden_act="silu", add_bias_linear=False, pad_token_id=0)
+
+
+def gpt2_model(spec: Any) -> Any:
+    """GPT-2's design: LayerNorm, GELU (MindFormers' GELU cell: the tanh form, GPT-2's own), learned absolute
+    positions, biases, tied embeddings. Positions reach the embedding only with ``use_eod_reset=True``."""
+    return _parallel_core_gpt(spec, "learned_absolute", True, normalization="LayerNorm", gated_linear_unit=False,
+                              hidden_act="gelu", add_bias_linear=True, pad_token_id=-1, use_eod_reset=True)
 
 
 def _qwen3_model(spec: Any) -> Any:

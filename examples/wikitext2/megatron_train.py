@@ -28,7 +28,8 @@ from examples.wikitext2.common import Tokens, Train, decays, learning_rates, mod
 
 def _megatron_bf16(model, t: Train):
     """Megatron-LM's BF16 recipe: BF16 parameters behind Float16Module, gradients in megatron-core's DDP
-    buffers (FP32), megatron-core's optimizer with FP32 main weights, clipping and the same Adam settings."""
+    buffers (FP32), megatron-core's optimizer with FP32 main weights, clipping and the same Adam settings.
+    Returns (optimizer, the DDP-wrapped model to train)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
@@ -41,7 +42,7 @@ def _megatron_bf16(model, t: Train):
         OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
                         adam_beta1=t.betas[0], adam_beta2=t.betas[1], adam_eps=t.eps, clip_grad=t.clip_grad,
                         bf16=True, params_dtype=torch.bfloat16), [ddp])
-    return opt, ddp, ddp
+    return opt, ddp
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device(args.device)
     model = model.to(dev)
     if args.bf16:
-        opt, model, ddp = _megatron_bf16(model, t)
+        opt, model = _megatron_bf16(model, t)
     else:
         named = list(model.named_parameters())
         opt = torch.optim.AdamW(
@@ -103,12 +104,12 @@ def main(argv: list[str] | None = None) -> int:
                 group["lr"] = lrs[step]
             t0 = time.time()
             if args.bf16:
-                ddp.zero_grad_buffer()
+                model.zero_grad_buffer()
                 opt.zero_grad()
             loss = lm_loss(data.batch(step, t.batch_size))
             loss.backward()
             if args.bf16:
-                ddp.finish_grad_sync()
+                model.finish_grad_sync()
                 _, grad_norm, _ = opt.step()  # clips at config.clip_grad, returns the norm before clipping
                 grad_norm = torch.tensor(grad_norm)
             else:

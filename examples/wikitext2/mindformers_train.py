@@ -32,29 +32,6 @@ from examples.wikitext2.common import Tokens, Train, decays, learning_rates, mod
 from tensordiff.ckpt_io import load as read_checkpoint
 from tensordiff.compat.mindformers_cpu import enable, init_mindformers_cpu
 
-FP32 = dict(compute_dtype="float32", params_dtype="float32", layernorm_compute_dtype="float32",
-            softmax_compute_dtype="float32", rotary_dtype="float32")
-
-
-def gpt2_model(spec):
-    from mindformers.parallel_core.training_graph.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from mindformers.parallel_core.training_graph.base_models.gpt.gpt_model import GPTModel
-    from mindformers.parallel_core.transformer_config import TransformerConfig
-
-    config = TransformerConfig(
-        num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
-        num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
-        kv_channels=spec.head_dim, seq_length=spec.seq_length, vocab_size=spec.vocab_size,
-        position_embedding_type="learned_absolute", normalization="LayerNorm", layernorm_epsilon=spec.layernorm_epsilon,
-        gated_linear_unit=False, hidden_act="gelu", add_bias_linear=True, use_flash_attention=False,
-        hidden_dropout=0.0, attention_dropout=0.0, pad_token_id=-1, use_eod_reset=True, **FP32)
-    # hidden_act "gelu": MindFormers' GELU cell, tanh form by default (GPT-2's own)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=spec.vocab_size,
-                     max_sequence_length=spec.seq_length, position_embedding_type="learned_absolute",
-                     share_embeddings_and_output_weights=True)
-    return model
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", required=True, help="written by prepare.py")
@@ -71,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     import mindspore as ms
     from mindformers.core.optim import AdamW
 
-    from examples.megatron_vs_mindformers.mf_models import load_state
+    from examples.megatron_vs_mindformers.mf_models import gpt2_model, load_state
 
     model = gpt2_model(spec)
     model.set_train(True)
@@ -116,16 +93,16 @@ def main(argv: list[str] | None = None) -> int:
             update(ms.mutable(grads))
             cap.step(loss, grad_norm=grad_norm, lr=lrs[step])
             it = step + 1
-            took = time.time() - t0
+            took, value = time.time() - t0, float(loss)
             monitor.learning_rate = lrs[step]
-            monitor.print_output_info(sink, 1, 1, t.batch_size / took, it, t.steps, float(loss), took * 1000, False, 1.0,
+            monitor.print_output_info(sink, 1, 1, t.batch_size / took, it, t.steps, value, took * 1000, False, 1.0,
                                       (t.steps - it) * took, 100 * it / t.steps, np.array([float(grad_norm)]),
-                                      np.array([float(loss)]), np.zeros(1), np.zeros(1), np.zeros(1))
+                                      np.array([value]), np.zeros(1), np.zeros(1), np.zeros(1))
             if it % t.eval_interval == 0 or it == t.steps:
                 losses = [float(lm_loss(w)) for w in data.valid_batches(t.batch_size, t.eval_batches)]
                 val = sum(losses) / len(losses)
                 cap.log(val_loss=val)  # lands on the step just ended
-                print(f"mindformers step {it}/{t.steps}: loss {float(loss):.4f}, validation loss {val:.4f} "
+                print(f"mindformers step {it}/{t.steps}: loss {value:.4f}, validation loss {val:.4f} "
                       f"({time.time() - started:.0f} s)", flush=True)
     return 0
 
