@@ -228,6 +228,22 @@ class Recorder:
         for mod, pname, p in self._params:
             self._record("weights", "param", mod, 0, pname, self._classes.get(mod, ""), p, track=False)
 
+    def _on_call(self, name: str, args: Any, kwargs: dict) -> None:
+        """A framework pre-hook: never raises into the model (a failure stops the capture)."""
+        if self.active:
+            try:
+                self._begin_call(name, args, kwargs)
+            except Exception as err:
+                self._fail(err)
+
+    def _on_return(self, name: str, output: Any) -> None:
+        """A framework post-hook: never raises into the model."""
+        if self.active:
+            try:
+                self._end_call(name, output)
+            except Exception as err:
+                self._fail(err)
+
     def _begin_call(self, name: str, args: Any, kwargs: dict) -> None:
         """A module/cell starts: new call index, nesting, inputs."""
         if not self._stack and name == "" and self._step_ready:

@@ -196,23 +196,13 @@ class MindSporeCapture(Recorder):
 
     def _make_pre_hook(self, name: str) -> Any:
         def pre_hook(cell: Any, args: tuple, kwargs: dict) -> None:
-            if self.active:
-                try:
-                    self._begin_call(name, args, kwargs)
-                except Exception as err:
-                    self._fail(err)
-            return None
+            self._on_call(name, args, kwargs)
 
         return pre_hook
 
     def _make_post_hook(self, name: str) -> Any:
         def post_hook(cell: Any, args: tuple, output: Any) -> None:
-            if self.active:
-                try:
-                    self._end_call(name, output)
-                except Exception as err:
-                    self._fail(err)
-            return None
+            self._on_return(name, output)
 
         return post_hook
 

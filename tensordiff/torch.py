@@ -168,20 +168,10 @@ class TorchCapture(Recorder):
                     self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated_hook))
 
     def _pre_hook(self, name: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.active:
-            try:
-                self._begin_call(name, args, kwargs)
-            except Exception as err:
-                self._fail(err)
-        return None
+        self._on_call(name, args, kwargs)
 
     def _post_hook(self, name: str, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        if self.active:
-            try:
-                self._end_call(name, output)
-            except Exception as err:
-                self._fail(err)
-        return None
+        self._on_return(name, output)
 
     def _accumulated_hook(self, p: torch.Tensor) -> None:
         if self.active and self._in_step and p.grad is not None:
