@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 import tensordiff  # noqa: E402
 from examples.gpt.models import GPTSpec, build_mcore_gpt, make_batch, mcore_loss  # noqa: E402
-from tensordiff.store import Capture  # noqa: E402
+from tensordiff.store import CaptureFile  # noqa: E402
 
 
 def run(spec: GPTSpec, steps: int, path: str | None, tensors: str, cap_steps: int) -> list[float]:
@@ -72,7 +72,7 @@ def main() -> None:
         print(f"statistics, every step {statistics.median(stats) * 1e3:8.1f} ms  {statistics.median(stats) / med:5.2f}x")
         print(f"full tensors, step 0   {full[0] * 1e3:8.1f} ms  {full[0] / med:5.2f}x  (then statistics: "
               f"{statistics.median(full[1:]) / med:.2f}x)")
-        with Capture(full_path) as cap:
+        with CaptureFile(full_path) as cap:
             recs = cap.records(0)
             raw = sum(r.numel * (2 if r.dtype in ("bfloat16", "float16") else 8 if r.dtype in ("int64", "float64") else 4)
                       for r in recs if r.has_data and r.same_as < 0)

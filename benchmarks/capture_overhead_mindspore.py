@@ -28,7 +28,7 @@ import tensordiff  # noqa: E402
 from examples.megatron_vs_mindformers.spec import FAMILIES  # noqa: E402
 from tensordiff.batch import make  # noqa: E402
 from tensordiff.compat import mindformers_cpu  # noqa: E402
-from tensordiff.store import Capture  # noqa: E402
+from tensordiff.store import CaptureFile  # noqa: E402
 
 
 def build(spec):  # noqa: ANN001, ANN201
@@ -92,7 +92,7 @@ def main() -> None:
               f"{statistics.median(stats) / t_base:.2f}x")
         print(f"full tensors, first step           {full[0] * 1e3:8.1f} ms  {full[0] / t_base:.2f}x "
               "(includes the first step's own warm-up)")
-        with Capture(full_path) as c:
+        with CaptureFile(full_path) as c:
             held = sum(r.numel * np.dtype(r.dtype).itemsize for r in c.records(0) if r.has_data and r.same_as < 0)
         size = os.path.getsize(full_path)
         print(f"file (first step, full tensors)    {size / 1e6:8.1f} MB  {size / held:.2f}x the tensors' bytes")

@@ -3,7 +3,7 @@
     tensordiff capture -o run.h5 --steps 2 -- python hooks/torch_autocapture.py train.py --its --args
 
 The first module with parameters that runs is taken as the model; each optimizer.step()
-ends a step. See tensordiff/autocapture.py.
+ends a step. See tensordiff/capturing/auto.py.
 """
 
 import os
@@ -13,7 +13,7 @@ import sys
 if len(sys.argv) < 2:
     sys.exit("usage: python hooks/torch_autocapture.py SCRIPT [ARGS...]")
 
-from tensordiff.autocapture import AutoCapture  # noqa: E402
+from tensordiff.capturing.auto import AutoCapture  # noqa: E402
 
 auto = AutoCapture()
 if not auto.install():

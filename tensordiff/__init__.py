@@ -10,13 +10,19 @@ Capture::
             cap.step(loss)
 
 Then ``tensordiff diff a.h5 b.h5 --first-divergence``.
+
+Pipeline, one sub-package per stage: ``capturing`` (hooks record each step) → ``store`` (the
+HDF5 file) → ``diff`` (align, compare, judge, the first divergence) → ``explain`` (likely causes,
+replay) → ``report`` (tables, JSON). Beside it: ``ckpt`` (one checkpoint for both frameworks),
+``runs`` (whole training runs), ``cli`` (the commands). torch and MindSpore are imported only in
+``frameworks``, the capture adapters and ``compat``.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 __all__ = ["capture", "__version__"]
 
@@ -43,18 +49,19 @@ def capture(model: Any, path: str | None = None, steps: int | None = None, *, op
     capture is off and the returned object records nothing. A capture that cannot
     start warns and records nothing: the training run always goes on.
     """
-    from ._capture_common import NullCapture, options_from_env, report_status
+    from .capturing.options import options_from_env, report_status
+    from .capturing.recorder import NullCapture
 
     options = options_from_env(path, steps, tensors, inputs=inputs, grads=grads, background=background)
     if options is None:
         return NullCapture()
     try:
         if _is_torch_module(model):
-            from .torch import TorchCapture
+            from .capturing.torch import TorchCapture
 
             return TorchCapture(model, options, optimizer=optimizer, meta=meta)
         if _is_mindspore_cell(model):
-            from .mindspore import MindSporeCapture
+            from .capturing.mindspore import MindSporeCapture
 
             return MindSporeCapture(model, options, optimizer=optimizer, meta=meta)
         from .errors import UsageError

@@ -26,16 +26,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+import h5py
 import numpy as np
 
-from .errors import TensordiffError
+from . import frameworks
+from .errors import BatchError
 
 FORMAT = 1
 FIELDS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
-
-
-class BatchError(TensordiffError):
-    """A batch file is missing, malformed, or does not fit the model."""
 
 
 @dataclass
@@ -104,8 +102,6 @@ def make(vocab_size: int, seq_length: int, batch_size: int, seed: int = 0, text:
 
 
 def save(path: str, batch: Batch) -> None:
-    import h5py
-
     with h5py.File(path, "w") as f:
         f.attrs["tensordiff_batch"] = FORMAT
         f.attrs["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -117,8 +113,6 @@ def save(path: str, batch: Batch) -> None:
 
 def read(path: str, vocab_size: int | None = None) -> Batch:
     """Read and check a batch file; ``vocab_size`` (the model's) must hold every id."""
-    import h5py
-
     if not os.path.exists(path):
         raise BatchError(f"{path}: no such batch file; write one with: tensordiff batch -o {path} --vocab V --seq S --batch B")
     try:
@@ -163,12 +157,9 @@ def load(path: str, vocab_size: int | None = None, framework: str = "numpy") -> 
     arrays["stream"] = batch.stream()
     if framework == "numpy":
         return arrays
-    if framework == "torch":
-        import torch
-
-        return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
-    if framework == "mindspore":
-        import mindspore as ms
-
-        return {k: ms.Tensor(v.astype(np.int32) if v.dtype == np.int64 else v) for k, v in arrays.items()}
-    raise BatchError(f"framework {framework!r}: expected numpy, torch or mindspore")
+    if framework not in frameworks.NAMES:
+        raise BatchError(f"framework {framework!r}: expected numpy, torch or mindspore")
+    if framework == "mindspore":  # MindSpore's embedding takes int32 ids
+        arrays = {k: v.astype(np.int32) if v.dtype == np.int64 else v for k, v in arrays.items()}
+    from_numpy = frameworks.get(framework).from_numpy
+    return {k: from_numpy(v) for k, v in arrays.items()}

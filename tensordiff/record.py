@@ -9,6 +9,7 @@ gradients).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 #: Phases of a step, in the order they happen.
 PHASES: tuple[str, ...] = ("weights", "forward", "loss", "backward", "param_grad")
@@ -73,3 +74,15 @@ def is_inside(child: str, parent: str) -> bool:
     if parent == "":
         return child != ""
     return child.startswith(parent + ".")
+
+
+def flatten(value: Any, prefix: str, is_tensor: Callable[[Any], bool]) -> Iterator[tuple[str, Any]]:
+    """(slot, tensor) pairs of a nested output or argument structure: '0', '1.0', 'key', ..."""
+    if is_tensor(value):
+        yield prefix, value
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from flatten(item, f"{prefix}.{i}" if prefix else str(i), is_tensor)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from flatten(item, f"{prefix}.{key}" if prefix else str(key), is_tensor)

@@ -1,17 +1,23 @@
-"""Layout normalisers: small named operations that bring B's tensor into A's layout.
+"""Tensor layouts, defined once for captures, checkpoints and hints.
 
-Written in mapping files as strings, e.g. ``swap01`` or ``qkv_grouped(heads=4, dim=0)``.
-Permutations do not change statistics, so stats-only records are compared as they are.
+* Ops (``OPS``): small named operations that bring B's tensor into A's layout, written in
+  mapping files as strings, e.g. ``swap01`` or ``qkv_grouped(heads=4, dim=0)``. Permutations
+  do not change statistics, so stats-only records are compared as they are (``apply_stats``).
+* Splits (``SPLITS``): one tensor on one side is several on the other, e.g. Megatron's
+  per-group ``linear_qkv`` rows <-> q, k, v (``QkvGroups``), ``linear_fc1`` [gate; up] <-> w1, w3
+  (``Chunk``). Checkpoint tables use them in both directions; ``qkv_grouped`` is ``QkvGroups.join``.
 """
 
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
+from ._text import bracket_shapes
 from .errors import MappingError
 
 
@@ -26,17 +32,10 @@ def _transpose(x: np.ndarray) -> np.ndarray:
 def _qkv_grouped(x: np.ndarray, heads: int, groups: int | None = None, dim: int = 0) -> np.ndarray:
     """[all q | all k | all v] along ``dim`` -> Megatron's per-group packing [q_g, k_g, v_g] for each group."""
     groups = groups or heads
-    dim = dim % x.ndim
-    total = x.shape[dim]
-    head_dim = total // (heads + 2 * groups)
-    q, k, v = np.split(x, [heads * head_dim, (heads + groups) * head_dim], axis=dim)
-    parts = []
-    per = heads // groups
-    for g in range(groups):
-        parts.append(np.take(q, range(g * per * head_dim, (g + 1) * per * head_dim), axis=dim))
-        parts.append(np.take(k, range(g * head_dim, (g + 1) * head_dim), axis=dim))
-        parts.append(np.take(v, range(g * head_dim, (g + 1) * head_dim), axis=dim))
-    return np.concatenate(parts, axis=dim)
+    axis = dim % x.ndim
+    head_dim = x.shape[axis] // (heads + 2 * groups)
+    parts = np.split(x, [heads * head_dim, (heads + groups) * head_dim], axis=axis)
+    return QkvGroups(heads, groups, axis).join(parts)
 
 
 def _flatten01(x: np.ndarray) -> np.ndarray:
@@ -177,3 +176,160 @@ def apply(ops: tuple[Op, ...], x: np.ndarray) -> np.ndarray:
     for op in ops:
         x = op(x)
     return x
+
+
+# ---------------------------------------------------------------------------------------- splits
+def contiguous(x: np.ndarray) -> np.ndarray:
+    """``x`` in C order (a view when it already is)."""
+    return x if x.flags.c_contiguous else x.copy(order="C")
+
+
+class Split(ABC):
+    """One tensor on the joined side <-> ``len(parts)`` tensors on the other side."""
+
+    name = ""
+
+    def __init__(self, dim: int = 0):
+        self.dim = dim
+
+    @abstractmethod
+    def parts_shapes(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The parts' shapes for a joined tensor of ``shape`` (ValueError when it does not split)."""
+
+    @abstractmethod
+    def joined_shape(self, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+        """The joined shape for parts of ``shapes`` (ValueError when they do not join)."""
+
+    @abstractmethod
+    def split(self, x: np.ndarray) -> list[np.ndarray]:
+        """The parts of ``x``, each C-contiguous."""
+
+    @abstractmethod
+    def join(self, parts: list[np.ndarray]) -> np.ndarray:
+        """The inverse of ``split``."""
+
+    def _axis(self, shape: tuple[int, ...]) -> int:
+        if not shape:
+            raise ValueError(f"{self} cannot split a scalar")
+        return self.dim % len(shape)
+
+    def _same_rest(self, shapes: list[tuple[int, ...]], axis: int) -> None:
+        rest = {s[:axis] + s[axis + 1:] for s in shapes}
+        if len({len(s) for s in shapes}) != 1 or len(rest) != 1:
+            raise ValueError(f"{self}: the parts' shapes {bracket_shapes(shapes)} differ outside dim {self.dim}")
+
+
+class QkvGroups(Split):
+    """Megatron's per-group ``linear_qkv`` rows ``[q heads of group g, k_g, v_g] for g`` <-> q, k, v."""
+
+    name = "qkv_groups"
+
+    def __init__(self, heads: int, groups: int, dim: int = 0):
+        super().__init__(dim)
+        if heads <= 0 or groups <= 0 or heads % groups:
+            raise MappingError(f"qkv_groups(heads={heads}, groups={groups}): heads must be a positive multiple of groups; "
+                               "check --var heads and --var groups")
+        self.heads, self.groups, self.per = heads, groups, heads // groups
+
+    def __str__(self) -> str:
+        return f"qkv_groups(heads={self.heads}, groups={self.groups})"
+
+    def _head_dim(self, rows: int) -> int:
+        unit = self.heads + 2 * self.groups
+        if rows % unit:
+            raise ValueError(f"{rows} rows are not heads+2*groups = {self.heads}+2*{self.groups} = {unit} blocks of "
+                             "head_dim; check --var heads and --var groups")
+        return rows // unit
+
+    def parts_shapes(self, shape):
+        axis = self._axis(shape)
+        hd = self._head_dim(shape[axis])
+        return [shape[:axis] + (n * hd,) + shape[axis + 1:] for n in (self.heads, self.groups, self.groups)]
+
+    def joined_shape(self, shapes):
+        axis = self._axis(shapes[0])
+        self._same_rest(shapes, axis)
+        q, k, v = (s[axis] for s in shapes)
+        hd = q // self.heads
+        if q % self.heads or k != self.groups * hd or v != self.groups * hd:
+            raise ValueError(f"q/k/v have {q}/{k}/{v} rows; with heads={self.heads}, groups={self.groups} they need "
+                             f"heads*head_dim / groups*head_dim / groups*head_dim; check --var heads and --var groups")
+        return shapes[0][:axis] + (q + k + v,) + shapes[0][axis + 1:]
+
+    def split(self, x):
+        y = np.moveaxis(x, self._axis(x.shape), 0)
+        hd = self._head_dim(y.shape[0])
+        blocks = y.reshape((self.groups, self.per + 2, hd) + y.shape[1:])
+        q = blocks[:, :self.per].reshape((self.heads * hd,) + y.shape[1:])
+        k = blocks[:, self.per].reshape((self.groups * hd,) + y.shape[1:])
+        v = blocks[:, self.per + 1].reshape((self.groups * hd,) + y.shape[1:])
+        return [contiguous(np.moveaxis(p, 0, self._axis(x.shape))) for p in (q, k, v)]
+
+    def join(self, parts):
+        axis = self._axis(parts[0].shape)
+        self.joined_shape([p.shape for p in parts])
+        q, k, v = (np.moveaxis(p, axis, 0) for p in parts)
+        hd = q.shape[0] // self.heads
+        rest = q.shape[1:]
+        blocks = np.concatenate([q.reshape((self.groups, self.per, hd) + rest), k.reshape((self.groups, 1, hd) + rest),
+                                 v.reshape((self.groups, 1, hd) + rest)], axis=1)
+        return contiguous(np.moveaxis(blocks.reshape((-1,) + rest), 0, axis))
+
+
+class Chunk(Split):
+    """``n`` equal blocks along ``dim``, e.g. Megatron's ``linear_fc1`` ``[gate; up]`` <-> w1 (gate), w3 (up)."""
+
+    name = "chunk"
+
+    def __init__(self, n: int = 2, dim: int = 0):
+        super().__init__(dim)
+        if n < 2:
+            raise MappingError(f"chunk(n={n}): n must be at least 2")
+        self.n = n
+
+    def __str__(self) -> str:
+        return f"chunk(n={self.n}, dim={self.dim})"
+
+    def parts_shapes(self, shape):
+        axis = self._axis(shape)
+        if shape[axis] % self.n:
+            raise ValueError(f"{shape[axis]} rows along dim {self.dim} do not split into {self.n} equal blocks")
+        return [shape[:axis] + (shape[axis] // self.n,) + shape[axis + 1:]] * self.n
+
+    def joined_shape(self, shapes):
+        axis = self._axis(shapes[0])
+        self._same_rest(shapes, axis)
+        if len({s[axis] for s in shapes}) != 1:
+            raise ValueError(f"{self}: the parts have different sizes {bracket_shapes(shapes)}; they must be equal")
+        return shapes[0][:axis] + (shapes[0][axis] * self.n,) + shapes[0][axis + 1:]
+
+    def split(self, x):
+        return [contiguous(p) for p in np.split(x, self.n, axis=self._axis(x.shape))]
+
+    def join(self, parts):
+        self.joined_shape([p.shape for p in parts])
+        return np.concatenate(parts, axis=self._axis(parts[0].shape))
+
+
+SPLITS: dict[str, type[Split]] = {"qkv_groups": QkvGroups, "chunk": Chunk}
+
+
+def parse_split(text: str, where: str) -> Split:
+    m = _CALL.match(str(text))
+    if not m or m.group(1) not in SPLITS:
+        raise MappingError(f"{where}: unknown split {text!r}; known: {', '.join(f'{k}(...)' for k in SPLITS)}")
+    kwargs: dict[str, int] = {}
+    for part in (m.group(2) or "").split(","):
+        if not part.strip():
+            continue
+        key, eq, value = part.partition("=")
+        try:
+            kwargs[key.strip()] = int(value)
+        except ValueError:
+            raise MappingError(f"{where}: split {text!r}: expected name=integer, got {part.strip()!r}") from None
+        if not eq:
+            raise MappingError(f"{where}: split {text!r} needs keyword arguments (name=value)")
+    try:
+        return SPLITS[m.group(1)](**kwargs)
+    except TypeError as err:
+        raise MappingError(f"{where}: split {text!r}: {err}") from None

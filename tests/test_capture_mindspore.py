@@ -11,7 +11,7 @@ import pytest
 ms = pytest.importorskip("mindspore")
 
 import tensordiff  # noqa: E402
-from tensordiff.store import Capture  # noqa: E402
+from tensordiff.store import CaptureFile  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,7 +69,7 @@ def test_capture_does_not_change_training(tmp_path):
 def test_records_every_phase_with_mindspore_names(tmp_path):
     path = str(tmp_path / "ms.h5")
     losses, grads, _ = _train(_tiny(), 2, path)
-    with Capture(path) as cap:
+    with CaptureFile(path) as cap:
         assert cap.attrs["framework"] == "mindspore"
         assert cap.steps == [0, 1]
         recs = cap.records(0)
@@ -111,7 +111,7 @@ def test_cell_called_twice_gets_call_indices(tmp_path):
     with tensordiff.capture(net, path, steps=1) as cap:
         loss, grads = ms.value_and_grad(net, None, net.trainable_params())(x)
         cap.step(loss, grads=grads)
-    with Capture(path) as c:
+    with CaptureFile(path) as c:
         outs = [r for r in c.records(0) if r.module == "lin" and r.kind == "output"]
         assert [r.call for r in outs] == [0, 1]
         grads_out = [r for r in c.records(0) if r.module == "lin" and r.kind == "grad_output"]
@@ -121,8 +121,8 @@ def test_cell_called_twice_gets_call_indices(tmp_path):
 
 
 def test_graph_mode_is_refused_with_the_fix(tmp_path):
-    from tensordiff.mindspore import MindSporeCapture
-    from tensordiff._capture_common import CaptureOptions
+    from tensordiff.capturing.mindspore import MindSporeCapture
+    from tensordiff.capturing.options import CaptureOptions
     from tensordiff.errors import UsageError
 
     model = _tiny()
@@ -137,7 +137,7 @@ def test_graph_mode_is_refused_with_the_fix(tmp_path):
 def test_bf16_tensor_stored_losslessly():
     import ml_dtypes
 
-    from tensordiff.mindspore import to_numpy
+    from tensordiff.frameworks.mindspore import to_numpy
 
     values = np.array([1.0, -2.5, 3.140625, 1e-3], dtype=np.float32)
     t = ms.Tensor(values).astype(ms.bfloat16)
@@ -192,7 +192,7 @@ def test_scalars_for_every_step_after_the_captured_ones(tmp_path):
             losses.append(float(loss))
             norms.append(float(norm))
         cap.log(val_loss=losses[-1] + 0.5)
-    with Capture(path) as c:
+    with CaptureFile(path) as c:
         assert c.steps == [0]
     run = read_run(path)
     assert sorted(run.loss) == [1, 2, 3, 4, 5, 6] and run.loss[6] == pytest.approx(losses[-1], rel=1e-7)

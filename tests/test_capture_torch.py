@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tensordiff
-from tensordiff.store import Capture
+from tensordiff.store import CaptureFile
 
 
 class TiedTwice(torch.nn.Module):
@@ -50,7 +50,7 @@ def test_capture_leaves_numbers_and_model_untouched(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(plain_params, cap_params))
     for module in m2.modules():
         assert not module._forward_hooks and not module._forward_pre_hooks and not module._backward_hooks
-    with Capture(str(tmp_path / "c.h5")) as c:
+    with CaptureFile(str(tmp_path / "c.h5")) as c:
         assert c.steps == [0, 1]
 
 
@@ -61,7 +61,7 @@ def test_hooks_removed_after_last_captured_step(tmp_path):
     assert not model.lin._forward_hooks  # gone before close(): later steps cost nothing
     _train(model, 2, cap)
     cap.close()
-    with Capture(str(tmp_path / "c.h5")) as c:
+    with CaptureFile(str(tmp_path / "c.h5")) as c:
         assert c.steps == [0]
 
 
@@ -69,7 +69,7 @@ def test_module_called_twice_gets_two_call_indices(tmp_path):
     model = TiedTwice()
     with tensordiff.capture(model, str(tmp_path / "c.h5"), steps=1) as cap:
         _train(model, 1, cap)
-    with Capture(str(tmp_path / "c.h5")) as c:
+    with CaptureFile(str(tmp_path / "c.h5")) as c:
         recs = c.records(0)
         calls = sorted({r.call for r in recs if r.module == "lin" and r.kind == "output"})
         assert calls == [0, 1]
@@ -93,7 +93,7 @@ def test_bf16_and_fp16_are_stored_losslessly_in_their_width(tmp_path):
     with tensordiff.capture(half, str(tmp_path / "fp.h5"), steps=1) as cap:
         half(x.to(torch.float16))
         cap.step()
-    with Capture(str(tmp_path / "bf.h5")) as c:
+    with CaptureFile(str(tmp_path / "bf.h5")) as c:
         out = [r for r in c.records(0) if r.kind == "output"][0]
         assert out.dtype == "bfloat16"
         arr = c.array(out)
@@ -103,7 +103,7 @@ def test_bf16_and_fp16_are_stored_losslessly_in_their_width(tmp_path):
     with h5py.File(str(tmp_path / "bf.h5")) as f:
         stored = f["steps/000000/data"][str(out.seq)]
         assert stored.dtype == np.uint16  # raw bits, not upcast
-    with Capture(str(tmp_path / "fp.h5")) as c:
+    with CaptureFile(str(tmp_path / "fp.h5")) as c:
         out = [r for r in c.records(0) if r.kind == "output"][0]
         assert out.dtype == "float16" and c.array(out).dtype == np.float16
 
@@ -114,7 +114,7 @@ def test_statistics_count_nan_and_inf(tmp_path):
     with tensordiff.capture(model, str(tmp_path / "c.h5"), steps=1, tensors="none") as cap:
         model(x)
         cap.step()
-    with Capture(str(tmp_path / "c.h5")) as c:
+    with CaptureFile(str(tmp_path / "c.h5")) as c:
         out = [r for r in c.records(0) if r.kind == "output"][0]
         assert (out.nan, out.inf, out.numel, out.has_data) == (2, 1, 5, False)
 
@@ -137,7 +137,7 @@ def test_incomplete_step_is_ignored_by_readers(tmp_path):
         _train(model, 1, cap)
     with h5py.File(path, "a") as f:  # what a crash in the middle of writing step 1 leaves
         f.create_group("steps/000001")
-    with Capture(path) as c:
+    with CaptureFile(path) as c:
         assert c.steps == [0] and c.incomplete_steps == [1]
 
 
@@ -150,5 +150,5 @@ def test_no_path_means_capture_is_off(tmp_path, monkeypatch):
     monkeypatch.setenv("TENSORDIFF_STEPS", "1")
     with tensordiff.capture(model, steps=5) as cap:
         _train(model, 1, cap)
-    with Capture(str(tmp_path / "env.h5")) as c:
+    with CaptureFile(str(tmp_path / "env.h5")) as c:
         assert c.steps == [0] and c.attrs["steps_requested"] == 1

@@ -5,7 +5,6 @@ MindFormers parallel_core GPTModel and a real legacy LlamaForCausalLM; a MindFor
 checkpoint goes back into the megatron model. Frameworks that are not installed skip.
 """
 
-import argparse
 import io
 import json
 import os
@@ -13,9 +12,10 @@ import os
 import numpy as np
 import pytest
 
-from tensordiff import ckpt_cli, ckpt_io
-from tensordiff.ckpt import CheckpointError, Table
-from tensordiff.errors import MappingError
+from tensordiff.ckpt import ConversionTable
+from tensordiff.ckpt import files as ckpt_files
+from tensordiff.cli import main
+from tensordiff.errors import CheckpointError, MappingError
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("megatron.core")
@@ -26,10 +26,8 @@ LLAMA_VARS = ["--var", f"heads={HEADS}", "--var", f"groups={GROUPS}"]
 
 
 def td(*argv: str) -> int:
-    """``tensordiff ckpt ARGV`` through a local parser (what cli.py wires in)."""
-    parser = argparse.ArgumentParser(prog="tensordiff")
-    ckpt_cli.add_parser(parser.add_subparsers(dest="command"))
-    return ckpt_cli.run(parser.parse_args(["ckpt", *argv]))
+    """``tensordiff ckpt ARGV``."""
+    return main(["ckpt", *argv])
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +61,8 @@ def mcore(workdir):
                      position_embedding_type="rope")
     state = model.state_dict()
     torch.save(state, workdir / "mcore.pt")
-    tensors = ckpt_io.load(str(workdir / "mcore.pt"))
-    ckpt_io.save(tensors, str(workdir / "mcore.safetensors"))
+    tensors = ckpt_files.load(str(workdir / "mcore.pt"))
+    ckpt_files.save(tensors, str(workdir / "mcore.safetensors"))
     assert any(k.endswith("_extra_state") for k in state) and not any(k.endswith("_extra_state") for k in tensors)
     return model, tensors
 
@@ -163,7 +161,7 @@ def test_mindformers_written_checkpoint_loads_back_into_megatron(mcore, mf, work
 def test_tied_embeddings_have_no_output_layer_on_either_side(mcore, mf, workdir):
     _, tensors = mcore
     tied = {k: v for k, v in tensors.items() if k != "output_layer.weight"}
-    ckpt_io.save(tied, str(workdir / "tied.safetensors"))
+    ckpt_files.save(tied, str(workdir / "tied.safetensors"))
     assert td("convert", "tied.safetensors", "tied.ckpt", "--mapping", "mcore-to-mindformers", "--to", "mindformers") == 0
     params = _load_strict(mf["ms"], mf["gpt_tied"], workdir / "tied.ckpt")
     assert "output_layer.weight" not in params
@@ -193,9 +191,9 @@ def test_every_problem_is_reported_in_one_error(mcore, workdir, capsys):
         del bad[name]
     bad["decoder.layers.7.junk.weight"] = np.zeros(3, np.float32)
     bad["decoder.layers.1.self_attention.linear_proj.weight"] = np.zeros((HIDDEN, HIDDEN - 4), np.float32)
-    ckpt_io.save(bad, str(workdir / "bad.safetensors"))
+    ckpt_files.save(bad, str(workdir / "bad.safetensors"))
     with pytest.raises(CheckpointError) as err:
-        Table.load("mcore-to-mindformers").convert(bad, source="mcore", path="bad.safetensors")
+        ConversionTable.load("mcore-to-mindformers").convert(bad, source="mcore", path="bad.safetensors")
     message = str(err.value)
     assert "bad.safetensors" in message and "3 missing, 1 unexpected, 1 mis-shaped" in message
     for name in gone + ["decoder.layers.7.junk.weight", "decoder.layers.1.self_attention.linear_proj.weight"]:
@@ -211,7 +209,7 @@ def test_every_problem_is_reported_in_one_error(mcore, workdir, capsys):
 
 def test_a_missing_variable_is_named_with_an_example(mcore, capsys):
     with pytest.raises(MappingError, match=r"needs --var groups=N .*example: tensordiff ckpt convert"):
-        Table.load("mcore-to-mindformers-llama", {"heads": "4"})
+        ConversionTable.load("mcore-to-mindformers-llama", {"heads": "4"})
     assert td("convert", "mcore.pt", "x.ckpt", "--mapping", "mcore-to-mindformers-llama", "--var", "heads=4") == 2
     assert "--var groups=N" in capsys.readouterr().err
     # a wrong head count is caught as a shape problem, not silently mis-split
@@ -237,10 +235,10 @@ def test_diff_converted_checkpoint_is_identical_then_names_a_perturbed_tensor(mc
     assert "{wq,wk,wv}" in capsys.readouterr().out
 
     victim = "decoder.layers.1.mlp.linear_fc2.weight"
-    changed = ckpt_io.load(str(workdir / "mf.ckpt"))
+    changed = ckpt_files.load(str(workdir / "mf.ckpt"))
     changed[victim] = changed[victim].copy()
     changed[victim][3, 5] += 1e-3
-    ckpt_io.save(changed, str(workdir / "mf_changed.ckpt"))
+    ckpt_files.save(changed, str(workdir / "mf_changed.ckpt"))
     assert td("diff", "mcore.pt", "mf_changed.ckpt", "--mapping", "mcore-to-mindformers", "--width", "80",
               "--json", "changed.json") == 1
     out = capsys.readouterr().out
@@ -268,7 +266,7 @@ def test_pickled_objects_are_refused_not_unpickled(mcore, workdir, capsys):
     _, tensors = mcore
     torch.save({"embedding.word_embeddings.weight": torch.ones(2), "config": NotATensor()}, workdir / "pickle.pt")
     with pytest.raises(CheckpointError, match=r"weights_only=True.*NotATensor"):
-        ckpt_io.load(str(workdir / "pickle.pt"))
+        ckpt_files.load(str(workdir / "pickle.pt"))
     assert td("convert", "pickle.pt", "x.ckpt", "--mapping", "mcore-to-mindformers") == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -291,30 +289,31 @@ def test_unreadable_files_give_one_line(workdir, name, content, expected, capsys
 def test_corrupt_mindspore_checkpoint(mf, workdir):
     (workdir / "corrupt.ckpt").write_bytes(b"garbage" * 10)
     with pytest.raises(CheckpointError, match="not a readable MindSpore checkpoint"):
-        ckpt_io.load(str(workdir / "corrupt.ckpt"))
+        ckpt_files.load(str(workdir / "corrupt.ckpt"))
 
 
 def test_megatron_nested_model_dict_is_accepted_and_other_dicts_are_described(workdir):
     torch.save({"iteration": 3, "checkpoint_version": 3.0, "model": {"w": torch.arange(4, dtype=torch.bfloat16)}},
                workdir / "nested.pt")
-    loaded = ckpt_io.load(str(workdir / "nested.pt"))
+    loaded = ckpt_files.load(str(workdir / "nested.pt"))
     assert list(loaded) == ["w"] and loaded["w"].dtype.name == "bfloat16"
     assert loaded["w"].view(np.uint16).tolist() == torch.arange(4, dtype=torch.bfloat16).view(torch.int16).tolist()
     torch.save({"iteration": 3, "optimizer": {"lr": 1.0}}, workdir / "no_model.pt")
     with pytest.raises(CheckpointError, match=r"'iteration': int.*no 'model' state dict"):
-        ckpt_io.load(str(workdir / "no_model.pt"))
+        ckpt_files.load(str(workdir / "no_model.pt"))
 
 
 def test_report_renders_without_colour_at_80_columns(mcore):
-    from tensordiff.ckpt import diff_tensors
-    from tensordiff.report import make_console
+    from tensordiff.ckpt import CheckpointDiff, diff_tensors
+    from tensordiff.report.ckpt import CkptDiffReport
+    from tensordiff.report.theme import make_console
 
     _, tensors = mcore
     other = dict(tensors)
     other["embedding.word_embeddings.weight"] = tensors["embedding.word_embeddings.weight"].astype(np.float16)
     rows = diff_tensors(tensors, other)
     buf = io.StringIO()
-    make_console(file=buf, width=80, color=False).print(ckpt_cli.CkptDiff("a.pt", "b.pt", rows))
+    make_console(file=buf, width=80, color=False).print(CkptDiffReport(CheckpointDiff("a.pt", "b.pt", rows)))
     text = buf.getvalue()
     assert "\x1b[" not in text and max(len(line) for line in text.splitlines()) <= 80
     assert "f32/f16" in text and " ok" in text

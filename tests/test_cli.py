@@ -51,9 +51,9 @@ def pair(tmp_path_factory):
 
 
 def test_capture_command_writes_the_requested_steps(pair):
-    from tensordiff.store import Capture
+    from tensordiff.store import CaptureFile
 
-    with Capture(pair[0]) as cap:
+    with CaptureFile(pair[0]) as cap:
         assert cap.steps == [0, 1]
         assert cap.attrs["framework"] == "torch"
 
@@ -180,9 +180,9 @@ def test_autocapture_hook_captures_an_unmodified_script(tmp_path):
                            sys.executable, os.path.join(_root(), "hooks", "torch_autocapture.py"), str(script)],
                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=_root()))
     assert proc.returncode == 0, proc.stderr
-    from tensordiff.store import Capture
+    from tensordiff.store import CaptureFile
 
-    with Capture(str(out)) as cap:
+    with CaptureFile(str(out)) as cap:
         assert cap.steps == [0, 1]
         recs = cap.records(0)
         assert {r.module for r in recs if r.phase == "param_grad"} == {"0", "2"}

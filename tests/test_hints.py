@@ -10,9 +10,10 @@ pytest.importorskip("megatron.core")
 from examples.gpt import train  # noqa: E402
 from examples.megatron_vs_mindformers import megatron_side  # noqa: E402
 from tensordiff.batch import make, save  # noqa: E402
-from tensordiff.engine import DiffOptions, diff  # noqa: E402
-from tensordiff.hints import hints_for_row  # noqa: E402
-from tensordiff.store import Capture  # noqa: E402
+from tensordiff.diff import DiffOptions  # noqa: E402
+from tensordiff.explain import diagnose as diff  # noqa: E402
+from tensordiff.explain.hints import hints_for_row  # noqa: E402
+from tensordiff.store import CaptureFile  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +106,10 @@ def test_bf16_linear_is_a_compute_dtype(llama):
 
 
 def _no_hint_anywhere(path_a, path_b, mapping=None):
-    result = diff(path_a, path_b, DiffOptions(mapping=mapping, hints=False))
+    result = diff(path_a, path_b, DiffOptions(mapping=mapping), hints=False)
     assert result.first is None
     checked = 0
-    with Capture(path_a) as ca, Capture(path_b) as cb:
+    with CaptureFile(path_a) as ca, CaptureFile(path_b) as cb:
         for row in result.rows:
             if row.step == 0 and row.metrics is not None and row.metrics.rel_l2 > 0 and row.pair.a.has_data:
                 checked += 1
@@ -123,13 +124,13 @@ def test_no_hint_on_a_clean_pair_split_qkv(gpt):
 
 def test_megatron_vs_hf_gelu_is_named_across_frameworks(tmp_path):
     pytest.importorskip("transformers")
-    from tensordiff.align import Mapping
+    from tensordiff.diff.align import RenameRules
 
     ckpt, ref, hf = (str(tmp_path / n) for n in ("ckpt.safetensors", "ref.h5", "hf.h5"))
     train.main(["--capture", ref, "--train-steps", "1", "--capture-steps", "1", "--save-ckpt", ckpt])
     train.main(["--framework", "hf", "--load-ckpt", ckpt, "--capture", hf, "--train-steps", "1", "--capture-steps", "1"])
     # megatron-core uses the exact (erf) GELU, HF GPT-2 its default gelu_new (tanh)
-    result = diff(ref, hf, DiffOptions(mapping=Mapping.load("hf-gpt2-to-mcore", {"heads": "4"})))
+    result = diff(ref, hf, DiffOptions(mapping=RenameRules.load("hf-gpt2-to-mcore", {"heads": "4"})))
     top = _top(result)
     assert top.cause == "activation" and top.details["b"] == "gelu (tanh approximation)"
     assert top.explained > 0.99
@@ -148,7 +149,7 @@ def test_bf16_run_against_fp32_reference(llama):
 
 
 def test_bf16_weights_are_recognised_as_bf16(llama):
-    from tensordiff.tolerance import Tolerances
+    from tensordiff.diff.tolerance import Tolerances
 
     result = diff(llama("none"), llama("bf16"), DiffOptions(tolerances=Tolerances(override=1e-6)))
     assert result.first.phase == "weights"
@@ -185,7 +186,7 @@ def test_missing_bias_megatron_skip_bias_add_vs_hf(tmp_path):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from tensordiff.align import Mapping
+    from tensordiff.diff.align import RenameRules
 
     init, ckpt, ref, hf = (str(tmp_path / n) for n in ("init.safetensors", "ckpt.safetensors", "ref.h5", "hf.h5"))
     train.main(["--train-steps", "0", "--save-ckpt", init])
@@ -197,11 +198,11 @@ def test_missing_bias_megatron_skip_bias_add_vs_hf(tmp_path):
     save_file(state, ckpt)
     train.main(["--load-ckpt", ckpt, "--capture", ref, "--train-steps", "1", "--capture-steps", "1"])
     train.main(["--framework", "hf", "--load-ckpt", ckpt, "--capture", hf, "--train-steps", "1", "--capture-steps", "1"])
-    with open(Mapping.load("hf-gpt2-to-mcore").path) as fh:
+    with open(RenameRules.load("hf-gpt2-to-mcore").path) as fh:
         text = fh.read()
     rule = "    a: 'decoder.layers.\\1.self_attention.linear_proj'\n    kinds: [input, grad_input, param, grad]\n"
     assert rule in text
-    mapping = Mapping.from_text(text.replace(rule, "    a: 'decoder.layers.\\1.self_attention.linear_proj'\n"),
+    mapping = RenameRules.from_text(text.replace(rule, "    a: 'decoder.layers.\\1.self_attention.linear_proj'\n"),
                                 "outputs.yaml", {"heads": "4"})
     result = diff(ref, hf, DiffOptions(mapping=mapping))
     assert (result.first.module_a, result.first.kind) == ("decoder.layers.0.self_attention.linear_proj", "output")

@@ -9,7 +9,7 @@ pytest.importorskip("megatron.core")
 from examples.megatron_vs_mindformers import megatron_side  # noqa: E402
 from tensordiff.batch import make, save  # noqa: E402
 from tensordiff.cli import main  # noqa: E402
-from tensordiff.engine import DiffOptions, diff  # noqa: E402
+from tensordiff.diff import DiffOptions, diff  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ pytest.importorskip("megatron.core")
 
 from examples.gpt import train  # noqa: E402
 from tensordiff.cli import main  # noqa: E402
-from tensordiff.replay import load_factory, replay  # noqa: E402
+from tensordiff.explain.replay import load_factory, replay  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

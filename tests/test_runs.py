@@ -14,7 +14,8 @@ import sys
 import pytest
 
 from tensordiff.cli import main
-from tensordiff.runs import RunsError, compare_runs, read_run
+from tensordiff.errors import RunsError
+from tensordiff.runs import compare_runs, read_run
 
 # MindFormers' own logging code (MFLossMonitor.print_output_info) writes the lines, in a child process
 MF_LOG = r'''
@@ -182,11 +183,11 @@ def _tiny_run(tmp_path, name, kill_at=-1):
 
 def test_capture_scalars_cover_the_whole_run(tmp_path, capsys):
     """cap.step(loss, grad_norm=..., lr=...) and cap.log(val_loss=...) keep every step, not only the captured two."""
-    from tensordiff.store import Capture
+    from tensordiff.store import CaptureFile
 
     path, code, printed = _tiny_run(tmp_path, "tiny.h5")
     assert code == 0 and len(printed) == 40
-    with Capture(path) as cap:
+    with CaptureFile(path) as cap:
         assert cap.steps == [0, 1]  # tensors of two steps ...
         scalars = cap.scalars()  # ... scalars of all forty, counted from 0
     assert sorted(scalars["loss"]) == list(range(40)) and sorted(scalars["val_loss"]) == [9, 19, 29, 39]
@@ -205,10 +206,10 @@ def test_capture_scalars_cover_the_whole_run(tmp_path, capsys):
 def test_scalars_survive_sigkill(tmp_path):
     """Each step's scalars are flushed as they come: a killed run keeps every step before the one in flight."""
     path, code, printed = _tiny_run(tmp_path, "killed.h5", kill_at=24)
-    from tensordiff.store import Capture
+    from tensordiff.store import CaptureFile
 
     assert code == -9 and max(printed) == 25
-    with Capture(path) as cap:
+    with CaptureFile(path) as cap:
         assert cap.steps == [0, 1]  # the captured steps are whole
     run = read_run(path)
     # step 25 was in flight; the writer thread may still hold the one before (writes are off the training thread)

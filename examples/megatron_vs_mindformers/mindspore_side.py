@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     import tensordiff
     from tensordiff.batch import load as load_batch
-    from tensordiff.ckpt_io import load as load_checkpoint
+    from tensordiff.ckpt import load as load_checkpoint
 
     ms.set_context(mode=ms.GRAPH_MODE if args.graph_mode else ms.PYNATIVE_MODE)
     ms.set_device("CPU")

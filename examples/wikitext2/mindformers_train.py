@@ -29,7 +29,7 @@ import numpy as np
 
 import tensordiff
 from examples.wikitext2.common import Tokens, Train, decays, learning_rates, model_spec
-from tensordiff.ckpt_io import load as read_checkpoint
+from tensordiff.ckpt import load as read_checkpoint
 from tensordiff.compat.mindformers_cpu import enable, init_mindformers_cpu
 
 def main(argv: list[str] | None = None) -> int:

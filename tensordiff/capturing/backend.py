@@ -1,0 +1,68 @@
+"""The adapter contract: what the framework-free ``Recorder`` needs to know about a framework's tensors.
+
+One subclass per framework (``capturing/torch.py``, ``capturing/mindspore.py``). The recorder
+calls these from inside the model's hooks, so each must be cheap, must not synchronise the
+device where it can avoid it, and must never change the tensor it is given.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+__all__ = ["TensorBackend"]
+
+
+class TensorBackend(ABC):
+    """How to read, copy and hook one framework's tensors."""
+
+    @abstractmethod
+    def is_tensor(self, value: Any) -> bool:
+        """True for the framework's tensors (what module inputs and outputs are searched for)."""
+
+    @abstractmethod
+    def describe(self, t: Any) -> tuple[str | None, tuple[int, ...]]:
+        """(dtype name as in ``tensordiff.dtypes``, shape). A dtype of None is asked for again at the end of
+        the step with ``late_dtype`` (reading it now would wait for an asynchronous op)."""
+
+    def late_dtype(self, t: Any) -> str:
+        """The dtype name of a tensor ``describe`` could not name at once."""
+        raise NotImplementedError(f"{type(self).__name__}.describe returned no dtype but has no late_dtype")
+
+    @abstractmethod
+    def stats(self, t: Any) -> Any:
+        """Start the reduction of [min, max, sum, l2, nan, inf] (on the tensor's device); a handle for ``host_stats``."""
+
+    @abstractmethod
+    def host_stats(self, pending: list[Any]) -> list[Sequence[float]]:
+        """Bring the started reductions to the host, with as few device syncs as possible."""
+
+    @abstractmethod
+    def copy(self, t: Any) -> Any:
+        """A host copy taken now (the model may change the tensor in place later)."""
+
+    @abstractmethod
+    def to_numpy(self, copy: Any) -> np.ndarray:
+        """A host copy as numpy, in its own dtype (BF16/FP8 as ``ml_dtypes``)."""
+
+    def version(self, t: Any) -> int:
+        """In-place modification counter (0 where the framework has none): a changed tensor is recorded anew."""
+        return 0
+
+    def hook_grad(self, t: Any, fn: Callable[[Any], None]) -> Any:
+        """Register ``fn(grad)`` to run when the gradient of ``t`` is computed; a handle with ``remove()``, or None."""
+        return None
+
+    @abstractmethod
+    def loss_tensor(self, value: Any) -> Any:
+        """The loss as a detached framework tensor (``value`` may be a tensor or a number)."""
+
+    @abstractmethod
+    def scalar(self, t: Any) -> float:
+        """Mean of a tensor as a Python float (the step's loss attribute, per-step scalars)."""
+
+    @abstractmethod
+    def perturb(self, params: Sequence[Any], seed: int) -> None:
+        """Move every floating-point parameter by one ulp in a random direction, zeros kept (``tensordiff noise``)."""

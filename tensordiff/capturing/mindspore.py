@@ -1,0 +1,227 @@
+"""MindSpore adapter: cell and tensor hooks that record one training step at a time (PyNative).
+
+What is hooked, and why:
+
+* forward pre-hooks (with kwargs) on every cell: call index, cell nesting, inputs;
+* forward hooks: outputs;
+* tensor hooks (``Tensor.register_hook``) on every recorded floating-point tensor: its
+  gradient, in the order backward produces it. This records the same things as
+  ``Cell.register_backward_hook`` (gradients of a cell's outputs and inputs) but keeps
+  one record per tensor slot, like the PyTorch adapter, and does not insert the
+  ``CellBackwardHook`` operation into the graph;
+* the optimizer cell's forward pre-hook (when an optimizer is given): the gradients it
+  receives are the step's parameter gradients; its forward hook ends the step.
+  Without an optimizer, pass the gradients from ``value_and_grad`` to ``step(grads=...)``.
+
+Graph mode cannot run Python hooks: capture refuses it with a message pointing to
+PyNative. Everything is removed after the last captured step or on exit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import mindspore as ms
+import numpy as np
+
+from ..errors import UsageError
+from ..frameworks.mindspore import check_pynative, dtype_name, host_view, to_numpy
+from .backend import TensorBackend
+from .options import CaptureOptions, base_attrs, rank_path
+from .recorder import Recorder
+
+
+def numpy_stats(x: np.ndarray) -> tuple[float, float, float, float, float, float]:
+    """[min, max, sum, l2, nan, inf] in float64."""
+    if x.size == 0:
+        return (0.0,) * 6  # type: ignore[return-value]
+    if x.dtype == np.bool_ or x.dtype.kind in "iu":
+        d = x.reshape(-1).astype(np.float64)
+        return float(d.min()), float(d.max()), float(d.sum()), float(np.sqrt(np.dot(d, d))), 0.0, 0.0
+    d = x.reshape(-1).astype(np.float64)
+    finite = np.isfinite(d)
+    if finite.all():
+        return float(d.min()), float(d.max()), float(d.sum()), float(np.sqrt(np.dot(d, d))), 0.0, 0.0
+    nan = float(np.isnan(d).sum())
+    inf = float(np.isinf(d).sum())
+    with np.errstate(invalid="ignore", over="ignore"):
+        return float(np.nanmin(d)), float(np.nanmax(d)), float(d.sum()), float(np.linalg.norm(d)), nan, inf
+
+
+def _host_stats_of(t: Any) -> tuple[float, ...]:
+    return numpy_stats(host_view(t))
+
+
+def _requires_grad_now() -> bool:
+    try:
+        from mindspore.common.api import _pynative_executor
+
+        return bool(_pynative_executor.requires_grad())
+    except Exception:  # private API moved: hook every float tensor (hooks that never fire cost little)
+        return True
+
+
+class MindSporeTensors(TensorBackend):
+    """Reads MindSpore tensors for the recorder (PyNative: activations reduced once, at the end of the step)."""
+
+    def is_tensor(self, value: Any) -> bool:
+        return isinstance(value, ms.Tensor)
+
+    def describe(self, t: Any) -> tuple[str | None, tuple[int, ...]]:
+        # Tensor.dtype waits for the op that makes the tensor: ask at the end of the step instead
+        return (dtype_name(t.dtype) if isinstance(t, ms.Parameter) else None), tuple(int(d) for d in t.shape)
+
+    def late_dtype(self, t: Any) -> str:
+        return dtype_name(t.dtype)
+
+    def stats(self, t: Any) -> Any:
+        # PyNative dispatches ops asynchronously: reading a tensor now would wait for it and stall the
+        # pipeline at every hook. Activations and gradients are kept and reduced once, at the end of the
+        # step; parameters (updated in place by the optimizer) are reduced now.
+        return _host_stats_of(t) if isinstance(t, ms.Parameter) else t
+
+    def host_stats(self, pending: list[Any]) -> list[Sequence[float]]:
+        return [p if isinstance(p, tuple) else _host_stats_of(p) for p in pending]
+
+    def copy(self, t: Any) -> np.ndarray:
+        return to_numpy(t)
+
+    def to_numpy(self, copy: np.ndarray) -> np.ndarray:
+        return copy
+
+    def hook_grad(self, t: Any, fn: Any) -> Any:
+        if isinstance(t, ms.Parameter) or not _requires_grad_now():
+            return None
+
+        def hook(grad: Any) -> Any:
+            fn(grad)
+            return grad  # unchanged: the same tensor object goes on
+
+        try:
+            return t.register_hook(hook)
+        except RuntimeError:  # "requires grad is false": ids, masks, buffers; integer tensors
+            return None
+
+    def loss_tensor(self, value: Any) -> Any:
+        return value if isinstance(value, ms.Tensor) else ms.Tensor(np.float64(float(value)))
+
+    def scalar(self, t: Any) -> float:
+        return float(np.mean(to_numpy(t).astype(np.float64)))
+
+    def perturb(self, params: Sequence[Any], seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for p in params:
+            x = to_numpy(p)
+            if x.dtype.kind != "f" or not x.size:  # numpy floats only (BF16 parameters are left as they are)
+                continue
+            toward = np.where(rng.integers(0, 2, x.shape).astype(bool), np.inf, -np.inf).astype(x.dtype)
+            p.set_data(ms.Tensor(np.where(x == 0, x, np.nextafter(x, toward))))  # zeros stay zeros
+
+
+class MindSporeCapture(Recorder):
+    """Records the first ``options.steps`` training steps of ``cell``. Use via :func:`tensordiff.capture`."""
+
+    framework = "mindspore"
+
+    def __init__(self, cell: Any, options: CaptureOptions, optimizer: Any = None, meta: dict | None = None):
+        check_pynative()
+        self.cell = cell
+        self.optimizer = optimizer
+        rank, world = 0, 1
+        try:
+            from mindspore.communication import get_group_size, get_rank
+
+            rank, world = get_rank(), get_group_size()
+        except Exception:  # communication not initialised: a single process
+            pass
+        assert options.path is not None
+        path = rank_path(options.path, rank, world)
+        attrs = base_attrs("mindspore", ms.__version__, options, rank=rank, world_size=world,
+                           model_class=type(cell).__name__, **(meta or {}))
+        params = []
+        self._param_ids: dict[int, tuple[str, str]] = {}
+        for full, p in cell.parameters_and_names():
+            mod, _, pname = full.rpartition(".")
+            params.append((mod, pname, p))
+            self._param_ids[id(p)] = (mod, pname)
+        classes = {name: type(c).__name__ for name, c in cell.cells_and_names()}
+        super().__init__(MindSporeTensors(), options, path, attrs, params, classes)
+        self._install()
+
+    # public API ---------------------------------------------------------------
+    def grads(self, grads: Any, params: Sequence[Any] | None = None) -> None:
+        """Record the step's parameter gradients: a dict name -> gradient, or a sequence matching
+        ``params`` (default: ``cell.trainable_params()``, the order ``value_and_grad`` returns)."""
+        if not self.active:
+            return
+        try:
+            self._ensure_step()
+            self._param_grads(self._pair_grads(grads, params))
+        except Exception as err:
+            self._fail(err)
+
+    def step(self, loss: Any = None, grads: Any = None, **scalars: Any) -> None:  # type: ignore[override]
+        """End the step in flight, recording ``loss`` and ``grads`` (see :meth:`grads`) first, if given;
+        keyword scalars as in :meth:`Recorder.step`."""
+        if grads is not None:
+            self.grads(grads)
+        super().step(loss, **scalars)
+
+    # hooks --------------------------------------------------------------------
+    def _install(self) -> None:
+        for name, cell in self.cell.cells_and_names():
+            self._handles.append(cell.register_forward_pre_hook(self._make_pre_hook(name), with_kwargs=True))
+            self._handles.append(cell.register_forward_hook(self._make_post_hook(name)))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_forward_pre_hook(self._optimizer_pre_hook))
+            self._handles.append(self.optimizer.register_forward_hook(self._optimizer_post_hook))
+
+    def _make_pre_hook(self, name: str) -> Any:
+        def pre_hook(cell: Any, args: tuple, kwargs: dict) -> None:
+            self._on_call(name, args, kwargs)
+
+        return pre_hook
+
+    def _make_post_hook(self, name: str) -> Any:
+        def post_hook(cell: Any, args: tuple, output: Any) -> None:
+            self._on_return(name, output)
+
+        return post_hook
+
+    def _optimizer_pre_hook(self, optimizer: Any, args: tuple) -> None:
+        if self.active and self._in_step and not self._grads_taken and args:
+            try:
+                self._param_grads(self._pair_grads(args[0], list(optimizer.parameters)))
+            except Exception as err:
+                self._fail(err)
+        return None
+
+    def _optimizer_post_hook(self, optimizer: Any, args: tuple, output: Any) -> None:
+        if self.active and self._in_step:
+            self._step_ready = True
+        return None
+
+    def _pair_grads(self, grads: Any, params: Sequence[Any] | None) -> list[tuple[str, str, Any]]:
+        if isinstance(grads, dict):
+            by_name = {f"{m}.{n}" if m else n: (m, n) for m, n, _ in self._params}
+            by_param_name = {p.name: (m, n) for m, n, p in self._params}
+            out = []
+            for key, grad in grads.items():
+                where = by_name.get(key) or by_param_name.get(key)
+                if where is None:
+                    raise UsageError(f"gradient for {key!r}: no such parameter in {type(self.cell).__name__}")
+                out.append((where[0], where[1], grad))
+            return out
+        params = list(params) if params is not None else list(self.cell.trainable_params())
+        grads = list(grads)
+        if len(grads) != len(params):
+            raise UsageError(f"{len(grads)} gradients for {len(params)} parameters: pass params= in the order "
+                             "value_and_grad used")
+        out = []
+        for p, grad in zip(params, grads):
+            where = self._param_ids.get(id(p))
+            if where is None:  # a parameter outside the captured cell (or a copy): keep its own name
+                mod, _, pname = p.name.rpartition(".")
+                where = (mod, pname)
+            out.append((where[0], where[1], grad))
+        return out

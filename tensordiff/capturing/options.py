@@ -1,0 +1,123 @@
+"""What to capture: options (from arguments and the environment ``tensordiff capture`` sets), file names, file meta."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import socket
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from .._version import __version__
+from ..errors import UsageError
+
+ENV_OUTPUT = "TENSORDIFF_OUTPUT"
+ENV_STEPS = "TENSORDIFF_STEPS"
+ENV_TENSORS = "TENSORDIFF_TENSORS"
+ENV_DISABLE = "TENSORDIFF_DISABLE"
+ENV_STATUS = "TENSORDIFF_STATUS"
+ENV_PERTURB = "TENSORDIFF_PERTURB"
+
+TENSOR_MODES = ("first", "all", "none")
+
+
+@dataclass
+class CaptureOptions:
+    """What to record. Each field doubles as the help text of the matching CLI option."""
+
+    path: str | None = None
+    """Output HDF5 file; '{rank}' in the name is replaced by the rank."""
+    steps: int = 1
+    """Number of training steps to capture; hooks are removed after the last one."""
+    tensors: str = "first"
+    """Full tensors for: 'first' step only, 'all' steps, or 'none' (statistics only)."""
+    inputs: bool = True
+    """Record module inputs (tensors already recorded are stored as links, not copies)."""
+    grads: bool = True
+    """Record gradients of module outputs and inputs during backward."""
+    background: bool = True
+    """Write on a background thread (off the training thread)."""
+    perturb: int | None = None
+    """Seed: move every float parameter by one ulp before the first step (only ``tensordiff noise`` sets it)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise UsageError(f"steps={self.steps}: capture needs at least 1 step")
+        if self.tensors not in TENSOR_MODES:
+            raise UsageError(f"tensors={self.tensors!r}: expected one of {', '.join(TENSOR_MODES)}")
+
+    def full_tensors_at(self, step: int) -> bool:
+        return self.tensors == "all" or (self.tensors == "first" and step == 0)
+
+
+def options_from_env(path: str | None, steps: int | None, tensors: str | None, **kw: Any) -> CaptureOptions | None:
+    """Merge call arguments with the environment set by ``tensordiff capture``.
+
+    The environment wins (the command line asked for it). Returns None when capture
+    is off: no path anywhere, or TENSORDIFF_DISABLE=1.
+    """
+    if os.environ.get(ENV_DISABLE, "") not in ("", "0"):
+        return None
+    path = os.environ.get(ENV_OUTPUT) or path
+    if not path:
+        return None
+    env_steps = os.environ.get(ENV_STEPS)
+    if env_steps:
+        try:
+            steps = int(env_steps)
+        except ValueError:
+            raise UsageError(f"{ENV_STEPS}={env_steps!r}: expected a whole number of steps") from None
+    tensors = os.environ.get(ENV_TENSORS) or tensors or "first"
+    perturb = os.environ.get(ENV_PERTURB)
+    if perturb:
+        try:
+            kw["perturb"] = int(perturb)
+        except ValueError:
+            raise UsageError(f"{ENV_PERTURB}={perturb!r}: expected a whole-number seed") from None
+    return CaptureOptions(path=path, steps=steps or 1, tensors=tensors, **kw)
+
+
+def report_status(message: str) -> None:
+    """Tell ``tensordiff capture`` (through the file it named) why capture did not happen; never raises."""
+    target = os.environ.get(ENV_STATUS)
+    if not target:
+        return
+    try:
+        with open(target, "a", encoding="utf-8") as f:
+            f.write(message.replace("\n", " ") + "\n")
+    except OSError:
+        pass
+
+
+def rank_path(path: str, rank: int, world_size: int) -> str:
+    """One file per rank: fill '{rank}' or add '.rankN' before the suffix when world_size > 1."""
+    if "{rank}" in path:
+        return path.replace("{rank}", str(rank))
+    if world_size <= 1:
+        return path
+    root, ext = os.path.splitext(path)
+    return f"{root}.rank{rank}{ext or '.h5'}"
+
+
+def base_attrs(framework: str, framework_version: str, options: CaptureOptions, **extra: Any) -> dict[str, Any]:
+    attrs: dict[str, Any] = {
+        "framework": framework,
+        "framework_version": framework_version,
+        "tensordiff_version": __version__,
+        "python_version": platform.python_version(),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(),
+        "argv": " ".join(sys.argv),
+        "steps_requested": options.steps,
+        "tensors": options.tensors,
+    }
+    for pkg, mod in (("megatron_core_version", "megatron.core"), ("transformers_version", "transformers"),
+                     ("mindformers_version", "mindformers")):
+        module = sys.modules.get(mod)
+        version = getattr(module, "__version__", None) if module else None
+        if version:
+            attrs[pkg] = str(version)
+    attrs.update({k: v for k, v in extra.items() if v is not None})
+    return attrs

@@ -1,0 +1,348 @@
+"""Step bookkeeping shared by the framework adapters (no framework imported here).
+
+An adapter (``torch.py``, ``mindspore.py``) installs the hooks and hands over a
+``TensorBackend`` that says how to read a tensor: its dtype name, shape, statistics, a host
+copy, a backward hook. This class turns hook calls into records: call indices, module
+nesting, links for tensors seen before, one step group per training step, handed to the
+background writer. ``NullCapture`` stands in when capture is off.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+from collections import defaultdict
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..record import flatten
+from ..store.format import shape_text
+from ..store.writer import CaptureWriter
+from .backend import TensorBackend
+from .options import CaptureOptions, report_status
+
+STAT_KEYS = ("min", "max", "mean", "l2", "nan", "inf")
+
+
+class Recorder:
+    """Records the first ``options.steps`` training steps. Subclasses install hooks that call
+    ``_on_call`` / ``_on_return`` / ``_grad_hook`` / ``_param_grads`` and read tensors through ``backend``."""
+
+    framework = ""
+
+    def __init__(self, backend: TensorBackend, options: CaptureOptions, path: str, attrs: dict[str, Any],
+                 params: Sequence[tuple[str, str, Any]], classes: dict[str, str]):
+        self._t = backend
+        self.options = options
+        self.path = path
+        self._writer = CaptureWriter(path, attrs, background=options.background)
+        self._params = list(params)  # (module, attribute, parameter)
+        self._classes = classes
+        self._handles: list[Any] = []
+        self._tensor_handles: list[Any] = []
+        self._step = 0
+        self._step_id = 0
+        self._in_step = False
+        self._step_ready = False
+        self._done = False
+        self._failed = False
+        self._iteration = 0  # step() calls: the training step in flight, for scalars
+        self._closed = False
+        self._reset_step()
+
+    # subclasses ---------------------------------------------------------------
+    def _remove_framework_hooks(self) -> None:
+        """Undo anything beyond the handles (subclasses that need it)."""
+
+    # public API ---------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        return not (self._done or self._failed)
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def loss(self, value: Any) -> None:
+        """Record the loss of the step in flight (a tensor or a number)."""
+        if not self.active:
+            return
+        try:
+            self._ensure_step()
+            t = self._t.loss_tensor(value)
+            self._loss = self._t.scalar(t)
+            self._record("loss", "loss", "loss", 0, "value", "Loss", t, full=True, track=False)
+        except Exception as err:
+            self._fail(err)
+
+    def step(self, loss: Any = None, **scalars: Any) -> None:
+        """End the step in flight (recording ``loss`` first, if given).
+
+        ``loss`` and any keyword scalars (``grad_norm=``, ``lr=``, ``val_loss=`` ...) are also
+        appended to the file's per-step scalars, for every step of the run, including those
+        after the captured ones: ``tensordiff runs`` reads them."""
+        if loss is not None:
+            self.loss(loss)
+            scalars = {"loss": self._loss if self._loss is not None else loss, **scalars}
+        if scalars:
+            self.log(self._iteration, **scalars)
+        self._iteration += 1
+        if not self.active:
+            return
+        try:
+            self._end_step()
+        except Exception as err:
+            self._fail(err)
+
+    def log(self, step: int | None = None, **values: Any) -> None:
+        """Append per-step scalars (numbers or one-element tensors), e.g. ``cap.log(val_loss=v)``.
+
+        ``step`` defaults to the step that ``step()`` ended last (0 before the first): validation
+        logged after ``cap.step(loss)`` lands on that step, as Megatron-LM's "validation loss at
+        iteration N" does. Cheap and kept for the whole run, after the captured steps too; never raises."""
+        if self._closed or not values:
+            return
+        try:
+            at = max(self._iteration - 1, 0) if step is None else int(step)
+            out = {name: float(v) if isinstance(v, (int, float)) else self._t.scalar(self._t.loss_tensor(v))
+                   for name, v in values.items() if v is not None}
+            self._writer.submit_scalars(at, out)
+        except Exception as err:
+            warnings.warn(f"tensordiff: scalars {sorted(values)} not recorded ({type(err).__name__}: {err}); "
+                          "training goes on", RuntimeWarning, stacklevel=2)
+
+    def close(self) -> None:
+        """Finish the step in flight, remove every hook, close the file."""
+        if self._in_step and not self._failed:
+            try:
+                self._end_step()
+            except Exception as err:
+                self._fail(err)
+        self._remove_hooks()
+        self._closed = True
+        self._writer.close()
+
+    # bookkeeping --------------------------------------------------------------
+    def _remove_hooks(self) -> None:
+        for handle in self._handles + self._tensor_handles:
+            if handle is not None:
+                handle.remove()
+        self._handles.clear()
+        self._tensor_handles.clear()
+        self._remove_framework_hooks()
+
+    def _fail(self, err: BaseException) -> None:
+        if not self._failed:
+            text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+            report_status(f"capture stopped: {type(err).__name__}: {text}")
+            warnings.warn(
+                f"tensordiff: capture stopped ({type(err).__name__}: {text}); hooks removed, training goes on; "
+                f"completed steps are in {self.path}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self._failed = True
+        self._in_step = False
+        self._remove_hooks()
+
+    def _reset_step(self) -> None:
+        self._seq = 0
+        self._rows: list[dict[str, Any]] = []
+        self._pending: list[tuple[int, Any]] = []
+        self._late: dict[int, Any] = {}
+        self._data: dict[int, Any] = {}
+        self._seen: dict[int, tuple[Any, int, int]] = {}
+        self._stack: list[tuple[str, int, int, str]] = []
+        self._calls: dict[str, int] = defaultdict(int)
+        self._loss: float | None = None
+        self._grads_taken = False
+        self._step_ready = False
+        self._t0 = time.perf_counter()
+
+    def _ensure_step(self) -> None:
+        if self._in_step:
+            return
+        self._reset_step()
+        self._in_step = True
+        self._step_id += 1
+        self._full = self.options.full_tensors_at(self._step)
+        if self._step == 0 and self.options.perturb is not None:
+            self._t.perturb([p for _, _, p in self._params], self.options.perturb)  # asked for on purpose: tensordiff noise's second run
+        for mod, pname, p in self._params:
+            self._record("weights", "param", mod, 0, pname, self._classes.get(mod, ""), p, track=False)
+
+    def _on_call(self, name: str, args: Any, kwargs: dict) -> None:
+        """A framework pre-hook: never raises into the model (a failure stops the capture)."""
+        if self.active:
+            try:
+                self._begin_call(name, args, kwargs)
+            except Exception as err:
+                self._fail(err)
+
+    def _on_return(self, name: str, output: Any) -> None:
+        """A framework post-hook: never raises into the model."""
+        if self.active:
+            try:
+                self._end_call(name, output)
+            except Exception as err:
+                self._fail(err)
+
+    def _begin_call(self, name: str, args: Any, kwargs: dict) -> None:
+        """A module/cell starts: new call index, nesting, inputs."""
+        if not self._stack and name == "" and self._step_ready:
+            self._end_step()
+            if not self.active:
+                return
+        self._ensure_step()
+        call = self._calls[name]
+        self._calls[name] += 1
+        enter = self._seq
+        parent = self._stack[-1][0] if self._stack else ""
+        self._stack.append((name, call, enter, parent))
+        if self.options.inputs:
+            cls = self._classes.get(name, "")
+            for value in (list(args), kwargs):
+                for slot, t in flatten(value, "", self._t.is_tensor):
+                    self._record("forward", "input", name, call, slot, cls, t, enter=enter, parent=parent,
+                                 grad_kind="grad_input")
+
+    def _end_call(self, name: str, output: Any) -> None:
+        """A module/cell returns: its outputs."""
+        if not self._in_step:
+            return
+        while self._stack and self._stack[-1][0] != name:
+            self._stack.pop()  # a child raised; drop its frame
+        if not self._stack:
+            return
+        _, call, enter, parent = self._stack.pop()
+        cls = self._classes.get(name, "")
+        for slot, t in flatten(output, "", self._t.is_tensor):
+            self._record("forward", "output", name, call, slot or "0", cls, t, enter=enter, parent=parent,
+                         grad_kind="grad_output")
+
+    def _grad_hook(self, step_id: int, fwd: dict, grad: Any) -> None:
+        if not self.active or step_id != self._step_id or grad is None:
+            return
+        try:
+            self._record("backward", fwd["grad_kind"], fwd["module"], fwd["call"], fwd["slot"], fwd["module_class"],
+                         grad, enter=fwd["enter"], parent=fwd["parent"], grad_of=fwd["seq"], track=False)
+        except Exception as err:
+            self._fail(err)
+
+    def _param_grads(self, grads: Sequence[tuple[str, str, Any]]) -> None:
+        """Record the parameter gradients of the step: (module, attribute, gradient)."""
+        self._grads_taken = True
+        for mod, pname, grad in grads:
+            if grad is not None:
+                self._record("param_grad", "grad", mod, 0, pname, self._classes.get(mod, ""), grad, track=False)
+
+    def _take_param_grads(self) -> None:
+        """Subclasses: find the parameter gradients when the step ends without them."""
+        self._grads_taken = True
+
+    def _record(self, phase: str, kind: str, module: str, call: int, slot: str, module_class: str, t: Any, *,
+                enter: int = -1, parent: str = "", grad_of: int = -1, grad_kind: str = "", track: bool = True,
+                full: bool | None = None) -> int:
+        seq = self._seq
+        self._seq += 1
+        dtype, shape = self._t.describe(t)
+        if dtype is None:
+            self._late[seq] = t
+        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        row: dict[str, Any] = {
+            "seq": seq, "phase": phase, "module": module, "call": call, "kind": kind, "slot": slot,
+            "module_class": module_class, "dtype": dtype, "shape": shape_text(shape),
+            "min": 0.0, "max": 0.0, "mean": 0.0, "l2": 0.0, "nan": 0, "inf": 0, "numel": numel,
+            "has_data": 0, "same_as": -1, "grad_of": grad_of, "enter": enter, "parent": parent,
+        }
+        self._rows.append(row)
+        seen = self._seen.get(id(t)) if track else None
+        if seen is not None and seen[0]() is t and seen[1] == self._t.version(t):
+            row["same_as"] = seen[2]
+            return seq
+        self._pending.append((seq, self._t.stats(t)))
+        if self._full if full is None else full:
+            self._data[seq] = self._t.copy(t)
+            row["has_data"] = 1
+        if track:
+            try:
+                self._seen[id(t)] = (weakref.ref(t), self._t.version(t), seq)
+            except TypeError:  # not weak-referenceable: no links for it
+                pass
+            if self.options.grads and grad_kind:
+                fwd = {"seq": seq, "module": module, "call": call, "slot": slot, "module_class": module_class,
+                       "enter": enter, "parent": parent, "grad_kind": grad_kind}
+                step_id = self._step_id
+                handle = self._t.hook_grad(t, lambda grad: self._grad_hook(step_id, fwd, grad))
+                if handle is not None:
+                    self._tensor_handles.append(handle)
+        return seq
+
+    def _end_step(self) -> None:
+        if not self._in_step:
+            return
+        if not self._grads_taken:
+            self._take_param_grads()
+        for handle in self._tensor_handles:
+            handle.remove()
+        self._tensor_handles.clear()
+        rows = self._rows
+        for seq, t in self._late.items():
+            rows[seq]["dtype"] = self._t.late_dtype(t)
+        values = self._t.host_stats([s for _, s in self._pending])
+        for (seq, _), stat in zip(self._pending, values):
+            row = rows[seq]
+            mn, mx, total, l2, nan, inf = (float(v) for v in stat)
+            row.update(min=mn, max=mx, mean=total / row["numel"] if row["numel"] else 0.0, l2=l2,
+                       nan=int(nan), inf=int(inf))
+        for row in rows:
+            if row["same_as"] >= 0:
+                src = rows[row["same_as"]]
+                for key in STAT_KEYS + ("has_data",):
+                    row[key] = src[key]
+        data = {seq: self._t.to_numpy(t) for seq, t in self._data.items()}
+        attrs: dict[str, Any] = {"wall_time": time.perf_counter() - self._t0}
+        if self._loss is not None:
+            attrs["loss"] = self._loss
+        self._writer.submit(self._step, rows, data, attrs)
+        self._step += 1
+        self._in_step = False
+        self._reset_step()
+        if self._step >= self.options.steps:
+            self._done = True
+            self._remove_hooks()
+
+
+class NullCapture:
+    """Stands in when capture is off: same methods, records nothing."""
+
+    path = None
+
+    def __enter__(self) -> "NullCapture":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def step(self, loss: Any = None, grads: Any = None, **scalars: Any) -> None:
+        return None
+
+    def log(self, step: int | None = None, **values: Any) -> None:
+        return None
+
+    def loss(self, value: Any) -> None:
+        return None
+
+    def grads(self, grads: Any, params: Any = None) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    @property
+    def active(self) -> bool:
+        return False

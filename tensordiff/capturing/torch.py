@@ -1,0 +1,165 @@
+"""PyTorch adapter: module and tensor hooks that record one training step at a time.
+
+What is hooked, and why:
+
+* forward pre-hooks (with kwargs) on every module: call index, module nesting, inputs;
+* forward hooks: outputs;
+* tensor hooks on every recorded non-leaf tensor that requires grad: its gradient,
+  in the order backward produces it. Full module backward hooks are not used: they
+  wrap outputs in views and break models that modify outputs in place
+  (Megatron's cross-entropy does), which would crash the run being observed;
+* optimizer step pre/post hooks (when an optimizer is given): parameter gradients
+  before the update, then the end of the step.
+
+Statistics are reduced on the tensor's device in float64 and brought to the host
+once per step; full tensors are copied at hook time (the model may later change
+them in place). Everything is removed after the last captured step or on exit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from functools import partial
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..frameworks.torch import dtype_name, reduce_stats, to_numpy
+from .backend import TensorBackend
+from .options import CaptureOptions, base_attrs, rank_path
+from .recorder import Recorder
+
+
+class TorchTensors(TensorBackend):
+    """Reads torch tensors for the recorder (statistics on the tensor's device, one sync per step)."""
+
+    def is_tensor(self, value: Any) -> bool:
+        return isinstance(value, torch.Tensor)
+
+    def describe(self, t: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+        return dtype_name(t.dtype), tuple(t.shape)
+
+    def stats(self, t: torch.Tensor) -> torch.Tensor:
+        return reduce_stats(t)
+
+    def host_stats(self, pending: list[torch.Tensor]) -> list[Sequence[float]]:
+        # one host sync per device for the whole step
+        out: list[Sequence[float]] = [()] * len(pending)
+        by_device: dict[torch.device, list[int]] = defaultdict(list)
+        for i, stats in enumerate(pending):
+            by_device[stats.device].append(i)
+        for indices in by_device.values():
+            host = torch.stack([pending[i] for i in indices]).cpu().numpy()
+            for i, values in zip(indices, host):
+                out[i] = values.tolist()
+        return out
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu", copy=True)
+
+    def to_numpy(self, copy: torch.Tensor) -> np.ndarray:
+        return to_numpy(copy)
+
+    def version(self, t: torch.Tensor) -> int:
+        return t._version
+
+    def hook_grad(self, t: torch.Tensor, fn: Any) -> Any:
+        if t.requires_grad and t.grad_fn is not None and torch.is_grad_enabled():
+            return t.register_hook(fn)
+        return None
+
+    def loss_tensor(self, value: Any) -> torch.Tensor:
+        return value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float64)
+
+    def scalar(self, t: torch.Tensor) -> float:
+        return float(t.double().mean())
+
+    def perturb(self, params: Sequence[Any], seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in params:
+                if p.is_floating_point() and p.numel():
+                    up = torch.randint(0, 2, p.shape, generator=g).to(p.device).bool()
+                    toward = torch.where(up, torch.full_like(p, math.inf), torch.full_like(p, -math.inf))
+                    p.copy_(torch.where(p == 0, p, torch.nextafter(p, toward)))  # zeros stay zeros (no denormals)
+
+
+class TorchCapture(Recorder):
+    """Records the first ``options.steps`` training steps of ``model``. Use via :func:`tensordiff.capture`."""
+
+    framework = "torch"
+
+    def __init__(self, model: torch.nn.Module, options: CaptureOptions, optimizer: Any = None, meta: dict | None = None):
+        self.model = model
+        self.optimizer = optimizer
+        rank, world = 0, 1
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        assert options.path is not None
+        path = rank_path(options.path, rank, world)
+        attrs = base_attrs("torch", torch.__version__, options, rank=rank, world_size=world,
+                           model_class=type(model).__name__, **(meta or {}))
+        params = []
+        for full, p in model.named_parameters():
+            mod, _, pname = full.rpartition(".")
+            params.append((mod, pname, p))
+        classes = {name: type(m).__name__ for name, m in model.named_modules()}
+        super().__init__(TorchTensors(), options, path, attrs, params, classes)
+        self._grad_snapshots: dict[int, torch.Tensor] = {}
+        self._install()
+
+    # hooks --------------------------------------------------------------------
+    def _install(self) -> None:
+        for name, module in self.model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(partial(self._pre_hook, name), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(partial(self._post_hook, name)))
+        if self.optimizer is not None:
+            self._handles.append(self.optimizer.register_step_pre_hook(self._optimizer_pre_hook))
+            self._handles.append(self.optimizer.register_step_post_hook(self._optimizer_post_hook))
+        else:
+            # no optimizer to tell us when gradients are final: keep the last accumulated value,
+            # since zero_grad() may clear .grad before the step ends
+            for _, _, p in self._params:
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated_hook))
+
+    def _pre_hook(self, name: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        self._on_call(name, args, kwargs)
+
+    def _post_hook(self, name: str, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        self._on_return(name, output)
+
+    def _accumulated_hook(self, p: torch.Tensor) -> None:
+        if self.active and self._in_step and p.grad is not None:
+            try:
+                self._grad_snapshots[id(p)] = p.grad.detach().clone()
+            except Exception as err:
+                self._fail(err)
+
+    def _optimizer_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.active and self._in_step and not self._grads_taken:
+            try:
+                self._take_param_grads()
+            except Exception as err:
+                self._fail(err)
+
+    def _optimizer_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.active and self._in_step:
+            self._step_ready = True
+
+    def _reset_step(self) -> None:
+        super()._reset_step()
+        self._grad_snapshots = {}
+
+    def _take_param_grads(self) -> None:
+        grads = []
+        for mod, pname, p in self._params:
+            grad = getattr(p, "main_grad", None)
+            if grad is None:
+                grad = p.grad
+            if grad is None:
+                grad = self._grad_snapshots.get(id(p))
+            grads.append((mod, pname, grad))
+        self._param_grads(grads)

@@ -1,0 +1,137 @@
+"""Read and write checkpoint files as ``dict[str, np.ndarray]``, by file suffix.
+
+| suffix | reader / writer | needs |
+|---|---|---|
+| ``.safetensors`` | the ``safetensors`` package (torch- and MindSpore-written files alike) | safetensors |
+| ``.pt``, ``.pth`` | ``torch.load(..., weights_only=True)`` / ``torch.save`` | torch |
+| ``.ckpt`` | ``mindspore.load_checkpoint`` / ``mindspore.save_checkpoint`` | mindspore |
+
+Frameworks are imported only when a file of theirs is read or written, through
+``tensordiff.frameworks`` (which also refuses any pickle beyond tensors). Nothing is upcast:
+BF16 and FP8 arrive as ``ml_dtypes`` arrays with their original bits, so a file read and
+written again holds the same bytes. A torch file is only ever unpickled with
+``weights_only=True``: a file that pickles other objects is refused, not executed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections import Counter
+
+import ml_dtypes
+import numpy as np
+
+from .. import frameworks
+from .._text import listing, plural
+from ..errors import CheckpointError
+from ..transforms import contiguous
+from .plan import Checkpoint
+
+FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".ckpt": "mindspore"}
+SUPPORTED = ".safetensors, .pt/.pth (torch), .ckpt (MindSpore)"
+
+#: safetensors dtype codes -> numpy (ml_dtypes for the narrow floats, which safetensors.numpy cannot read).
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+}
+
+
+def format_of(path: str) -> str:
+    """'safetensors', 'torch' or 'mindspore', from the suffix."""
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in FORMATS:
+        raise CheckpointError(f"{path}: unknown checkpoint format {suffix or '(no suffix)'!r}; supported: {SUPPORTED}")
+    return FORMATS[suffix]
+
+
+def load(path: str) -> Checkpoint:
+    """The tensors of a checkpoint file (non-tensor entries are left out; see ``load_with_skipped``)."""
+    return load_with_skipped(path)[0]
+
+
+def load_with_skipped(path: str) -> tuple[Checkpoint, dict[str, str]]:
+    """(tensors, skipped entries: name -> type) of a checkpoint file."""
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path}: is a directory (a distributed / torch_dist checkpoint?); tensordiff reads one "
+                              f"file: {SUPPORTED}")
+    kind = format_of(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such file")
+    if kind == "safetensors":
+        tensors, skipped = _load_safetensors(path)
+    else:
+        tensors, skipped = frameworks.get(kind).load_checkpoint(path)
+    if not tensors:
+        raise CheckpointError(f"{path}: holds no tensors" + (f" (only {listing(skipped)})" if skipped else ""))
+    return tensors, skipped
+
+
+def save(tensors: Checkpoint, path: str) -> int:
+    """Write ``tensors`` in the format of ``path``'s suffix (atomically); returns the file size in bytes."""
+    kind = format_of(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{path}: the folder {folder} does not exist")
+    base, suffix = os.path.splitext(os.path.basename(path))
+    tmp = os.path.join(folder, f".{base}.partial{suffix}")  # MindSpore insists on the .ckpt suffix
+    arrays = {k: contiguous(np.asarray(v)) for k, v in tensors.items()}
+    try:
+        if kind == "safetensors":
+            _save_safetensors(arrays, tmp)
+        elif kind == "mindspore":
+            frameworks.get(kind).save_checkpoint(arrays, tmp, shown_as=path)
+        else:
+            frameworks.get(kind).save_checkpoint(arrays, tmp)
+        os.replace(tmp, path)
+    except OSError as err:
+        raise CheckpointError(f"{path}: cannot write it ({err.strerror or err})") from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return os.path.getsize(path)
+
+
+def describe_skipped(skipped: dict[str, str]) -> str:
+    """'9 non-tensor entries (*._extra_state: NoneType ×9)'."""
+    groups = Counter((name.rsplit(".", 1)[-1], kind) for name, kind in skipped.items())
+    shown = ", ".join(f"*.{last}: {kind} ×{n}" for (last, kind), n in groups.most_common(3))
+    return plural(len(skipped), "non-tensor entry", "non-tensor entries") + f" ({shown}{', ...' if len(groups) > 3 else ''})"
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0][:200] if text else type(err).__name__
+
+
+# ----------------------------------------------------------------------------------- safetensors
+def _load_safetensors(path: str) -> tuple[Checkpoint, dict[str, str]]:
+    import safetensors
+
+    try:
+        with open(path, "rb") as fh:
+            items = safetensors.deserialize(fh.read())
+    except Exception as err:  # safetensors raises its own error types for a bad header
+        raise CheckpointError(f"{path}: not a readable safetensors file ({_first_line(err)}); is it truncated?") from None
+    out: Checkpoint = {}
+    for name, info in sorted(items, key=lambda item: _natural(item[0])):  # the file keeps no order of its own
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which tensordiff cannot read; "
+                                  f"readable: {', '.join(_ST_DTYPES)}")
+        out[name] = np.frombuffer(info["data"], dtype=dtype).reshape(info["shape"])
+    return out, {}
+
+
+def _natural(name: str) -> list:
+    """'layers.10' after 'layers.9'."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _save_safetensors(tensors: Checkpoint, tmp: str) -> None:
+    from safetensors.numpy import save_file
+
+    save_file(tensors, tmp)

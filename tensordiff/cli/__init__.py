@@ -1,0 +1,59 @@
+"""The command line: ``tensordiff capture | diff | replay | runs | noise | batch | ls | show | ckpt``.
+
+One module per command (argparse, then one call into the library and one renderable); one
+error handler here. Exit codes: 0 no divergence (or success), 1 divergence found, 2 bad input
+or error. Errors print one line, never a traceback (``TENSORDIFF_DEBUG=1`` shows it for a bug).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from typing import Sequence
+
+from .._version import __version__
+from ..errors import TensordiffError
+from . import batch, capture, ckpt, diff, inspect, replay, runs
+
+EXAMPLE = "example: tensordiff capture -o a.h5 --steps 2 -- python train.py; tensordiff diff a.h5 b.h5 --first-divergence"
+#: The commands, in the order ``--help`` lists them.
+COMMANDS = (capture, diff, replay, runs, batch, inspect, ckpt)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tensordiff", description="Find where two training runs first part ways, layer by layer.",
+                                epilog=EXAMPLE)
+    p.add_argument("--version", action="version", version=f"tensordiff {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for command in COMMANDS:
+        command.add_parsers(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    if args.command is None:
+        p.print_help()
+        return 2
+    try:
+        return int(args.run(args))
+    except TensordiffError as err:
+        print(f"tensordiff: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tensordiff: interrupted", file=sys.stderr)
+        return 2
+    except Exception as err:  # a bug in tensordiff, not bad input: one line, the traceback on request
+        if os.environ.get("TENSORDIFF_DEBUG"):
+            traceback.print_exc()
+        line = next((s.strip() for s in str(err).splitlines() if s.strip()), "")
+        print(f"tensordiff: internal error in {args.command}: {type(err).__name__}: {line[:300]}; please report it "
+              "(TENSORDIFF_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

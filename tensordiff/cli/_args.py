@@ -1,0 +1,73 @@
+"""Argument helpers every command shares: ``--var``, output options, the console, JSON files, running a program."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+from rich.console import Console
+
+from ..errors import UsageError
+from ..report.theme import make_console
+
+
+def parse_vars(items: list[str], example: str = "heads=12") -> dict[str, str]:
+    """``--var NAME=VALUE`` items as a dict; a malformed one is a UsageError."""
+    out = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not name.strip() or not value.strip():
+            raise UsageError(f"--var {item!r}: expected NAME=VALUE, e.g. --var {example}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def add_var(parser: argparse.ArgumentParser, help: str = "value for ${NAME} in the mapping file") -> None:
+    parser.add_argument("--var", action="append", default=[], metavar="NAME=VALUE", help=help)
+
+
+def add_output(parser: argparse.ArgumentParser) -> None:
+    """``--width`` and ``--no-color``."""
+    parser.add_argument("--width", type=int, help="table width (default: the terminal's)")
+    parser.add_argument("--no-color", action="store_true", help="plain text output")
+
+
+def console(args: argparse.Namespace | None = None) -> Console:
+    """The console for a command's output: ``--width``, ``--no-color`` and ``NO_COLOR`` honoured."""
+    no_color = bool(getattr(args, "no_color", False)) or bool(os.environ.get("NO_COLOR"))
+    return make_console(width=getattr(args, "width", None), color=False if no_color else None)
+
+
+def write_json(path: str | None, doc: dict[str, Any]) -> None:
+    """Write ``doc`` to ``path`` (``--json``), if given."""
+    if not path:
+        return
+    try:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh, indent=1)
+            fh.write("\n")
+    except OSError as err:
+        raise UsageError(f"{path}: cannot write the JSON report ({err.strerror}); check the --json path") from None
+
+
+def command_after_dashes(items: list[str]) -> list[str]:
+    """The program after '--' (argparse.REMAINDER keeps the '--')."""
+    return items[1:] if items and items[0] == "--" else list(items)
+
+
+def run_program(cmd: list[str], env: dict[str, str]) -> int:
+    """Run the training program with ``env``; its exit code (a missing program is a UsageError)."""
+    try:
+        return subprocess.call(cmd, env=env)
+    except FileNotFoundError:
+        raise UsageError(f"cannot run {cmd[0]!r}: no such program; check the command after '--'") from None
+
+
+def program_failed(code: int) -> int:
+    """Say that the training program failed; the exit code to pass on."""
+    print(f"tensordiff: the training command exited with code {code}", file=sys.stderr)
+    return code if 0 < code < 256 else 2

@@ -1,0 +1,106 @@
+"""``tensordiff capture -o FILE -- COMMAND`` and ``tensordiff noise``: run a training program with capture on."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from typing import Any
+
+from ..capturing.options import ENV_OUTPUT, ENV_PERTURB, ENV_STATUS, ENV_STEPS, ENV_TENSORS, TENSOR_MODES
+from ..diff import noise as noises
+from ..errors import UsageError
+from ..report.capture import NoiseSummary
+from ..store import CaptureFile
+from ._args import command_after_dashes, console, program_failed, run_program
+
+
+def add_parsers(sub: Any) -> None:
+    c = sub.add_parser("capture", help="run a training command with capture on",
+                       description="Run COMMAND with capture turned on. The program must call tensordiff.capture(model, ...) "
+                                   "or run through a hooks/ entry point; -o, --steps and --tensors override its arguments.",
+                       epilog="example: tensordiff capture -o run.h5 --steps 2 -- python train.py --lr 1e-4")
+    c.add_argument("-o", "--output", required=True, help="HDF5 file to write ('{rank}' is replaced by the rank)")
+    c.add_argument("--steps", type=int, default=1, help="training steps to capture (default 1)")
+    c.add_argument("--tensors", choices=TENSOR_MODES, default="first",
+                   help="store full tensors for the first step (default), all steps, or none")
+    c.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the training command")
+    c.set_defaults(run=run_capture)
+
+    n = sub.add_parser("noise", help="measure one side's run-to-run noise as per-tensor tolerances",
+                       description="Measure the noise of one side: from two captures of the same run (R1 R2), or by "
+                                   "running COMMAND twice, the second time with every float parameter moved by one ulp "
+                                   "before the first step. Writes per-tensor tolerances for diff --noise-file.",
+                       epilog="example: tensordiff noise -o noise.json --steps 1 -- python train.py; "
+                              "tensordiff diff a.h5 b.h5 --noise-file noise.json")
+    n.add_argument("runs", nargs="*", help="R1 R2 (two captures of the same run), or -- COMMAND")
+    n.add_argument("-o", "--output", required=True, help="noise file to write (JSON)")
+    n.add_argument("--steps", type=int, default=1, help="with COMMAND: steps to capture (default 1)")
+    n.add_argument("--seed", type=int, default=1, help="with COMMAND: seed of the one-ulp perturbation (default 1)")
+    n.set_defaults(run=run_noise)
+
+
+def run_capture(args: argparse.Namespace) -> int:
+    cmd = command_after_dashes(args.cmd)
+    if not cmd:
+        raise UsageError("no training command given; put it after '--', e.g. tensordiff capture -o run.h5 -- python train.py")
+    if args.steps < 1:
+        raise UsageError(f"--steps {args.steps}: capture at least 1 step")
+    out = os.path.abspath(args.output)
+    if os.path.exists(out):
+        os.remove(out)
+    status = out + ".status"
+    if os.path.exists(status):
+        os.remove(status)
+    env = dict(os.environ, **{ENV_OUTPUT: out, ENV_STEPS: str(args.steps), ENV_TENSORS: args.tensors,
+                              ENV_STATUS: status})
+    code = run_program(cmd, env)
+    problems: list[str] = []
+    if os.path.exists(status):
+        with open(status, encoding="utf-8") as f:
+            problems = [line.strip() for line in f if line.strip()]
+        os.remove(status)
+    if problems and not os.path.exists(out):
+        script = next((part for part in cmd if part.endswith(".py")), cmd[0])
+        raise UsageError(f"{script}: {problems[0]}")
+    for line in problems:
+        print(f"tensordiff: warning: {line}", file=sys.stderr)
+    if code != 0:
+        return program_failed(code)
+    if not os.path.exists(out) and "{rank}" not in out:
+        raise UsageError(f"{cmd[0]} ran but wrote no capture to {out}: the program must call tensordiff.capture(model, ...) "
+                         "or be started through a hooks/ entry point (see docs/guide.md)")
+    if os.path.exists(out):
+        with CaptureFile(out) as cap:
+            print(f"tensordiff: wrote {out}: {len(cap.steps)} step(s), {sum(len(cap.records(s)) for s in cap.steps)} "
+                  f"records, {cap.nbytes() / 1e6:.1f} MB")
+    return 0
+
+
+def run_noise(args: argparse.Namespace) -> int:
+    runs = command_after_dashes(args.runs)
+    if len(runs) == 2 and all(r.endswith(".h5") for r in runs):
+        paths, how = runs, "two captures of the same run"
+        measured = noises.measure_noise(runs[0], runs[1])
+    elif runs:
+        with tempfile.TemporaryDirectory(prefix="tensordiff-noise-") as tmp:
+            files = [os.path.join(tmp, "plain.h5"), os.path.join(tmp, "perturbed.h5")]
+            for path, perturb in zip(files, (None, args.seed)):
+                env = dict(os.environ, **{ENV_OUTPUT: path, ENV_STEPS: str(args.steps), ENV_TENSORS: "all"})
+                env.pop(ENV_PERTURB, None)
+                if perturb is not None:
+                    env[ENV_PERTURB] = str(perturb)
+                code = run_program(runs, env)
+                if code != 0:
+                    return program_failed(code)
+                if not os.path.exists(path):
+                    raise UsageError(f"{runs[0]} ran but wrote no capture: it must call tensordiff.capture(model, ...)")
+            measured = noises.measure_noise(files[0], files[1])
+        how = f"one run and the same run with every float parameter moved by one ulp (seed {args.seed})"
+        paths = [" ".join(runs), f"{' '.join(runs)} (perturbed)"]
+    else:
+        raise UsageError("tensordiff noise needs R1.h5 R2.h5, or -- COMMAND; e.g. tensordiff noise -o noise.json -- python train.py")
+    noises.save(args.output, measured, paths, how)
+    console().print(NoiseSummary(args.output, measured, how))
+    return 0

@@ -1,0 +1,62 @@
+"""``tensordiff diff A B``: name the first divergence, test its likely causes, print the tables."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..diff import noise as noises
+from ..diff.align import RenameRules
+from ..diff.result import DiffOptions
+from ..diff.tolerance import Tolerances
+from ..explain import diagnose
+from ..report.diff import DiffReport
+from ._args import add_output, add_var, console, parse_vars, write_json
+
+
+def add_parsers(sub: Any) -> None:
+    d = sub.add_parser("diff", help="compare two captures and name the first divergence",
+                       description="Compare capture B against capture A. Exit 0: no divergence, 1: divergence, 2: error.",
+                       epilog="example: tensordiff diff a.h5 b.h5 --first-divergence --json report.json")
+    d.add_argument("a", help="capture A (the reference)")
+    d.add_argument("b", help="capture B")
+    d.add_argument("--first-divergence", action="store_true", help="show only the table of the phase holding the first divergence")
+    d.add_argument("--mapping", help="YAML rename rules from B's names to A's (see docs/mapping.md)")
+    add_var(d)
+    d.add_argument("--rtol", type=float, help="one relative-L2 tolerance for every float pair (default: by dtype)")
+    d.add_argument("--noise", nargs=2, metavar=("R1", "R2"), help="two captures of the same run: their differences set a per-tensor noise floor")
+    d.add_argument("--reference", metavar="R", help="three-way: an FP32 capture of the same model, checkpoint and batch; "
+                                                    "B is judged by its error against R next to A's own")
+    d.add_argument("--reference-mapping", metavar="FILE", help="rename rules from R's names to A's (default: by name)")
+    d.add_argument("--reference-factor", type=float, default=3.0,
+                   help="three-way: B is off when its error against R exceeds this many times A's (default 3)")
+    d.add_argument("--noise-file", metavar="FILE", help="per-tensor noise written by tensordiff noise")
+    d.add_argument("--noise-factor", type=float, default=3.0, help="allowed multiple of the measured noise (default 3)")
+    d.add_argument("--jump", type=float, default=3.0, help="error growth that counts as introduced (default 3x)")
+    d.add_argument("--no-order", action="store_true", help="do not match leftovers by execution order and shape")
+    d.add_argument("--no-hints", action="store_true", help="do not test likely causes at the first divergence")
+    d.add_argument("--phase", action="append", help="show only this phase (repeatable)")
+    d.add_argument("--step", type=int, action="append", help="compare only this step (repeatable)")
+    d.add_argument("--max-rows", type=int, default=40, help="rows per table before ok rows collapse (0: all)")
+    d.add_argument("--json", metavar="FILE", help="also write a machine-readable report")
+    add_output(d)
+    d.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    variables = parse_vars(args.var)
+    mapping = RenameRules.load(args.mapping, variables) if args.mapping else None
+    tolerances = Tolerances(override=args.rtol, noise_factor=args.noise_factor)
+    if args.noise:
+        tolerances.noise = noises.measure_noise(args.noise[0], args.noise[1], mapping=None)
+    if args.noise_file:
+        tolerances.noise = {**noises.load(args.noise_file), **tolerances.noise}
+    reference_mapping = RenameRules.load(args.reference_mapping, variables) if args.reference_mapping else None
+    options = DiffOptions(mapping=mapping, tolerances=tolerances, order_fallback=not args.no_order, jump=args.jump,
+                          steps=args.step, reference=args.reference, reference_mapping=reference_mapping,
+                          reference_factor=args.reference_factor)
+    result = diagnose(args.a, args.b, options, hints=not args.no_hints)
+    report = DiffReport(result, max_rows=args.max_rows, phases=args.phase, first_only=args.first_divergence)
+    console(args).print(report)
+    write_json(args.json, report.to_dict())
+    return 1 if result.first is not None else 0

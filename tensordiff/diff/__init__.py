@@ -1,0 +1,23 @@
+"""Stage 3, the diff: two captures in, every tensor pair judged and the first divergence named.
+
+Pipeline, one module per step:
+
+1. ``align``: line up the records of one step in five passes (rename rules → exact name →
+   wrapper prefixes → gradient follows its tensor → execution order and shape); what is left is
+   reported as unmatched, never as passing;
+2. ``metrics`` / ``judge``: compare each pair (relative L2, max |Δ|, cosine, ULP share; float64
+   chunks, or the statistics when tensors were not stored) and judge it against its
+   ``tolerance`` (by dtype, ``--rtol``, or a measured noise floor);
+3. ``reference`` / ``noise``: the other sources of a tolerance: a three-way diff against an FP32
+   reference run, per-tensor noise measured from two runs of one side;
+4. ``divergence``: the first row in execution order whose error is introduced there, not inherited;
+5. ``engine``: ``diff(path_a, path_b, options)`` runs 1-4 step by step and returns a ``DiffResult``
+   (``result``: the plain data every later stage reads).
+
+Needs numpy, h5py and ml_dtypes only; imports neither torch nor MindSpore.
+"""
+
+from .engine import diff
+from .result import DiffOptions, DiffResult, FirstDivergence, Row
+
+__all__ = ["diff", "DiffOptions", "DiffResult", "FirstDivergence", "Row"]

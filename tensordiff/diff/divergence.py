@@ -1,0 +1,250 @@
+"""Name the first divergence: the first tensor, in execution order, whose error exceeds
+its tolerance *and* is introduced there rather than inherited.
+
+Order: weights at the start of step 0, its forward pass, the loss, its backward pass in
+the order it ran, its parameter gradients, then the next step.
+
+"Introduced" means the error is more than ``jump`` times what came into that tensor:
+
+* a forward output of module M: M's inputs, and M's children inside this call;
+* a forward input of M that no module produced (it was made by code between modules):
+  what its enclosing module had seen up to that point;
+* a gradient: the gradients produced before it in the backward pass;
+* a parameter gradient: the module's own inputs and output gradients;
+* a weight after step k: that parameter's gradient in step k.
+
+A row that exceeds its tolerance without such a jump is accumulated drift; the search
+goes on, and reports the first diverged row (marked not introduced) only if nothing
+later is introduced.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..record import PHASE_RANK, Record, is_inside, module_label
+from .result import FirstDivergence, Row
+
+
+def _rel(name: str, parent: str) -> str:
+    return name[len(parent) + 1:] if parent and name.startswith(parent + ".") else module_label(name)
+
+
+def _child_of(parent: str, name: str) -> str:
+    """The direct child of ``parent`` on the way to ``name`` (full dotted name)."""
+    rest = _rel(name, parent).split(".")
+    # ModuleList entries are numbers: keep "layers.0" together
+    take = 2 if len(rest) > 1 and rest[1].isdigit() else 1
+    head = ".".join(rest[:take])
+    return f"{parent}.{head}" if parent else head
+
+
+class _Step:
+    """Lookups over A's records of one step."""
+
+    def __init__(self, records: list[Record], rows: list[Row]):
+        self.recs = {r.seq: r for r in records}
+        self.ordered = sorted(records, key=lambda r: r.seq)
+        self.err: dict[int, float] = {}
+        self.verdict: dict[int, str] = {}
+        for row in rows:
+            if row.pair.a is not None and row.metrics is not None:
+                self.err[row.pair.a.seq] = row.metrics.rel_l2
+                self.verdict[row.pair.a.seq] = row.verdict
+
+    def max_err(self, seqs: list[int]) -> float:
+        vals = [self.err[s] for s in seqs if s in self.err]
+        return max(vals) if vals else 0.0
+
+    def enter_of(self, module: str, before: int) -> int:
+        best = -1
+        for r in self.ordered:
+            if r.seq > before:
+                break
+            if r.module == module and r.phase == "forward" and r.enter <= before:
+                best = max(best, r.enter)
+        return best
+
+
+def _incoming(row: Row, st: _Step, prev_step: _Step | None) -> float:
+    a = row.pair.a
+    assert a is not None
+    if a.phase == "forward" and a.kind == "output":
+        seqs = [r.seq for r in st.ordered if r.phase == "forward" and a.enter <= r.seq < a.seq]
+        if seqs:
+            return st.max_err(seqs)
+    if a.phase == "forward" and a.kind == "input" and a.parent:
+        start = st.enter_of(a.parent, a.seq)
+        seqs = [r.seq for r in st.ordered if r.phase == "forward" and start <= r.seq < a.seq and r.module != a.module]
+        if seqs:
+            return st.max_err(seqs)
+    if a.phase == "param_grad":
+        seqs = [r.seq for r in st.ordered
+                if (r.phase == "backward" and r.module == a.module) or (r.phase == "forward" and r.module == a.module and r.kind == "input")]
+        if seqs:
+            return st.max_err(seqs)
+    if a.phase == "weights" and prev_step is not None:
+        seqs = [r.seq for r in prev_step.ordered if r.phase == "param_grad" and r.module == a.module and r.slot == a.slot]
+        return prev_step.max_err(seqs)
+    if a.phase == "loss":
+        seqs = [r.seq for r in st.ordered if r.phase == "forward" and r.module == "" and r.kind == "output"]
+        if seqs:
+            return st.max_err(seqs)
+    # default: everything that ran before it in this phase
+    return st.max_err([r.seq for r in st.ordered if r.phase == a.phase and r.seq < a.seq])
+
+
+def _locate(row: Row, st: _Step, prev_step: _Step | None) -> tuple[str, str, dict[str, Any]]:
+    """(location, explanation sentence, structured where) for a diverged row of A."""
+    a = row.pair.a
+    b = row.pair.b
+    assert a is not None and b is not None
+    mod = module_label(a.module)
+    on_b = f" (on B: {module_label(b.module)})" if b.module != a.module else ""
+    if a.phase == "weights":
+        if a.step == 0:
+            return (f"{mod}.{a.slot} before the first step",
+                    f"The weights already differ before anything ran{on_b}: the two runs did not load the same checkpoint "
+                    f"(or converted it differently) for {mod}.{a.slot}.", {"module": a.module, "param": a.slot})
+        return (f"the optimizer update of {mod}.{a.slot} after step {a.step - 1}",
+                f"Step {a.step - 1} ended with matching gradients for {mod}.{a.slot}, yet the weights differ at the start of step {a.step}: "
+                "the optimizer update differs (learning rate, weight decay, betas/epsilon, gradient clipping or loss scaling).",
+                {"module": a.module, "param": a.slot, "after_step": a.step - 1})
+    if a.phase == "loss":
+        return ("the loss computation", "The model's outputs agree but the loss does not: the loss function or its reduction differs "
+                "(mean vs sum, masking, label shift).", {})
+    if a.phase == "param_grad":
+        return (f"in the weight gradient of {mod}.{a.slot}",
+                f"The activations and gradients around {mod} agree, but the gradient of its parameter {a.slot} does not{on_b}: "
+                "the weight-gradient computation, gradient scaling, accumulation or reduction differs there.",
+                {"module": a.module, "param": a.slot})
+    if a.phase == "forward" and a.kind == "output":
+        children = [r for r in st.ordered if r.phase == "forward" and r.kind == "output" and a.enter <= r.seq < a.seq
+                    and is_inside(r.module, a.module)]
+        if not children:
+            return (f"in {mod}", f"The inputs of {mod} ({a.module_class}) agree and its output does not{on_b}: the module itself computes differently.",
+                    {"module": a.module})
+        last = _child_of(a.module, children[-1].module)
+        return (f"inside {mod} after {_rel(last, a.module)}",
+                f"Every submodule of {mod} agrees, the output of {mod} does not{on_b}: the difference comes from code in {mod}'s own "
+                f"forward after {_rel(last, a.module)} (a residual or bias add, a functional op).",
+                {"module": a.module, "after": last})
+    if a.phase == "forward" and a.kind == "input":
+        parent = a.parent
+        if a.enter >= 0 and not a.module and not parent:
+            return ("the model input", f"The model input {a.slot} differs: the two runs were not fed the same batch.", {"input": a.slot})
+        start = st.enter_of(parent, a.seq) if parent else -1
+        before = [r for r in st.ordered if r.phase == "forward" and r.kind == "output" and start <= r.seq < a.seq
+                  and is_inside(r.module, parent) and not (r.module == a.module or is_inside(r.module, a.module))]
+        plabel = module_label(parent)
+        if before:
+            prev = _child_of(parent, before[-1].module)
+            loc = f"inside {plabel} between {_rel(prev, parent)} and {_rel(a.module, parent)}"
+            where = {"module": parent, "between": [prev, a.module]}
+        else:
+            loc = f"inside {plabel} before {_rel(a.module, parent)}"
+            where = {"module": parent, "before": a.module}
+        return (loc, f"Everything up to this point agrees, but {mod}'s input.{a.slot} does not: it is made by code inside "
+                f"{plabel} that is not a module of its own (an activation function, a bias add, a reshape or rotary embedding).",
+                where)
+    if a.phase == "backward":
+        fwd = st.recs.get(a.grad_of)
+        if fwd is not None and fwd.kind == "input":
+            return (f"in the backward of {mod}",
+                    f"The gradient arriving at {mod}'s output agrees; the gradient it passes to its input {a.slot} does not{on_b}: "
+                    f"{mod}'s backward differs.", {"module": a.module})
+        consumers = [r for r in st.ordered if r.phase == "forward" and r.kind == "input" and fwd is not None and r.same_as == fwd.seq]
+        if consumers:
+            user = consumers[0].module
+            return (f"in the backward of {module_label(user)}",
+                    f"The gradient of {mod}'s output is the first to differ; that output feeds {module_label(user)}, whose backward "
+                    "(or other code using the same tensor) computes it differently.", {"module": user, "of_output": a.module})
+        parent = a.parent
+        nxt = None
+        if fwd is not None:
+            for r in st.ordered:
+                if r.phase == "forward" and r.seq > fwd.seq and r.kind == "input" and r.module != a.module and not is_inside(r.module, a.module):
+                    nxt = r.module
+                    break
+        plabel = module_label(parent)
+        if nxt is not None:
+            loc = f"in the backward of code inside {plabel} between {_rel(a.module, parent)} and {_rel(nxt, parent)}"
+        else:
+            loc = f"in the backward of code inside {plabel} after {_rel(a.module, parent)}"
+        return (loc, f"Gradients agree until the gradient of {mod}'s output, which differs: the backward of code between "
+                "modules (a functional activation, a bias or residual add) differs there.",
+                {"module": parent, "between": [a.module, nxt]})
+    return (f"in {mod}", "", {"module": a.module})
+
+
+def find_first_divergence(rows: list[Row], records_a: dict[int, list[Record]], jump: float,
+                          records_b: dict[int, list[Record]] | None = None) -> FirstDivergence | None:
+    steps = sorted(records_a)
+    by_step: dict[int, list[Row]] = {s: [] for s in steps}
+    for row in rows:
+        by_step.setdefault(row.step, []).append(row)
+    lookups = {s: _Step(records_a[s], by_step[s]) for s in steps}
+    first_drift: tuple[Row, float, _Step | None, _Step] | None = None
+    for i, step in enumerate(steps):
+        st = lookups[step]
+        prev = lookups[steps[i - 1]] if i > 0 else None
+        candidates = [r for r in by_step[step] if r.verdict == "diverged" and r.pair.a is not None]
+        if step > 0 and not any(r.phase != "weights" for r in candidates):
+            # Weights that drifted apart in the optimizer step without changing anything this
+            # step computes: e.g. Adam turning the pure-noise gradient of attention's key bias
+            # (softmax ignores it) into +-lr updates. Shown as 'drift', not a divergence.
+            for r in candidates:
+                r.verdict = "drift"
+                r.note = "differs, but nothing computed in this step differs"
+            candidates = []
+        candidates.sort(key=lambda r: (PHASE_RANK[r.phase], r.pair.a.seq))  # type: ignore[union-attr]
+        for row in candidates:
+            came_in = _incoming(row, st, prev)
+            if row.err > jump * came_in:
+                return _make(row, st, prev, came_in, True, (records_b or {}).get(step))
+            if first_drift is None:
+                first_drift = (row, came_in, prev, st)
+    if first_drift is not None:
+        row, came_in, prev, st = first_drift
+        return _make(row, st, prev, came_in, False)
+    return None
+
+
+def _b_source(b: Record, records_b: list[Record] | None) -> Record | None:
+    """The B record that first held B's tensor, when it is another module's output (a cell B has, A not)."""
+    if records_b is None or b.same_as < 0:
+        return None
+    src = next((r for r in records_b if r.seq == b.same_as), None)
+    if src is not None and src.kind == "output" and src.module != b.module and not is_inside(b.module, src.module):
+        return src
+    return None
+
+
+def _make(row: Row, st: _Step, prev: _Step | None, came_in: float, introduced: bool,
+          records_b: list[Record] | None = None) -> FirstDivergence:
+    a, b = row.pair.a, row.pair.b
+    assert a is not None and b is not None
+    location, sentence, where = _locate(row, st, prev)
+    src = _b_source(b, records_b) if a.phase == "forward" and a.kind == "input" else None
+    if src is not None:
+        sentence += (f" On B this tensor is the output of {module_label(src.module)} ({src.module_class}): "
+                     f"compare that {src.module_class} with what A computes in its place.")
+        where = dict(where, b_module=src.module, b_module_class=src.module_class)
+    err = row.err
+    if row.ab is not None:  # three-way: B judged against the reference
+        head = (f"Step {a.step}, {a.phase}: B's {b.label} is {err:.3g} (relative L2) away from the reference, more than "
+                f"the limit {row.tol:.3g} set by A's own {row.ref_a:.3g} (A's {a.label}), while what came in was "
+                f"{came_in:.3g} away. ")
+    else:
+        head = (f"Step {a.step}, {a.phase}: {a.label} differs from B's {b.label} "
+                f"(relative L2 {err:.3g} > tolerance {row.tol:.3g} for {row.judged or a.dtype}) while what came in differed by {came_in:.3g}. ")
+    if introduced:
+        text = head + f"The difference is introduced {location}. " + sentence
+    else:
+        text = head + ("No single place introduces it: the error grows gradually to this point "
+                       f"(accumulated rounding; consider a noise floor with --noise). First exceeded {location}.")
+    return FirstDivergence(
+        step=a.step, phase=a.phase, module_a=a.module, module_b=b.module, kind=a.kind, slot=a.slot, call=a.call,
+        label_a=a.label, label_b=b.label, rel_l2=err, tolerance=row.tol, incoming=came_in, introduced=introduced,
+        location=location, explanation=text, where=where,
+    )

@@ -1,0 +1,77 @@
+"""The diff: align two captures step by step, compare every pair, judge it, find the first divergence.
+
+Reads one tensor pair at a time, so memory is bounded by the largest pair, not the file.
+Imports neither torch nor mindspore, and does not explain: ``tensordiff.explain`` does that.
+"""
+
+from __future__ import annotations
+
+from .. import dtypes
+from ..errors import AlignmentError, UsageError
+from ..store import CaptureFile
+from .align import align_step
+from .divergence import find_first_divergence
+from .judge import compare_pair, compute_dtype
+from .reference import judge_against_reference
+from .result import DiffOptions, DiffResult, Row
+from .tolerance import judged_dtype
+
+
+def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffResult:
+    """Compare two capture files. Raises TensordiffError subclasses on bad input."""
+    options = options or DiffOptions()
+    with CaptureFile(path_a) as ca, CaptureFile(path_b) as cb:
+        common = sorted(set(ca.steps) & set(cb.steps))
+        if options.steps is not None:
+            missing = [s for s in options.steps if s not in common]
+            if missing:
+                raise UsageError(f"step(s) {missing} are not in both captures; both have steps {common}")
+            common = sorted(options.steps)
+        if not common:
+            for cap in (ca, cb):
+                if not cap.steps:
+                    raise AlignmentError(f"{cap.path}: holds no complete step (the run stopped before its first step ended); re-run the capture")
+            raise AlignmentError(f"{path_a} (steps {ca.steps}) and {path_b} (steps {cb.steps}) have no step in common")
+        rows: list[Row] = []
+        matched_by_name = 0
+        run_dtype = dtypes.coarsest(compute_dtype(ca, common[0]), compute_dtype(cb, common[0]))
+        for step in common:
+            pairs = align_step(ca.records(step), cb.records(step), options.mapping, options.order_fallback)
+            for pair in pairs:
+                rec = pair.a or pair.b
+                assert rec is not None
+                row = Row(step=step, phase=rec.phase, pair=pair)
+                if pair.matched:
+                    if pair.how not in ("order", "tensor") and rec.phase != "loss" and rec.module != "":
+                        matched_by_name += 1
+                    row.metrics, row.tol, row.verdict, row.note = compare_pair(ca, cb, pair, options.tolerances,
+                                                                               options.ulp_k, run_dtype)
+                    row.judged = judged_dtype(pair.a.dtype, pair.b.dtype, run_dtype)  # type: ignore[union-attr]
+                    if pair.how == "order":
+                        row.note = (row.note + "; " if row.note else "") + "matched by order"
+                rows.append(row)
+        if matched_by_name == 0:
+            raise AlignmentError(
+                f"{path_a} and {path_b} have no module in common ({_sample(ca, common[0])} vs {_sample(cb, common[0])}); "
+                "give a mapping file with --mapping (see docs/mapping.md)"
+            )
+        records_a = {step: ca.records(step) for step in common}
+        records_b = {step: cb.records(step) for step in common}
+        if options.reference:
+            judge_against_reference(rows, ca, cb, common, options)
+        first = find_first_divergence(rows, records_a, options.jump, records_b)
+        return DiffResult(
+            path_a=path_a, path_b=path_b, attrs_a=dict(ca.attrs), attrs_b=dict(cb.attrs), rows=rows, steps=common,
+            first=first, options=options,
+            only_a_steps=sorted(set(ca.steps) - set(cb.steps)), only_b_steps=sorted(set(cb.steps) - set(ca.steps)),
+        )
+
+
+def _sample(cap: CaptureFile, step: int) -> str:
+    names = []
+    for rec in cap.records(step):
+        if rec.phase in ("forward", "weights") and rec.module and rec.module not in names:
+            names.append(rec.module)
+        if len(names) == 2:
+            break
+    return f"{cap.framework}: " + ", ".join(names) if names else f"{cap.framework}: no modules"

@@ -1,0 +1,75 @@
+"""Three-way judging: B against an FP32 reference R, next to A's own error against R (``--reference``).
+
+A BF16 kernel on side B is then held to what side A's BF16 kernels do against the same FP32
+reference, not to a fixed tolerance against the other kernel.
+"""
+
+from __future__ import annotations
+
+from .. import dtypes
+from ..errors import AlignmentError
+from ..record import Record
+from ..store import CaptureFile
+from ..transforms import apply
+from .align import align_step
+from .metrics import Metrics, compare_arrays, compare_stats
+from .result import DiffOptions, Row
+
+
+def _reference_metrics(cap_x: CaptureFile, x: Record, ops_x: tuple, cr: CaptureFile, r: Record, ops_r: tuple,
+                       ulp_k: int) -> Metrics | None:
+    """One side against the reference, both brought into A's layout."""
+    xx = cap_x.array(x) if x.has_data else None
+    xr = cr.array(r) if r.has_data else None
+    if xx is not None and xr is not None:
+        try:
+            xx = apply(ops_x, xx) if ops_x else xx
+            xr = apply(ops_r, xr) if ops_r else xr
+        except Exception:
+            return None
+        if xx.shape != xr.shape:
+            return None
+        return compare_arrays(xx, xr, dtypes.coarsest(x.dtype, r.dtype), ulp_k)
+    if ops_x or ops_r or x.numel != r.numel:
+        return None
+    return compare_stats(x, r)
+
+
+def judge_against_reference(rows: list[Row], ca: CaptureFile, cb: CaptureFile, common: list[int], options: DiffOptions) -> None:
+    """Three-way: judge B by its error against an FP32 reference R, relative to A's own error against R.
+
+    A BF16 kernel on side B is then held to what side A's BF16 kernels do against the same FP32
+    reference, not to a fixed tolerance against the other kernel. Each row's ``metrics`` become B-vs-R,
+    ``ab`` keeps A-vs-B, ``ref_a`` is A-vs-R and the limit is max(factor x A-vs-R, R's own dtype tolerance).
+    """
+    with CaptureFile(options.reference) as cr:  # type: ignore[arg-type]
+        missing = [s for s in common if s not in cr.steps]
+        if missing:
+            raise AlignmentError(f"{options.reference}: the reference has steps {cr.steps}, not {missing}; capture "
+                                 "it for the same steps")
+        for step in common:
+            partner: dict[int, tuple[Record, tuple]] = {}
+            for pair in align_step(ca.records(step), cr.records(step), options.reference_mapping, order_fallback=False):
+                if pair.matched:
+                    partner[pair.a.seq] = (pair.b, pair.ops)  # type: ignore[union-attr]
+            for row in rows:
+                if row.step != step or not row.pair.matched:
+                    continue
+                a, b = row.pair.a, row.pair.b
+                assert a is not None and b is not None
+                hit = partner.get(a.seq)
+                if hit is None:
+                    row.note = (row.note + "; " if row.note else "") + "not in the reference"
+                    continue
+                r, ops_r = hit
+                m_a = _reference_metrics(ca, a, (), cr, r, ops_r, options.ulp_k)
+                m_b = _reference_metrics(cb, b, row.pair.ops, cr, r, ops_r, options.ulp_k)
+                if m_a is None or m_b is None:
+                    continue
+                floor = options.tolerances.limit(r.dtype, r.dtype, a.key)
+                row.ab, row.ref_a = row.metrics, m_a.rel_l2
+                row.metrics = m_b
+                row.tol = max(options.reference_factor * m_a.rel_l2, floor)
+                row.verdict = "ok" if m_b.rel_l2 <= row.tol and m_b.nonfinite_mismatch == 0 else "diverged"
+                if m_a.rel_l2 > max(options.reference_factor * m_b.rel_l2, floor):
+                    row.note = (row.note + "; " if row.note else "") + "A is further from the reference than B"

@@ -1,0 +1,58 @@
+"""Tolerances by dtype, and a noise floor measured from two reference captures.
+
+A pair is judged by the coarser of its two dtypes: a BF16 tensor is not held to FP32
+limits. The defaults are relative L2 errors: FP32 is set above the rounding noise of
+equivalent rewrites (fused vs split projections, other attention kernels: ~1e-7..1e-6
+measured on megatron-core vs HF GPT-2) and below a tanh-vs-erf GELU (~1e-4); BF16 above
+the measured run-to-run noise of a BF16 GPT-2-small vs FP32 (up to 1.5e-2, see docs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .. import dtypes
+
+DEFAULT_RTOL: dict[str, float] = {
+    "float64": 1e-10,
+    "float32": 1e-5,
+    "float16": 5e-3,
+    "bfloat16": 3e-2,
+    "float8_e4m3fn": 2.5e-1,
+    "float8_e5m2": 5e-1,
+}
+#: Integer and boolean tensors (token ids, masks) must match exactly.
+EXACT = 0.0
+
+
+@dataclass
+class Tolerances:
+    """How much relative L2 error each pair may show before it counts as diverged."""
+
+    by_dtype: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_RTOL))
+    """Per-dtype relative L2 limits (the coarser dtype of the pair decides)."""
+    override: float | None = None
+    """One limit for every floating pair (``--rtol``)."""
+    noise: dict[tuple, float] = field(default_factory=dict)
+    """Measured noise per record key (phase, module, call, kind, slot) from two reference runs."""
+    noise_factor: float = 3.0
+    """A pair is allowed ``noise_factor`` times its measured noise."""
+
+    def limit(self, dtype_a: str, dtype_b: str, key: tuple | None = None, run_dtype: str = "") -> float:
+        """Relative-L2 limit for a pair; ``run_dtype``: the narrowest compute dtype of the two runs (a BF16
+        run's FP32 outputs, such as its loss, carry BF16 error and are judged as BF16)."""
+        judged = judged_dtype(dtype_a, dtype_b, run_dtype)
+        if not dtypes.is_float(judged):
+            return EXACT
+        base = self.override if self.override is not None else self.by_dtype.get(judged, DEFAULT_RTOL["float32"])
+        if key is not None and key in self.noise:
+            base = max(base, self.noise_factor * self.noise[key])
+        return base
+
+
+def judged_dtype(dtype_a: str, dtype_b: str, run_dtype: str = "") -> str:
+    """The dtype a pair is judged by: the coarser of the two, or the runs' compute dtype for float pairs."""
+    judged = dtypes.coarsest(dtype_a, dtype_b)
+    if run_dtype and dtypes.is_float(judged):
+        judged = dtypes.coarsest(judged, run_dtype)
+    return judged

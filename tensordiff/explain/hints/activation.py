@@ -1,0 +1,132 @@
+"""Activation hints: B applies another activation (GELU tanh vs erf, SwiGLU halves swapped or interleaved), or
+its backward multiplies by another activation's derivative
+
+See docs/hints/activation.md and docs/hints/activation-backward.md."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .base import Hint, Site, fit_sides, make_hint, rel_l2
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])  # numpy has no erf; math.erf is exact in float64
+
+
+def _gelu_erf(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def _halves(x: np.ndarray, interleaved: bool) -> tuple[np.ndarray, np.ndarray]:
+    if interleaved:
+        return x[..., 0::2], x[..., 1::2]
+    h = x.shape[-1] // 2
+    return x[..., :h], x[..., h:]
+
+
+ACTIVATIONS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "gelu (erf, exact)": _gelu_erf,
+    "gelu (tanh approximation)": _gelu_tanh,
+    "silu": _silu,
+    "relu": lambda x: np.maximum(x, 0.0),
+    "swiglu silu(gate) * up, [gate; up]": lambda x: _silu(_halves(x, False)[0]) * _halves(x, False)[1],
+    "swiglu silu(up) * gate, [gate; up] swapped": lambda x: _silu(_halves(x, False)[1]) * _halves(x, False)[0],
+    "swiglu, gate/up interleaved": lambda x: _silu(_halves(x, True)[0]) * _halves(x, True)[1],
+    "geglu gelu(gate) * up": lambda x: _gelu_erf(_halves(x, False)[0]) * _halves(x, False)[1],
+    "geglu gelu_tanh(gate) * up": lambda x: _gelu_tanh(_halves(x, False)[0]) * _halves(x, False)[1],
+}
+
+
+def _d_gelu_erf(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + _erf(x / math.sqrt(2.0))) + x * np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+def _d_gelu_tanh(x: np.ndarray) -> np.ndarray:
+    k = math.sqrt(2.0 / math.pi)
+    t = np.tanh(k * (x + 0.044715 * x ** 3))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3 * 0.044715 * x * x)
+
+
+def _d_silu(x: np.ndarray) -> np.ndarray:
+    s = 1.0 / (1.0 + np.exp(-x))
+    return s * (1.0 + x * (1.0 - s))
+
+
+DERIVATIVES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "gelu (erf, exact)": _d_gelu_erf,
+    "gelu (tanh approximation)": _d_gelu_tanh,
+    "silu": _d_silu,
+    "relu": lambda x: (x > 0).astype(np.float64),
+}
+
+
+def check_activation(site: Site) -> Iterator[Hint]:
+    """B applies another activation (GELU tanh vs erf, SwiGLU halves swapped or interleaved) to the same input."""
+    for src in site.earlier_outputs():
+        x = site.array(src)
+        if x is None:
+            continue
+        candidates = [(f"{src.module} {src.tensor_label}", x)]
+        bias = site.weights(src.module).get("bias")
+        if bias is not None and bias.shape == x.shape[-1:]:
+            candidates.append((f"{src.module} {src.tensor_label} + its bias", x + bias))
+        for label, pre in candidates:
+            outs = {}
+            for name, fn in ACTIVATIONS.items():
+                try:
+                    y = np.asarray(fn(pre), dtype=np.float64)
+                except (ValueError, IndexError):
+                    continue
+                if y.shape == site.xa.shape:
+                    outs[name] = y
+            fit = fit_sides(site, outs)
+            if fit is None:
+                continue
+            name_a, name_b, after = fit
+            yield make_hint("activation", f"B computes {name_b} where A computes {name_a}", site, after,
+                        f"input: A's {label}; A = {name_a} of it (rel L2 {rel_l2(outs[name_a], site.xa):.1e}), "
+                        f"B = {name_b} of it (rel L2 {after:.1e})", a=name_a, b=name_b, input=label)
+            return
+
+
+def check_activation_backward(site: Site) -> Iterator[Hint]:
+    """B's backward uses another activation derivative (e.g. the tanh GELU's) than A's forward implies."""
+    a = site.a
+    if a.phase != "backward" or a.grad_of < 0:
+        return
+    fwd = site.by_seq.get(a.grad_of)
+    if fwd is None or fwd.kind != "output":
+        return
+    x = site.array(fwd)
+    if x is None or x.shape != site.xa.shape:
+        return
+    pres = [("", x)]
+    bias = site.weights(fwd.module).get("bias")
+    if bias is not None and bias.shape == x.shape[-1:]:
+        pres.append((" + its bias", x + bias))
+    # the gradient that arrived from above: the latest earlier gradient of the same shape in this backward
+    upstream = [r for r in site.recs_a if r.phase == "backward" and r.seq < a.seq and tuple(r.shape) == tuple(x.shape)]
+    for up in sorted(upstream, key=lambda r: -r.seq)[:3]:
+        g = site.array(up)
+        if g is None:
+            continue
+        for suffix, pre in pres:
+            fit = fit_sides(site, {name: g * d(pre) for name, d in DERIVATIVES.items()})
+            if fit is None:
+                continue
+            name_a, name_b, after = fit
+            yield make_hint("activation-backward", f"B's backward multiplies by the derivative of {name_b}; A's by that "
+                        f"of {name_a}", site, after,
+                        f"A's {up.module} {up.tensor_label} × {name_b}'({fwd.module} {fwd.tensor_label}{suffix}) "
+                        f"reproduces B to rel L2 {after:.1e}", a=name_a, b=name_b)
+            return

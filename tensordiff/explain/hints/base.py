@@ -1,0 +1,130 @@
+"""What every check shares: the hint, the diverged site with A's tensors around it, the fit of both sides.
+
+    explained = 1 - rel_l2(hypothesis, B) / rel_l2(A, B)
+
+A check that cannot first reproduce A itself from the same inputs says nothing (``fit_sides``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+from ...diff.metrics import rel_l2
+from ...diff.result import Row
+from ...record import Record, is_inside
+from ...store import CaptureFile
+from ...transforms import apply
+
+#: A hint must explain at least this share of the gap to be reported.
+MIN_EXPLAINED = 0.5
+
+@dataclass
+class Hint:
+    cause: str
+    """Short name: activation, norm-epsilon, rope, dtype, layout, missing-bias, factor, checkpoint."""
+    title: str
+    """One sentence: what B does differently."""
+    explained: float
+    """Share of the A-vs-B gap this hypothesis explains (0..1)."""
+    before: float
+    """rel L2 of A vs B."""
+    after: float
+    """rel L2 of the hypothesis (built from A's tensors) vs B."""
+    evidence: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"cause": self.cause, "title": self.title, "explained": round(self.explained, 6),
+                "rel_l2_before": self.before, "rel_l2_after": self.after, "evidence": self.evidence,
+                "details": self.details}
+
+
+def explained_share(before: float, after: float) -> float:
+    if not math.isfinite(after) or before <= 0:
+        return 0.0
+    return max(0.0, min(1.0, 1.0 - after / before))
+
+
+# ----------------------------------------------------------------------------- the site
+class Site:
+    """The diverged pair and what side A captured around it."""
+
+    def __init__(self, row: Row, ca: CaptureFile, cb: CaptureFile):
+        self.row = row
+        self.a: Record = row.pair.a  # type: ignore[assignment]
+        self.b: Record = row.pair.b  # type: ignore[assignment]
+        self.ca, self.cb = ca, cb
+        self.recs_a = ca.records(self.a.step)
+        self.by_seq = {r.seq: r for r in self.recs_a}
+        xa, xb = ca.array(self.a), cb.array(self.b)
+        self.xa = None if xa is None else xa.astype(np.float64)
+        self.xb = None
+        if xb is not None:
+            xb = apply(row.pair.ops, xb) if row.pair.ops else xb
+            self.xb = np.asarray(xb, dtype=np.float64)
+        self.before = rel_l2(self.xa, self.xb) if self.ready else math.nan
+        self._weights: dict[str, dict[str, np.ndarray]] = {}
+        self._inputs: dict[tuple[str, int], list[np.ndarray]] = {}
+
+    @property
+    def ready(self) -> bool:
+        return self.xa is not None and self.xb is not None and self.xa.shape == self.xb.shape
+
+    def array(self, rec: Record) -> np.ndarray | None:
+        x = self.ca.array(rec)
+        return None if x is None else x.astype(np.float64)
+
+    def weights(self, module: str) -> dict[str, np.ndarray]:
+        """A's parameters of ``module`` at this step (read once; several checks ask)."""
+        if module not in self._weights:
+            self._weights[module] = {r.slot: x for r in self.recs_a if r.phase == "weights" and r.module == module
+                                     for x in [self.array(r)] if x is not None}
+        return self._weights[module]
+
+    def inputs(self, module: str, call: int) -> list[np.ndarray]:
+        """A's floating-point inputs of that call, in record order (read once)."""
+        if (module, call) not in self._inputs:
+            self._inputs[(module, call)] = [
+                x for r in self.recs_a
+                if r.phase == "forward" and r.kind == "input" and r.module == module and r.call == call
+                for x in [self.array(r)] if x is not None and np.issubdtype(x.dtype, np.floating)]
+        return self._inputs[(module, call)]
+
+    def earlier_outputs(self, limit: int = 4) -> Iterator[Record]:
+        """A's forward outputs made just before the diverged tensor inside the same parent call, newest first."""
+        a = self.a
+        parent = a.parent if a.kind == "input" else a.module
+        found = 0
+        for r in sorted(self.recs_a, key=lambda r: -r.seq):
+            if r.seq >= a.seq or r.phase != "forward" or r.kind != "output":
+                continue
+            if parent and not is_inside(r.module, parent):
+                continue
+            if r.module == a.module:
+                continue
+            yield r
+            found += 1
+            if found >= limit:
+                return
+
+
+def fit_sides(site: "Site", outs: dict) -> tuple[Any, Any, float] | None:
+    """Of candidate rebuilds, the one closest to A and the one closest to B: (key A, key B, B's residual), or
+    None when no candidate reproduces A (the inputs are not this op's) or A's and B's best are the same."""
+    if not outs:
+        return None
+    key_a = min(outs, key=lambda k: rel_l2(outs[k], site.xa))
+    if rel_l2(outs[key_a], site.xa) > 0.05 * site.before:
+        return None
+    key_b = min(outs, key=lambda k: rel_l2(outs[k], site.xb))
+    if key_b == key_a:
+        return None
+    return key_a, key_b, rel_l2(outs[key_b], site.xb)
+
+
+def make_hint(cause: str, title: str, site: Site, after: float, evidence: str = "", **details: Any) -> Hint:
+    return Hint(cause, title, explained_share(site.before, after), site.before, after, evidence, details)

@@ -1,0 +1,22 @@
+"""Checkpoint hint: the weights already differ before the first step; every differing parameter named
+
+See docs/hints/checkpoint.md."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from ...diff.result import DiffResult
+from .base import Hint, Site
+
+def check_checkpoint(site: Site, result: DiffResult) -> Iterator[Hint]:
+    """Weights already differ before the first step: name every parameter that differs."""
+    if site.a.phase != "weights" or site.a.step != result.steps[0]:
+        return
+    bad = [r for r in result.rows if r.step == site.a.step and r.phase == "weights" and r.verdict == "diverged"
+           and r.pair.a is not None]
+    names = [f"{r.pair.a.module}.{r.pair.a.slot} ({r.err:.1e})" for r in bad]  # type: ignore[union-attr]
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    yield Hint("checkpoint", f"The runs did not start from the same weights: {len(bad)} parameter(s) differ at step "
+               f"{site.a.step}", 1.0, site.before, 0.0,
+               f"{shown}; compare the checkpoints with tensordiff ckpt diff", {"parameters": [n.split(" (")[0] for n in names]})

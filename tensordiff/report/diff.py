@@ -1,0 +1,261 @@
+"""Rendering a diff: rich tables (readable at 80 columns, without colour) and the JSON report."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any, Iterable
+
+from rich import box
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from ..diff.result import DiffResult, Row, RowVerdict, phase_rows
+from ..explain.diagnosis import Diagnosis
+from ..record import module_label
+from .theme import collapse, fmt, fmt_cos
+
+VERDICT_TEXT: dict[RowVerdict, str] = {"ok": "ok", "diverged": "DIVERGED", "unmatched": "unmatched", "shape": "SHAPE",
+                                      "drift": "drift", "skipped": "skipped"}
+JSON_VERSION = 1
+
+
+class DiffReport:
+    """A diff result (and, for a ``Diagnosis``, its likely causes) that renders itself: ``console.print(report)``."""
+
+    def __init__(self, result: DiffResult, max_rows: int = 40, phases: Iterable[str] | None = None, first_only: bool = False):
+        self.result = result
+        self.max_rows = max_rows
+        self.phases = set(phases) if phases else None
+        self.first_only = first_only
+
+    # ------------------------------------------------------------------ text
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        res = self.result
+        yield Text.assemble(("A ", "tensordiff.title"), f"{res.path_a} ({_who(res.attrs_a)})")
+        yield Text.assemble(("B ", "tensordiff.title"), f"{res.path_b} ({_who(res.attrs_b)})")
+        first = res.first
+        first_key = (first.step, first.phase, first.label_a) if first else None
+        for step, phase, rows in phase_rows(res):
+            if self.phases is not None and phase not in self.phases:
+                continue
+            if self.first_only and (first is None or (step, phase) != (first.step, first.phase)):
+                continue
+            yield self._table(step, phase, rows, first_key, options.max_width)
+        yield self._summary()
+        if first is not None:
+            style = "tensordiff.diverged"
+            title = "First divergence" if first.introduced else "First divergence (accumulated, not introduced at one place)"
+            body = Text(first.explanation)
+            yield Panel(body, title=title, title_align="left", border_style=style, box=box.ASCII if console.legacy_windows else box.ROUNDED)
+            yield from self._hints()
+        else:
+            yield Text("No divergence: every matched pair is within its tolerance.", style="tensordiff.ok")
+
+    def _table(self, step: int, phase: str, rows: list[Row], first_key: Any, width: int) -> Table:
+        wide = width >= 110
+        table = Table(title=f"step {step} · {phase}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                      show_edge=False, expand=False)
+        table.add_column("#", justify="right", style="tensordiff.dim", no_wrap=True)
+        table.add_column("module · tensor", overflow="fold", ratio=1)
+        if wide:
+            table.add_column("dtype", no_wrap=True)
+        three = self.result.options.reference is not None
+        if three:  # B judged by its error against the reference R, next to A's own
+            table.add_column("A↔B", justify="right", no_wrap=True)
+            table.add_column("A↔R", justify="right", no_wrap=True)
+            table.add_column("B↔R", justify="right", no_wrap=True)
+        else:
+            table.add_column("rel L2", justify="right", no_wrap=True)
+            table.add_column("max|Δ|", justify="right", no_wrap=True)
+        if wide:
+            table.add_column("cos", justify="right", no_wrap=True)
+            table.add_column("ulp%", justify="right", no_wrap=True)
+            table.add_column("tol", justify="right", no_wrap=True)
+        table.add_column("verdict", no_wrap=True)
+        stats_only = [r for r in rows if r.metrics is not None and r.metrics.source == "stats"]
+        if stats_only:
+            table.caption = ("~ compared by statistics only (tensors not stored for this step; "
+                             "capture with --tensors all to store them)")
+            table.caption_justify = "left"
+        unmatched: dict[str, list[Row]] = {"A": [], "B": []}
+        if self.max_rows > 0:  # one line per side for the records with no counterpart (--max-rows 0 lists them)
+            for row in rows:
+                if row.verdict == "unmatched":
+                    unmatched["A" if row.pair.a is not None else "B"].append(row)
+            rows = [r for r in rows if r.verdict != "unmatched"]
+        after = after_bad = 0
+        if self.first_only and self.max_rows > 0 and first_key is not None:
+            at = next((i for i, r in enumerate(rows) if r.pair.a is not None
+                       and (r.step, r.phase, r.pair.a.label) == first_key), None)
+            if at is not None and len(rows) > at + 4:
+                after = len(rows) - (at + 4)
+                after_bad = sum(1 for r in rows[at + 4:] if r.verdict == "diverged")
+                rows = rows[:at + 4]
+        shown = _select(rows, self.max_rows)
+        for item in shown:
+            if isinstance(item, int):
+                table.add_row("", Text(f"… {item} rows within tolerance (--max-rows 0 shows all)", style="tensordiff.dim"),
+                              *([""] * (len(table.columns) - 2)))
+                continue
+            row = item
+            rec = row.pair.a or row.pair.b
+            assert rec is not None
+            is_first = first_key is not None and row.pair.a is not None and (row.step, row.phase, row.pair.a.label) == first_key
+            name = Text(module_label(rec.module) + (f"[{rec.call}]" if rec.call else ""))
+            name.append(f" {rec.tensor_label}", style="tensordiff.dim")
+            if (row.pair.a is not None and row.pair.b is not None and row.pair.b.label != row.pair.a.label
+                    and row.pair.how != "prefix"):  # a wrapper prefix (module., _orig_mod.) is not worth a line
+                name.append(f"\n  B: {row.pair.b.label}", style="tensordiff.dim")
+            elif row.pair.a is None:
+                name.append("  (B only)", style="tensordiff.unmatched")
+            elif row.pair.b is None:
+                name.append("  (A only)", style="tensordiff.unmatched")
+            if row.note and row.note != "statistics only":
+                name.append(f"\n  {row.note}", style="tensordiff.dim")
+            m = row.metrics
+            verdict = VERDICT_TEXT.get(row.verdict, row.verdict)
+            vstyle = f"tensordiff.{row.verdict}"
+            if is_first:
+                verdict, vstyle = "FIRST", "tensordiff.first"
+            cells: list[Any] = [str(rec.seq), name]
+            if wide:
+                cells.append(rec.dtype if row.pair.b is None or row.pair.b.dtype == rec.dtype else f"{rec.dtype}/{row.pair.b.dtype}")
+            approx = "~" if m is not None and m.source == "stats" else ""
+            if three:
+                cells += [fmt(row.ab.rel_l2) if row.ab else (approx + fmt(m.rel_l2) if m else "-"),
+                          fmt(row.ref_a) if not math.isnan(row.ref_a) else "-",
+                          (approx + fmt(m.rel_l2)) if m and row.ab else "-"]
+            else:
+                cells += [approx + fmt(m.rel_l2) if m else "-", fmt(m.max_abs) if m else "-"]
+            if wide:
+                cells += [fmt_cos(m.cosine) if m else "-", f"{100 * m.ulp_share:.1f}" if m and not math.isnan(m.ulp_share) else "-", fmt(row.tol) if m else "-"]
+            cells.append(Text(verdict, style=vstyle))
+            table.add_row(*cells)
+        if after:
+            table.add_row("", Text(f"… {after} more rows after the first divergence ({after_bad} over tolerance: "
+                                   "it propagates; --max-rows 0 shows all)", style="tensordiff.dim"),
+                          *([""] * (len(table.columns) - 2)))
+        for side, lost in unmatched.items():
+            if lost:
+                names = sorted({re.sub(r"\.\d+(?=\.|$)", ".N", module_label((r.pair.a or r.pair.b).module))  # type: ignore[union-attr]
+                                for r in lost})
+                other = "B" if side == "A" else "A"
+                text = Text(f"{side} only, no counterpart in {other}: {len(lost)} records of {', '.join(names)}",
+                            style="tensordiff.unmatched")
+                table.add_row("", text, *([""] * (len(table.columns) - 2)))
+        return table
+
+    def _hints(self) -> RenderResult:
+        res = self.result
+        if not isinstance(res, Diagnosis):
+            return
+        if res.hints:
+            yield Text("Likely causes, tested on the captured tensors (share of the gap each explains):",
+                       style="tensordiff.title")
+            grid = Table.grid(padding=(0, 1))
+            grid.add_column(no_wrap=True, justify="right")
+            grid.add_column(no_wrap=True, justify="right")
+            grid.add_column(ratio=1, overflow="fold")
+            for i, hint in enumerate(res.hints, 1):
+                text = Text(f"{hint.cause}: ", style="tensordiff.title")
+                text.append(hint.title)
+                if hint.evidence:
+                    text.append(f"\n{hint.evidence}", style="tensordiff.dim")
+                grid.add_row(f"{i}.", Text(f"{hint.explained:.1%}", style="tensordiff.ok" if hint.explained > 0.9 else ""),
+                             text)
+            yield grid
+        elif res.hints_note:
+            yield Text(res.hints_note, style="tensordiff.dim")
+        elif res.first is not None and res.checked:
+            yield Text(f"No known cause explains this divergence (checked: {', '.join(res.checked)}). "
+                       "See docs/hints.md.", style="tensordiff.dim")
+
+    def _summary(self) -> Text:
+        res = self.result
+        text = Text()
+        text.append(f"{len(res.steps)} step(s) compared: ")
+        text.append(f"{res.count('ok')} ok", style="tensordiff.ok")
+        text.append(", ")
+        text.append(f"{res.count('diverged')} diverged", style="tensordiff.diverged" if res.count("diverged") else "")
+        text.append(", ")
+        text.append(f"{len(res.unmatched('a'))} only in A, {len(res.unmatched('b'))} only in B",
+                    style="tensordiff.unmatched" if res.count("unmatched") else "")
+        if res.count("drift"):
+            text.append(f", {res.count('drift')} drifted without effect", style="tensordiff.drift")
+        if res.count("shape"):
+            text.append(f", {res.count('shape')} with different shapes", style="tensordiff.shape")
+        if res.count("skipped"):
+            text.append(f", {res.count('skipped')} not comparable from statistics", style="tensordiff.skipped")
+        if res.only_a_steps or res.only_b_steps:
+            text.append(f"; steps only in A: {res.only_a_steps}, only in B: {res.only_b_steps}", style="tensordiff.unmatched")
+        return text
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        res = self.result
+        hints = res.hints if isinstance(res, Diagnosis) else []
+        hints_note = res.hints_note if isinstance(res, Diagnosis) else ""
+        rows = []
+        for row in res.rows:
+            a, b = row.pair.a, row.pair.b
+            rows.append({
+                "step": row.step, "phase": row.phase, "verdict": row.verdict, "how": row.pair.how or None,
+                "a": a.label if a else None, "b": b.label if b else None,
+                "module_a": a.module if a else None, "module_b": b.module if b else None,
+                "kind": (a or b).kind, "slot": (a or b).slot,  # type: ignore[union-attr]
+                "dtype_a": a.dtype if a else None, "dtype_b": b.dtype if b else None,
+                "tolerance": row.tol if row.metrics else None,
+                "metrics": row.metrics.as_dict() if row.metrics else None, "note": row.note or None,
+            })
+        return {
+            "tensordiff_report": JSON_VERSION,
+            "a": {"path": res.path_a, "framework": res.attrs_a.get("framework"), "framework_version": res.attrs_a.get("framework_version")},
+            "b": {"path": res.path_b, "framework": res.attrs_b.get("framework"), "framework_version": res.attrs_b.get("framework_version")},
+            "steps": res.steps,
+            "hints": [h.as_dict() for h in hints], "hints_note": hints_note or None,
+            "summary": {"ok": res.count("ok"), "diverged": res.count("diverged"), "drift": res.count("drift"), "only_a": len(res.unmatched("a")),
+                        "only_b": len(res.unmatched("b")), "shape_mismatch": res.count("shape"), "skipped": res.count("skipped"),
+                        "steps_only_a": res.only_a_steps, "steps_only_b": res.only_b_steps},
+            "first_divergence": res.first.as_dict() if res.first else None,
+            "rows": rows,
+        }
+
+    def write_json(self, path: str) -> None:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(self.to_dict(), fh, indent=1)
+            fh.write("\n")
+
+
+def _who(attrs: dict) -> str:
+    parts = [str(attrs.get("framework", "?")) + " " + str(attrs.get("framework_version", ""))]
+    for key, label in (("megatron_core_version", "megatron-core"), ("transformers_version", "transformers"),
+                       ("mindformers_version", "mindformers")):
+        if key in attrs:
+            parts.append(f"{label} {attrs[key]}")
+    if "model_class" in attrs:
+        parts.append(str(attrs["model_class"]))
+    return ", ".join(p.strip() for p in parts)
+
+
+def _select(rows: list[Row], max_rows: int) -> list[Row | int]:
+    """Rows to show: all non-ok rows and context; long runs of ok rows collapse into one marker."""
+    if max_rows <= 0 or len(rows) <= max_rows:
+        return list(rows)
+    keep = set()
+    for i, row in enumerate(rows):
+        if row.verdict != "ok":
+            keep.update(range(max(0, i - 2), min(len(rows), i + 3)))
+    budget = max_rows - len(keep)
+    i = 0
+    while budget > 0 and i < len(rows):
+        if i not in keep:
+            keep.add(i)
+            budget -= 1
+        i += 1
+    return collapse(rows, keep)
+
+

@@ -1,0 +1,15 @@
+"""Whole training runs: loss, perplexity and grad-norm curves of two frameworks, step by step.
+
+* ``readers``: ``read_run(path)`` for Megatron-LM and MindFormers logs, TensorBoard event files
+  (``tfevents``) and tensordiff captures, recognised from the content;
+* ``run``: ``Run``, per-step scalars;
+* ``compare``: ``compare_runs(a, b, threshold, warmup, ...)`` -> ``Comparison`` with its verdict.
+
+Framework-free. The table, plot and HTML page are in ``tensordiff.report.runs``.
+"""
+
+from .compare import Comparison, compare_runs
+from .readers import read_run
+from .run import Run
+
+__all__ = ["Comparison", "Run", "compare_runs", "read_run"]

@@ -1,0 +1,17 @@
+"""Stage 2, the store: the capture file format, the contract between the two halves of tensordiff.
+
+* ``format``: the HDF5 layout (``/steps/NNNNNN/index`` rows, ``data/<seq>`` tensors, ``/scalars``);
+* ``writer``: ``CaptureWriter``, fed by the recorder, writing off the training thread;
+* ``reader``: ``CaptureFile``, a streaming reader (one tensor in memory at a time).
+
+Needs numpy and h5py only. See docs/format.md.
+"""
+
+from .format import FORMAT_VERSION
+from .reader import CaptureFile
+from .writer import CaptureWriter
+
+#: The reader's name before 0.2 (``tensordiff.store.Capture``), kept for scripts that use it.
+Capture = CaptureFile
+
+__all__ = ["CaptureFile", "CaptureWriter", "FORMAT_VERSION", "Capture"]

@@ -1,0 +1,74 @@
+"""The capture file format: names, the index row type, and how values are stored.
+
+See docs/format.md. Shared by the writer (capture side) and the reader (diff side)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterable
+
+import h5py
+import numpy as np
+
+FORMAT_VERSION = 1
+FORMAT_ATTR = "tensordiff_format"
+
+_STR = h5py.string_dtype("utf-8")
+INDEX_DTYPE = np.dtype(
+    [
+        ("seq", np.int64),
+        ("phase", _STR),
+        ("module", _STR),
+        ("call", np.int32),
+        ("kind", _STR),
+        ("slot", _STR),
+        ("module_class", _STR),
+        ("dtype", _STR),
+        ("shape", _STR),
+        ("min", np.float64),
+        ("max", np.float64),
+        ("mean", np.float64),
+        ("l2", np.float64),
+        ("nan", np.int64),
+        ("inf", np.int64),
+        ("numel", np.int64),
+        ("has_data", np.int8),
+        ("same_as", np.int64),
+        ("grad_of", np.int64),
+        ("enter", np.int64),
+        ("parent", _STR),
+    ]
+)
+ROW_FIELDS = INDEX_DTYPE.names
+SCALAR_NAME_LEN = 48
+SCALAR_DTYPE = np.dtype([("step", "<i8"), ("name", f"S{SCALAR_NAME_LEN}"), ("value", "<f8")])
+
+#: Tensors smaller than this are stored contiguous (chunking small data only costs space).
+CHUNK_MIN_BYTES = 64 * 1024
+
+
+def step_group_name(step: int) -> str:
+    return f"steps/{step:06d}"
+
+
+
+def attr_value(value: Any) -> Any:
+    """An HDF5-storable attribute: str/number as is, anything else as JSON."""
+    if isinstance(value, str):
+        return str(value)  # plain str: h5py rejects str subclasses such as torch's version string
+    if isinstance(value, (bool, int, float, np.integer, np.floating)):
+        return value
+    return json.dumps(value, default=str)
+
+
+def decode(value: Any) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def shape_text(shape: Iterable[int]) -> str:
+    """The index's shape column: '4,8' ('' for a scalar)."""
+    return ",".join(str(int(s)) for s in shape)
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    return tuple(int(s) for s in text.split(",") if s) if text else ()

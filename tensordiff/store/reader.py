@@ -1,0 +1,151 @@
+"""The capture reader: a streaming view of one capture file (one tensor in memory at a time)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable
+
+import h5py
+import numpy as np
+
+from .. import dtypes
+from ..errors import CaptureFileError
+from ..record import Record
+from .format import FORMAT_ATTR, FORMAT_VERSION, decode, parse_shape, step_group_name
+
+
+class CaptureFile:
+    """Read access to a capture file. Tensors are read one at a time (streaming)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        if not os.path.exists(path):
+            raise CaptureFileError(f"{path}: no such file; check the path (captures are written by `tensordiff capture -o FILE`)")
+        if os.path.isdir(path):
+            raise CaptureFileError(f"{path}: is a directory, not a capture file; pass the .h5 file written by `tensordiff capture`")
+        try:
+            self._file = h5py.File(path, "r")
+        except OSError as err:
+            if "unable to lock file" in str(err):
+                raise CaptureFileError(f"{path}: still open for writing (a capture in progress holds its lock); "
+                                       "read it once that run has ended or closed the capture") from None
+            if "already open for write" in str(err):
+                raise CaptureFileError(f"{path}: written by a run that did not close it, with an older tensordiff "
+                                       "(HDF5 consistency flag set); clear it with `h5clear -s FILE` and retry") from None
+            reason = str(err).split("(")[0].strip().rstrip(":") or "unreadable"
+            raise CaptureFileError(
+                f"{path}: not a readable HDF5 file ({reason}); the file is truncated or of another kind, re-run the capture"
+            ) from None
+        if FORMAT_ATTR not in self._file.attrs:
+            self._file.close()
+            raise CaptureFileError(
+                f"{path}: an HDF5 file but not a tensordiff capture (no '{FORMAT_ATTR}' attribute); write captures with `tensordiff capture` or tensordiff.capture()"
+            )
+        version = int(self._file.attrs[FORMAT_ATTR])
+        if version > FORMAT_VERSION:
+            self._file.close()
+            raise CaptureFileError(
+                f"{path}: capture format {version} is newer than this tensordiff reads ({FORMAT_VERSION}); upgrade tensordiff"
+            )
+        self.attrs: dict[str, Any] = {k: (decode(v) if isinstance(v, (bytes, str)) else v) for k, v in self._file.attrs.items()}
+        self.steps: list[int] = []
+        self.incomplete_steps: list[int] = []
+        steps = self._file.get("steps")
+        if steps is not None:
+            for name in sorted(steps.keys()):
+                try:
+                    complete = bool(steps[name].attrs.get("complete", 0))
+                except (KeyError, OSError):
+                    complete = False
+                (self.steps if complete else self.incomplete_steps).append(int(name))
+        self._cache: dict[int, list[Record]] = {}
+
+    # context manager -------------------------------------------------------
+    def __enter__(self) -> "CaptureFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+    # reading ---------------------------------------------------------------
+    @property
+    def framework(self) -> str:
+        return str(self.attrs.get("framework", "?"))
+
+    def step_attrs(self, step: int) -> dict[str, Any]:
+        return {k: (decode(v) if isinstance(v, bytes) else v) for k, v in self._file[step_group_name(step)].attrs.items()}
+
+    def scalars(self) -> dict[str, dict[int, float]]:
+        """Per-step scalars of the run: name -> {step: value} (a later value of a step wins)."""
+        out: dict[str, dict[int, float]] = {}
+        ds = self._file.get("scalars")
+        if not isinstance(ds, h5py.Dataset) or ds.dtype.names is None or \
+                not {"step", "name", "value"} <= set(ds.dtype.names):
+            return out
+        for row in ds[()]:
+            out.setdefault(decode(row["name"]), {})[int(row["step"])] = float(row["value"])
+        return out
+
+    def records(self, step: int) -> list[Record]:
+        cached = self._cache.get(step)
+        if cached is not None:
+            return cached
+        try:
+            index = self._file[step_group_name(step)]["index"][()]
+        except (KeyError, OSError) as err:
+            raise CaptureFileError(f"{self.path}: step {step} is damaged ({err}); re-run the capture") from None
+        out = []
+        for row in index:
+            shape = parse_shape(decode(row["shape"]))
+            out.append(
+                Record(
+                    step=step,
+                    seq=int(row["seq"]),
+                    phase=decode(row["phase"]),
+                    module=decode(row["module"]),
+                    call=int(row["call"]),
+                    kind=decode(row["kind"]),
+                    slot=decode(row["slot"]),
+                    module_class=decode(row["module_class"]),
+                    dtype=decode(row["dtype"]),
+                    shape=shape,
+                    min=float(row["min"]),
+                    max=float(row["max"]),
+                    mean=float(row["mean"]),
+                    l2=float(row["l2"]),
+                    nan=int(row["nan"]),
+                    inf=int(row["inf"]),
+                    numel=int(row["numel"]),
+                    has_data=bool(row["has_data"]),
+                    same_as=int(row["same_as"]),
+                    grad_of=int(row["grad_of"]),
+                    enter=int(row["enter"]),
+                    parent=decode(row["parent"]),
+                )
+            )
+        self._cache[step] = out
+        return out
+
+    def iter_records(self) -> Iterable[Record]:
+        for step in self.steps:
+            yield from self.records(step)
+
+    def array(self, record: Record) -> np.ndarray | None:
+        """The stored tensor of ``record`` in its own dtype, or None (statistics only)."""
+        seq = record.seq
+        if record.same_as >= 0:
+            seq = record.same_as
+        try:
+            ds = self._file[step_group_name(record.step)]["data"].get(str(seq))
+            if ds is None:
+                return None
+            raw = ds[()]
+        except OSError as err:
+            raise CaptureFileError(f"{self.path}: tensor {record.label} of step {record.step} is damaged ({err}); re-run the capture") from None
+        return dtypes.from_storage(np.asarray(raw), record.dtype).reshape(record.shape)
+
+    def nbytes(self) -> int:
+        return os.path.getsize(self.path)

@@ -1,0 +1,140 @@
+"""The capture writer: steps handed over by the recorder, written off the training thread.
+
+A step is written whole and flushed, then marked ``complete``; readers ignore incomplete
+steps, so a crash loses at most the step in flight. Per-step scalars are appended and
+flushed as they come.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import warnings
+from typing import Any
+
+import h5py
+import numpy as np
+
+from .. import dtypes
+from .format import (CHUNK_MIN_BYTES, FORMAT_ATTR, FORMAT_VERSION, INDEX_DTYPE, ROW_FIELDS, SCALAR_DTYPE,
+                     SCALAR_NAME_LEN, attr_value, step_group_name)
+
+
+class CaptureWriter:
+    """Writes steps to one HDF5 file, on a background thread by default.
+
+    ``submit`` hands a finished step over and returns at once (blocking only when
+    ``max_pending`` steps are already queued). Errors on the writer thread never
+    reach the training loop: they are reported as a warning and later steps are dropped.
+    """
+
+    def __init__(self, path: str, attrs: dict[str, Any], background: bool = True, max_pending: int = 2):
+        self.path = path
+        parent = os.path.dirname(os.path.abspath(path))
+        os.makedirs(parent, exist_ok=True)
+        # superblock v0 (low bound "earliest"): no "open for writing" flag, so a killed run's file opens as it is
+        self._file = h5py.File(path, "w", libver=("earliest", "v110"))
+        self._file.attrs[FORMAT_ATTR] = FORMAT_VERSION
+        for key, value in attrs.items():
+            self._file.attrs[key] = attr_value(value)
+        self._file.create_group("steps")
+        self._file.flush()
+        self.error: BaseException | None = None
+        self._closed = False
+        self._scalars: h5py.Dataset | None = None
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
+        if background:
+            self._queue = queue.Queue(maxsize=max_pending)
+            self._thread = threading.Thread(target=self._run, name="tensordiff-writer", daemon=True)
+            self._thread.start()
+
+    def submit(self, step: int, rows: list[dict[str, Any]], data: dict[int, np.ndarray], attrs: dict[str, Any]) -> None:
+        if self.error is not None:
+            return
+        self._enqueue((step, rows, data, attrs))
+
+    def submit_scalars(self, step: int, values: dict[str, float]) -> None:
+        """Append per-step scalars (written and flushed off the training thread)."""
+        if self.error is not None or self._closed:
+            return
+        self._enqueue(("scalars", step, values))
+
+    def _enqueue(self, job: tuple) -> None:
+        if self._queue is None:
+            self._write_guarded(job)
+        else:
+            self._queue.put(job)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._queue is not None and self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._queue = None
+        try:
+            self._file.close()
+        except Exception as err:  # pragma: no cover - closing a broken file
+            warnings.warn(f"tensordiff: closing {self.path} failed: {err}", RuntimeWarning, stacklevel=2)
+
+    def _run(self) -> None:
+        assert self._queue is not None
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self._write_guarded(job)
+
+    def _write_guarded(self, job: tuple) -> None:
+        if self.error is not None:
+            return
+        try:
+            if job[0] == "scalars":
+                self._write_scalars(job[1], job[2])
+            else:
+                self._write(*job)
+        except BaseException as err:  # never let storage problems reach training
+            self.error = err
+            warnings.warn(
+                f"tensordiff: writing {'scalars' if job[0] == 'scalars' else f'step {job[0]}'} to {self.path} "
+                f"failed ({err}); "
+                "capture stopped, training goes on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _write_scalars(self, step: int, values: dict[str, float]) -> None:
+        if self._scalars is None:
+            self._scalars = self._file.create_dataset("scalars", shape=(0,), maxshape=(None,), dtype=SCALAR_DTYPE,
+                                                      chunks=(1024,))
+        ds = self._scalars
+        n = ds.shape[0]
+        rows = np.array([(step, name.encode()[:SCALAR_NAME_LEN], value) for name, value in values.items()],
+                        dtype=SCALAR_DTYPE)
+        ds.resize((n + len(rows),))
+        ds[n:] = rows
+        if self._queue is None or self._queue.empty():  # else the job behind it (a step: flushed) is on its way
+            self._file.flush()
+
+    def _write(self, step: int, rows: list[dict[str, Any]], data: dict[int, np.ndarray], attrs: dict[str, Any]) -> None:
+        grp = self._file.create_group(step_group_name(step))
+        index = np.zeros(len(rows), dtype=INDEX_DTYPE)
+        for i, row in enumerate(rows):
+            index[i] = tuple(row[name] for name in ROW_FIELDS)
+        grp.create_dataset("index", data=index)
+        dgrp = grp.create_group("data")
+        for seq, array in data.items():
+            raw, _ = dtypes.to_storage(np.ascontiguousarray(array))
+            if raw.nbytes >= CHUNK_MIN_BYTES and raw.ndim > 0:
+                dgrp.create_dataset(str(seq), data=raw, chunks=True, compression="gzip", compression_opts=1, shuffle=True)
+            else:
+                dgrp.create_dataset(str(seq), data=raw)
+        for key, value in attrs.items():
+            grp.attrs[key] = attr_value(value)
+        grp.attrs["records"] = len(rows)
+        self._file.flush()
+        grp.attrs["complete"] = 1
+        self._file.flush()
+
+
