@@ -11,7 +11,7 @@ FAULT  ?= none
 WIKITEXT2 ?= $(or $(TENSORDIFF_WIKITEXT2),../shared/data/wikitext-2)
 STEPS  ?= 300
 
-.PHONY: setup demo compare wikitext2 test clean
+.PHONY: setup demo compare wikitext2 test test-core lint clean
 
 $(VENV)/.done: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,5 +41,21 @@ wikitext2: setup
 test: setup
 	$(PY) -m pytest -q
 
+# ruff (style, imports, bugs) on everything; mypy on the package (configured in pyproject.toml)
+lint: setup
+	$(VENV)/bin/ruff check tensordiff tests examples benchmarks hooks
+	$(VENV)/bin/mypy
+
+# the framework-free core alone: a venv with numpy, h5py, rich and pyyaml only (no torch, MindSpore, ml_dtypes)
+CORE_VENV := .venv-core
+$(CORE_VENV)/.done:
+	$(PYTHON) -m venv $(CORE_VENV)
+	$(CORE_VENV)/bin/python -m pip install -q "numpy>=1.24,<2" "h5py>=3.8" "rich>=13" "pyyaml>=6" "pytest>=8"
+	touch $@
+
+test-core: $(CORE_VENV)/.done
+	cd /tmp && PYTHONPATH=$(CURDIR) $(CURDIR)/$(CORE_VENV)/bin/python -c "import tensordiff.diff, tensordiff.store; print('tensordiff.diff and tensordiff.store import without torch, MindSpore or ml_dtypes')"
+	PYTHONPATH=$(CURDIR) $(CORE_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/core
+
 clean:
-	rm -rf $(VENV) out .pytest_cache
+	rm -rf $(VENV) $(CORE_VENV) out .pytest_cache

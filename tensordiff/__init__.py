@@ -24,7 +24,7 @@ from typing import Any
 
 from ._version import __version__
 
-__all__ = ["capture", "__version__"]
+__all__ = ["__version__", "capture"]
 
 
 def _is_torch_module(obj: Any) -> bool:

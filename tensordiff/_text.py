@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 #: Items named in a message before "... and N more".
 SHOWN = 10

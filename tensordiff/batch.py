@@ -118,7 +118,8 @@ def read(path: str, vocab_size: int | None = None) -> Batch:
     try:
         f = h5py.File(path, "r")
     except OSError:
-        raise BatchError(f"{path}: not an HDF5 file (truncated or another format); write it again with tensordiff batch") from None
+        raise BatchError(f"{path}: not an HDF5 file (truncated or another format); write it again with tensordiff "
+                         "batch") from None
     with f:
         if "tensordiff_batch" not in f.attrs:
             raise BatchError(f"{path}: not a tensordiff batch file (no 'tensordiff_batch' attribute); "

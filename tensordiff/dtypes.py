@@ -1,22 +1,29 @@
 """Dtype names, lossless storage of narrow floats, and units in the last place.
 
 Framework-neutral: the adapters hand over numpy arrays; BF16/FP8 arrive as
-``ml_dtypes`` arrays and are stored as their raw bits, never upcast.
+``ml_dtypes`` arrays and are stored as their raw bits, never upcast. ``ml_dtypes`` (a dependency
+of tensordiff) is only needed to read those narrow floats back: without it the rest works and
+reading a BF16/FP8 tensor raises one clear error.
 """
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
-#: Logical dtype name -> numpy dtype (ml_dtypes for the narrow floats).
+from .errors import TensordiffError
+
+try:
+    import ml_dtypes
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency; a bare numpy environment still diffs FP32
+    ml_dtypes = None
+
+#: Logical dtype name -> numpy dtype (ml_dtypes for the narrow floats, when installed).
 NUMPY_DTYPES: dict[str, np.dtype] = {
     "float64": np.dtype(np.float64),
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
-    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    **({"bfloat16": np.dtype(ml_dtypes.bfloat16), "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+        "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2)} if ml_dtypes is not None else {}),
     "int64": np.dtype(np.int64),
     "int32": np.dtype(np.int32),
     "int16": np.dtype(np.int16),
@@ -76,6 +83,9 @@ def to_storage(array: np.ndarray) -> tuple[np.ndarray, str]:
 def from_storage(raw: np.ndarray, name: str) -> np.ndarray:
     """Inverse of :func:`to_storage`."""
     if name in _RAW_BITS:
+        if name not in NUMPY_DTYPES:
+            raise TensordiffError(f"reading {name} tensors needs the ml_dtypes package, which is not installed: "
+                                  "pip install ml_dtypes")
         return raw.view(NUMPY_DTYPES[name])
     return raw
 

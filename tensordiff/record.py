@@ -8,8 +8,9 @@ gradients).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 #: Phases of a step, in the order they happen.
 PHASES: tuple[str, ...] = ("weights", "forward", "loss", "backward", "param_grad")

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
@@ -121,7 +121,7 @@ def _stats_unrepeat_sum(st: tuple, times: int = 1, dim: int = 2) -> tuple | None
     return st if times <= 1 else None  # sums of unknown parts: no statistics follow
 
 
-STATS: dict[str, Callable[..., tuple | None] | None] = {name: None for name in OPS}
+STATS: dict[str, Callable[..., tuple | None] | None] = dict.fromkeys(OPS)
 STATS.update({name: (lambda st, **_: st) for name in _PERMUTATION})
 STATS.update({"scale": _stats_scale, "unrepeat": _stats_unrepeat, "unrepeat_sum": _stats_unrepeat_sum})
 
@@ -156,7 +156,8 @@ def parse_op(text: str, where: str) -> Op:
             try:
                 num = float(value)
             except ValueError:
-                raise MappingError(f"{where}: transform {text!r}: {key.strip()} must be a number, got {value.strip()!r}") from None
+                raise MappingError(f"{where}: transform {text!r}: {key.strip()} must be a number, got "
+                                   f"{value.strip()!r}") from None
             kwargs.append((key.strip(), int(num) if num.is_integer() and key.strip() != "factor" else num))
     return Op(m.group(1), tuple(kwargs))
 

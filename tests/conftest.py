@@ -4,9 +4,11 @@ import warnings
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+for folder in (ROOT, TESTS):  # the package and examples; tests/helpers.py for every test folder
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 warnings.filterwarnings("ignore", message=".*cuda_graph_scope.*")

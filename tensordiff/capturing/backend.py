@@ -8,7 +8,8 @@ device where it can avoid it, and must never change the tensor it is given.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 

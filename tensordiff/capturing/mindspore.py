@@ -19,7 +19,8 @@ PyNative. Everything is removed after the last captured step or on exit.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import mindspore as ms
 import numpy as np
@@ -34,7 +35,7 @@ from .recorder import Recorder
 def numpy_stats(x: np.ndarray) -> tuple[float, float, float, float, float, float]:
     """[min, max, sum, l2, nan, inf] in float64."""
     if x.size == 0:
-        return (0.0,) * 6  # type: ignore[return-value]
+        return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     if x.dtype == np.bool_ or x.dtype.kind in "iu":
         d = x.reshape(-1).astype(np.float64)
         return float(d.min()), float(d.max()), float(d.sum()), float(np.sqrt(np.dot(d, d))), 0.0, 0.0
@@ -160,7 +161,7 @@ class MindSporeCapture(Recorder):
         except Exception as err:
             self._fail(err)
 
-    def step(self, loss: Any = None, grads: Any = None, **scalars: Any) -> None:  # type: ignore[override]
+    def step(self, loss: Any = None, grads: Any = None, **scalars: Any) -> None:
         """End the step in flight, recording ``loss`` and ``grads`` (see :meth:`grads`) first, if given;
         keyword scalars as in :meth:`Recorder.step`."""
         if grads is not None:

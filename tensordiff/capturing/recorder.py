@@ -9,11 +9,13 @@ background writer. ``NullCapture`` stands in when capture is off.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 import weakref
 from collections import defaultdict
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -50,6 +52,7 @@ class Recorder:
         self._failed = False
         self._iteration = 0  # step() calls: the training step in flight, for scalars
         self._closed = False
+        self._loss: float | None = None
         self._reset_step()
 
     # subclasses ---------------------------------------------------------------
@@ -61,7 +64,7 @@ class Recorder:
     def active(self) -> bool:
         return not (self._done or self._failed)
 
-    def __enter__(self) -> "Recorder":
+    def __enter__(self) -> Recorder:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -158,7 +161,7 @@ class Recorder:
         self._seen: dict[int, tuple[Any, int, int]] = {}
         self._stack: list[tuple[str, int, int, str]] = []
         self._calls: dict[str, int] = defaultdict(int)
-        self._loss: float | None = None
+        self._loss = None
         self._grads_taken = False
         self._step_ready = False
         self._t0 = time.perf_counter()
@@ -171,7 +174,8 @@ class Recorder:
         self._step_id += 1
         self._full = self.options.full_tensors_at(self._step)
         if self._step == 0 and self.options.perturb is not None:
-            self._t.perturb([p for _, _, p in self._params], self.options.perturb)  # asked for on purpose: tensordiff noise's second run
+            # asked for on purpose: tensordiff noise's second run
+            self._t.perturb([p for _, _, p in self._params], self.options.perturb)
         for mod, pname, p in self._params:
             self._record("weights", "param", mod, 0, pname, self._classes.get(mod, ""), p, track=False)
 
@@ -269,10 +273,8 @@ class Recorder:
             self._data[seq] = self._t.copy(t)
             row["has_data"] = 1
         if track:
-            try:
+            with contextlib.suppress(TypeError):  # not weak-referenceable: no links for it
                 self._seen[id(t)] = (weakref.ref(t), self._t.version(t), seq)
-            except TypeError:  # not weak-referenceable: no links for it
-                pass
             if self.options.grads and grad_kind:
                 fwd = {"seq": seq, "module": module, "call": call, "slot": slot, "module_class": module_class,
                        "enter": enter, "parent": parent, "grad_kind": grad_kind}
@@ -322,7 +324,7 @@ class NullCapture:
 
     path = None
 
-    def __enter__(self) -> "NullCapture":
+    def __enter__(self) -> NullCapture:
         return self
 
     def __exit__(self, *exc: object) -> None:

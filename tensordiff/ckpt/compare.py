@@ -179,7 +179,7 @@ def diff_checkpoints(path_a: str, path_b: str, mapping: str | None = None, varia
         if skipped:
             notes.append(f"{path}: {describe_skipped(skipped)} left out")
     rows = diff_tensors(a, b, rtol, origin)
-    if conv is not None:
+    if conv is not None and table is not None:
         _explain_layouts(rows, conv, table, a, b_raw)
     if table is None and any(r.verdict == "differs" for r in rows):
         for name in ckpt_tables():

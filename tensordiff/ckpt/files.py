@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any
 from collections import Counter
 
-import ml_dtypes
 import numpy as np
 
-from .. import frameworks
+from .. import dtypes, frameworks
 from .._text import listing, plural
 from ..errors import CheckpointError
 from ..transforms import contiguous
@@ -32,11 +32,12 @@ FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".ckp
 SUPPORTED = ".safetensors, .pt/.pth (torch), .ckpt (MindSpore)"
 
 #: safetensors dtype codes -> numpy (ml_dtypes for the narrow floats, which safetensors.numpy cannot read).
-_ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+_ST_DTYPES: dict[str, Any] = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
     "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+    **{code: dtypes.NUMPY_DTYPES[name] for code, name in (("BF16", "bfloat16"), ("F8_E4M3", "float8_e4m3fn"),
+                                                          ("F8_E5M2", "float8_e5m2")) if name in dtypes.NUMPY_DTYPES},
 }
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -118,21 +119,21 @@ def check_shapes(plan: Plan, candidates: list[Instance], meta: dict, env: dict[s
     checks: list[tuple[Instance, tuple[int, ...], tuple[Dim, ...]]] = []
     for inst in candidates:
         entry, source = inst.entry, plan.source
-        shapes = [tuple(meta[k][0]) for k in inst.src]
+        part_shapes = [tuple(meta[k][0]) for k in inst.src]
         kinds = {meta[k][1] for k in inst.src}
         if len(kinds) > 1:
             plan.misshaped.append((inst.src[0], f"{' + '.join(inst.src)} have different dtypes {sorted(kinds)}"))
             continue
         try:
             if entry.split is None:
-                shape, dims = shapes[0], entry.shapes[source]
+                shape, dims = part_shapes[0], entry.shapes[source]
             elif entry.joined == source:
-                shape, dims = shapes[0], entry.shapes[source]
+                shape, dims = part_shapes[0], entry.shapes[source]
                 entry.split.parts_shapes(shape)
             else:
-                shape, dims = entry.split.joined_shape(shapes), entry.shapes[entry.joined or source]
+                shape, dims = entry.split.joined_shape(part_shapes), entry.shapes[entry.joined or source]
         except ValueError as err:
-            plan.misshaped.append((inst.src[0], f"{' + '.join(inst.src)} {bracket_shapes(shapes)}: {err}"))
+            plan.misshaped.append((inst.src[0], f"{' + '.join(inst.src)} {bracket_shapes(part_shapes)}: {err}"))
             continue
         plan.instances.append(inst)
         if dims is not None:
@@ -155,7 +156,7 @@ def check_shapes(plan: Plan, candidates: list[Instance], meta: dict, env: dict[s
     plan.symbols = env
     bad: set[int] = set()
     # the same entry has the same shape at every index (layer): the odd ones out are reported
-    by_entry: dict[int, list[tuple[Instance, tuple[int, ...]]]] = {}
+    by_entry: dict[int, list[tuple[Instance, tuple[tuple[int, ...], ...]]]] = {}
     for inst in plan.instances:
         by_entry.setdefault(id(inst.entry), []).append((inst, tuple(tuple(meta[k][0]) for k in inst.src)))
     for group in by_entry.values():

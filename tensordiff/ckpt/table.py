@@ -23,8 +23,9 @@ import itertools
 import os
 import re
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from .. import dtypes
 from .._text import bracket_shapes
@@ -62,7 +63,7 @@ class ConversionTable:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def load(cls, name_or_path: str, variables: dict[str, str] | None = None, lenient: bool = False) -> "ConversionTable":
+    def load(cls, name_or_path: str, variables: dict[str, str] | None = None, lenient: bool = False) -> ConversionTable:
         """A built-in table by name, or a YAML file. ``lenient``: do not fail on unset variables (names only)."""
         path = name_or_path
         tables = ckpt_tables()
@@ -81,9 +82,10 @@ class ConversionTable:
 
     @classmethod
     def from_doc(cls, doc: Any, name: str, path: str, variables: dict[str, str] | None = None,
-                 lenient: bool = False) -> "ConversionTable":
+                 lenient: bool = False) -> ConversionTable:
         if not isinstance(doc, dict) or "entries" not in doc or "sides" not in doc:
-            raise MappingError(f"{path}: a checkpoint table is a YAML mapping with 'sides:' and 'entries:' (see docs/checkpoints.md)")
+            raise MappingError(f"{path}: a checkpoint table is a YAML mapping with 'sides:' and 'entries:' (see "
+                               "docs/checkpoints.md)")
         if doc.get("tensordiff_ckpt_table", TABLE_VERSION) != TABLE_VERSION:
             raise MappingError(f"{path}: tensordiff_ckpt_table {doc.get('tensordiff_ckpt_table')!r} is not supported "
                                f"(this tensordiff reads version {TABLE_VERSION})")
@@ -204,7 +206,7 @@ class ConversionTable:
             items = raw.get(f"to_{side}") or []
             texts = [subst(i) for i in ([items] if isinstance(items, str) else items)]
             ops[side] = () if unset else tuple(parse_op(t, where) for t in texts)
-        shapes: dict[str, tuple[Dim, ...] | None] = {s: None for s in self.sides}
+        shapes: dict[str, tuple[Dim, ...] | None] = dict.fromkeys(self.sides)
         raw_shape = raw.get("shape")
         if isinstance(raw_shape, dict):
             for side, spec in raw_shape.items():
@@ -366,7 +368,8 @@ class ConversionTable:
                     results = [entry.split.join([tensors[k] for k in inst.src])]
                     applied[(f"join {entry.split}", entry.pattern(plan.target))] += 1
             except ValueError as err:  # a table without shape: lines lets a bad shape through to here
-                raise CheckpointError(f"{path}: cannot convert {' + '.join(inst.src)} {bracket_shapes(tensors[k].shape for k in inst.src)} "
+                shapes = bracket_shapes(tensors[k].shape for k in inst.src)
+                raise CheckpointError(f"{path}: cannot convert {' + '.join(inst.src)} {shapes} "
                                       f"({entry.where}): {err}; add shape: to the entry or check the --var values") from None
             for key, value in zip(inst.dst, results):
                 out[key] = value

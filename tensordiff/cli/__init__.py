@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 import traceback
-from typing import Sequence
+from collections.abc import Sequence
 
 from .._version import __version__
 from ..errors import TensordiffError

@@ -100,7 +100,8 @@ def run_noise(args: argparse.Namespace) -> int:
         how = f"one run and the same run with every float parameter moved by one ulp (seed {args.seed})"
         paths = [" ".join(runs), f"{' '.join(runs)} (perturbed)"]
     else:
-        raise UsageError("tensordiff noise needs R1.h5 R2.h5, or -- COMMAND; e.g. tensordiff noise -o noise.json -- python train.py")
+        raise UsageError("tensordiff noise needs R1.h5 R2.h5, or -- COMMAND; e.g. tensordiff noise -o noise.json -- python "
+                         "train.py")
     noises.save(args.output, measured, paths, how)
     console().print(NoiseSummary(args.output, measured, how))
     return 0

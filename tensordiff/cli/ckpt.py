@@ -22,7 +22,8 @@ from ..report.ckpt import CkptDiffReport, ConvertSummary
 from ._args import add_output, add_var, console, parse_vars, write_json
 
 CONVERT_EXAMPLE = ("example: tensordiff ckpt convert mcore.pt mf.ckpt --mapping mcore-to-mindformers; "
-                   "tensordiff ckpt convert mcore.pt llama.ckpt --mapping mcore-to-mindformers-llama --var heads=32 --var groups=8")
+                   "tensordiff ckpt convert mcore.pt llama.ckpt --mapping mcore-to-mindformers-llama "
+                   "--var heads=32 --var groups=8")
 DIFF_EXAMPLE = "example: tensordiff ckpt diff mcore.pt mf.ckpt --mapping mcore-to-mindformers --json diff.json"
 
 
@@ -42,7 +43,8 @@ def add_parsers(sub: Any) -> None:
     c.add_argument("src", help="checkpoint to read (.safetensors, .pt/.pth, .ckpt)")
     c.add_argument("dst", help="checkpoint to write; the suffix picks the format")
     c.add_argument("--mapping", required=True, help=f"built-in table ({tables}) or a YAML table file")
-    c.add_argument("--to", metavar="SIDE", help="the side to convert to, e.g. mindformers or mcore (default: the side SRC is not on)")
+    c.add_argument("--to", metavar="SIDE", help="the side to convert to, e.g. mindformers or mcore (default: the side SRC is "
+                                                "not on)")
     add_var(c, "a table variable, e.g. --var heads=32 --var groups=8 or --var fc1_layout=stacked")
 
     d = actions.add_parser("diff", help="compare two checkpoints tensor by tensor, across frameworks",

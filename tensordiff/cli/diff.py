@@ -20,11 +20,13 @@ def add_parsers(sub: Any) -> None:
                        epilog="example: tensordiff diff a.h5 b.h5 --first-divergence --json report.json")
     d.add_argument("a", help="capture A (the reference)")
     d.add_argument("b", help="capture B")
-    d.add_argument("--first-divergence", action="store_true", help="show only the table of the phase holding the first divergence")
+    d.add_argument("--first-divergence", action="store_true", help="show only the table of the phase holding the first "
+                                                                   "divergence")
     d.add_argument("--mapping", help="YAML rename rules from B's names to A's (see docs/mapping.md)")
     add_var(d)
     d.add_argument("--rtol", type=float, help="one relative-L2 tolerance for every float pair (default: by dtype)")
-    d.add_argument("--noise", nargs=2, metavar=("R1", "R2"), help="two captures of the same run: their differences set a per-tensor noise floor")
+    d.add_argument("--noise", nargs=2, metavar=("R1", "R2"), help="two captures of the same run: their differences set a "
+                                                                  "per-tensor noise floor")
     d.add_argument("--reference", metavar="R", help="three-way: an FP32 capture of the same model, checkpoint and batch; "
                                                     "B is judged by its error against R next to A's own")
     d.add_argument("--reference-mapping", metavar="FILE", help="rename rules from R's names to A's (default: by name)")

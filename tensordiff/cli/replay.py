@@ -16,7 +16,8 @@ def add_parsers(sub: Any) -> None:
                        description="Build the model with --model (side A's framework), load the module's weights from "
                                    "A's capture and run it on A's and on B's captured inputs. Exit 1: the difference is "
                                    "introduced in the module; 0: inherited from its inputs; 2: error.",
-                       epilog="example: tensordiff replay a.h5 b.h5 --module decoder.layers.1.mlp --model examples.gpt.models:replay_model")
+                       epilog="example: tensordiff replay a.h5 b.h5 --module decoder.layers.1.mlp "
+                              "--model examples.gpt.models:replay_model")
     r.add_argument("a")
     r.add_argument("b")
     r.add_argument("--module", required=True, help="the module (A's name) to replay")

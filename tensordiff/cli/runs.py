@@ -16,7 +16,8 @@ def add_parsers(sub: Any) -> None:
                        description="Compare the loss curves of two runs (Megatron-LM or MindFormers training logs, or "
                                    "tensordiff captures), aligned by step. Exit 0: the relative loss error stays within "
                                    "--threshold after --warmup steps; 1: it does not; 2: bad input.",
-                       epilog="example: tensordiff runs megatron.log mindformers.log --threshold 0.01 --warmup 20 --plot runs.png")
+                       epilog="example: tensordiff runs megatron.log mindformers.log --threshold 0.01 --warmup 20 "
+                              "--plot runs.png")
     u.add_argument("a", help="run A: a training log or a capture")
     u.add_argument("b", help="run B")
     u.add_argument("--threshold", type=float, default=0.01, help="largest relative loss error allowed (default 0.01 = 1%%)")

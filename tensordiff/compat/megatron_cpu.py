@@ -25,9 +25,10 @@ torch and megatron are imported lazily; importing this module costs nothing.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
-_ORIG_CURRENT_DEVICE: Optional[Callable[[], Any]] = None  # set while shim 1 is enabled
+_ORIG_CURRENT_DEVICE: Callable[[], Any] | None = None  # set while shim 1 is enabled
 
 
 def _cpu_current_device() -> str:
@@ -48,7 +49,7 @@ def enable() -> None:
     if torch.cuda.is_available() or _ORIG_CURRENT_DEVICE is not None:
         return
     _ORIG_CURRENT_DEVICE = torch.cuda.current_device
-    torch.cuda.current_device = _cpu_current_device  # type: ignore[assignment]
+    torch.cuda.current_device = _cpu_current_device
 
 
 def disable() -> None:
@@ -58,7 +59,7 @@ def disable() -> None:
 
     if _ORIG_CURRENT_DEVICE is None:
         return
-    torch.cuda.current_device = _ORIG_CURRENT_DEVICE  # type: ignore[assignment]
+    torch.cuda.current_device = _ORIG_CURRENT_DEVICE
     _ORIG_CURRENT_DEVICE = None
 
 

@@ -48,9 +48,10 @@ MindSpore and MindFormers are imported only when a function needs them.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
-FIXES: Tuple[str, ...] = (
+FIXES: tuple[str, ...] = (
     "morph",
     "embedding",
     "outer",
@@ -65,10 +66,10 @@ FIXES: Tuple[str, ...] = (
 _MISSING = object()
 
 # fix name -> [(owner, attribute, original value or _MISSING)], in the order the swaps were made.
-_ORIGINALS: Dict[str, List[Tuple[Any, str, Any]]] = {}
+_ORIGINALS: dict[str, list[tuple[Any, str, Any]]] = {}
 
 # A swap: (owner object, attribute name, dotted name for messages, replacement).
-_Swap = Tuple[Any, str, str, Any]
+_Swap = tuple[Any, str, str, Any]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -128,7 +129,7 @@ def _morph_call(self, *args):
     return self.__morph_fn__(*args)
 
 
-def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,  # noqa: A002 - mirrors MindSpore
+def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
                scale_grad_by_freq=False):
     """``mint.nn.functional.embedding`` as ``ops.gather(weight, input, 0)`` (no options supported)."""
     if padding_idx is not None or max_norm is not None or scale_grad_by_freq:
@@ -137,7 +138,7 @@ def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,  #
     return _ms().ops.gather(weight, input, 0)
 
 
-def _outer_call(self, input, vec2):  # noqa: A002
+def _outer_call(self, input, vec2):
     """``Outer`` as a broadcast product of a column and a row."""
     ops = _ms().ops
     return ops.reshape(input, (-1, 1)) * ops.reshape(vec2, (1, -1))
@@ -154,7 +155,7 @@ def _rms_norm_call(self, x, gamma):
     return ops.cast(y, x.dtype), rstd
 
 
-_ONE_HOT: Dict[int, Any] = {}
+_ONE_HOT: dict[int, Any] = {}
 
 
 def _one_hot_call(self, tensor, num_classes, on_value, off_value):
@@ -171,10 +172,10 @@ def _one_hot_call(self, tensor, num_classes, on_value, off_value):
     return prim(tensor, int(num_classes), on_value, off_value)
 
 
-_ZEROS_LIKE: List[Any] = []
+_ZEROS_LIKE: list[Any] = []
 
 
-def _zeros_like_call(self, input, dtype=None):  # noqa: A002
+def _zeros_like_call(self, input, dtype=None):
     """``ZerosLikeExt`` through the legacy ``ops.ZerosLike`` primitive, cast to ``dtype`` if given."""
     ms = _ms()
     if not _ZEROS_LIKE:
@@ -185,7 +186,7 @@ def _zeros_like_call(self, input, dtype=None):  # noqa: A002
     return out
 
 
-def _split_with_size_call(self, input, split_size, dim=0):  # noqa: A002
+def _split_with_size_call(self, input, split_size, dim=0):
     """``SplitWithSize`` as consecutive ``ops.narrow`` slices (correct gradients through later transposes)."""
     ops = _ms().ops
     dim = int(dim)
@@ -215,7 +216,7 @@ def _repeat_kv(self, x, rep):
 
 _INT_MAX = 2147483647
 _LAYOUT_NAMES = ("BSH", "BNSD", "SBH", "BSND", "TND", "TH")
-_LAYOUTS: Dict[Any, str] = {}
+_LAYOUTS: dict[Any, str] = {}
 
 
 def _layout_name(prim) -> str:
@@ -233,7 +234,7 @@ def _layout_name(prim) -> str:
         raise ValueError(f"FlashAttentionScore: unknown input_layout {value!r}") from None
 
 
-def _as_ints(value, what: str) -> List[int]:
+def _as_ints(value, what: str) -> list[int]:
     if value is None:
         raise ValueError(f"FlashAttentionScore: the TND/TH layout needs {what}")
     if hasattr(value, "asnumpy"):
@@ -377,56 +378,56 @@ def _flash_attention_call(self, query, key, value, real_shift=None, drop_mask=No
 # fixes: each returns the swaps it makes (and raises RuntimeError if a target is missing)
 
 
-def _fix_morph() -> List[_Swap]:
+def _fix_morph() -> list[_Swap]:
     """Morph raises outside GRAPH_MODE: call the wrapped function directly."""
     cls = _resolve("morph", "mindspore.ops.operations.debug_ops", "Morph")
     return [(cls, "__call__", "mindspore.ops.operations.debug_ops.Morph.__call__", _morph_call)]
 
 
-def _fix_embedding() -> List[_Swap]:
+def _fix_embedding() -> list[_Swap]:
     """No Embedding CPU kernel: ``mint.nn.functional.embedding`` becomes a gather."""
     mod = _resolve("embedding", "mindspore.mint.nn.functional")
     _resolve("embedding", "mindspore.mint.nn.functional", "embedding")
     return [(mod, "embedding", "mindspore.mint.nn.functional.embedding", _embedding)]
 
 
-def _fix_outer() -> List[_Swap]:
+def _fix_outer() -> list[_Swap]:
     """No Outer CPU kernel (RoPE frequencies): broadcast product."""
     cls = _gen_prim("outer", "Outer")
     return [(cls, "__call__", "mindspore.ops.auto_generate.Outer.__call__", _outer_call)]
 
 
-def _fix_rms_norm() -> List[_Swap]:
+def _fix_rms_norm() -> list[_Swap]:
     """No RmsNorm CPU kernel: composite RMS norm returning ``(y, rstd)``."""
     cls = _gen_prim("rms_norm", "RmsNorm")
     return [(cls, "__call__", "mindspore.ops.auto_generate.RmsNorm.__call__", _rms_norm_call)]
 
 
-def _fix_flash_attention() -> List[_Swap]:
+def _fix_flash_attention() -> list[_Swap]:
     """No FlashAttentionScore CPU kernel: fp32 masked softmax attention."""
     cls = _gen_prim("flash_attention", "FlashAttentionScore")
     return [(cls, "__call__", "mindspore.ops.auto_generate.FlashAttentionScore.__call__", _flash_attention_call)]
 
 
-def _fix_one_hot() -> List[_Swap]:
+def _fix_one_hot() -> list[_Swap]:
     """No OneHotExt CPU kernel (cross-entropy loss): legacy OneHot."""
     cls = _gen_prim("one_hot", "OneHotExt")
     return [(cls, "__call__", "mindspore.ops.auto_generate.OneHotExt.__call__", _one_hot_call)]
 
 
-def _fix_zeros_like() -> List[_Swap]:
+def _fix_zeros_like() -> list[_Swap]:
     """No ZerosLikeExt CPU kernel (loss bprop): legacy ZerosLike."""
     cls = _gen_prim("zeros_like", "ZerosLikeExt")
     return [(cls, "__call__", "mindspore.ops.auto_generate.ZerosLikeExt.__call__", _zeros_like_call)]
 
 
-def _fix_split_with_size() -> List[_Swap]:
+def _fix_split_with_size() -> list[_Swap]:
     """Wrong gradient of Transpose(SplitWithSize(x)[i]) in PyNative: split with ``ops.narrow`` instead."""
     cls = _gen_prim("split_with_size", "SplitWithSize")
     return [(cls, "__call__", "mindspore.ops.auto_generate.SplitWithSize.__call__", _split_with_size_call)]
 
 
-def _fix_repeat_kv() -> List[_Swap]:
+def _fix_repeat_kv() -> list[_Swap]:
     """MindFormers ``Attention._repeat_kv`` assumes BNSD but gets SBND: repeat heads on axis 2."""
     cls = _resolve("repeat_kv", "mindformers.parallel_core.training_graph.transformer.attention", "Attention")
     if "_repeat_kv" not in vars(cls):
@@ -435,7 +436,7 @@ def _fix_repeat_kv() -> List[_Swap]:
     return [(cls, "_repeat_kv", f"{cls.__module__}.Attention._repeat_kv", _repeat_kv)]
 
 
-_FIX_FUNCS: Dict[str, Callable[[], List[_Swap]]] = {
+_FIX_FUNCS: dict[str, Callable[[], list[_Swap]]] = {
     "morph": _fix_morph,
     "embedding": _fix_embedding,
     "outer": _fix_outer,
@@ -453,7 +454,7 @@ assert tuple(_FIX_FUNCS) == FIXES
 # public API
 
 
-def _select(fixes: Optional[Iterable[str]], exclude: Iterable[str]) -> List[str]:
+def _select(fixes: Iterable[str] | None, exclude: Iterable[str]) -> list[str]:
     if isinstance(fixes, str) or isinstance(exclude, str):
         raise TypeError("fixes and exclude take a sequence of fix names, not a single string")
     chosen = list(FIXES) if fixes is None else list(fixes)
@@ -464,7 +465,7 @@ def _select(fixes: Optional[Iterable[str]], exclude: Iterable[str]) -> List[str]
     return [name for name in FIXES if name in chosen and name not in excluded]
 
 
-def enable(fixes: Optional[Sequence[str]] = None, exclude: Sequence[str] = ()) -> Tuple[str, ...]:
+def enable(fixes: Sequence[str] | None = None, exclude: Sequence[str] = ()) -> tuple[str, ...]:
     """Apply the named fixes (all of ``FIXES`` by default, minus ``exclude``); already active ones are kept.
 
     Idempotent. Every target is looked up before anything is swapped, so a missing target
@@ -481,7 +482,7 @@ def enable(fixes: Optional[Sequence[str]] = None, exclude: Sequence[str] = ()) -
     return enabled_fixes()
 
 
-def disable(fixes: Optional[Sequence[str]] = None) -> None:
+def disable(fixes: Sequence[str] | None = None) -> None:
     """Restore the original objects (``is``-identical) of the named fixes, by default of all fixes."""
     names = [name for name in _select(fixes, ()) if name in _ORIGINALS]
     for name in reversed(names):
@@ -497,18 +498,18 @@ def is_enabled() -> bool:
     return bool(_ORIGINALS)
 
 
-def enabled_fixes() -> Tuple[str, ...]:
+def enabled_fixes() -> tuple[str, ...]:
     """The active fixes, in ``FIXES`` order."""
     return tuple(name for name in FIXES if name in _ORIGINALS)
 
 
-def swap_targets(fixes: Optional[Sequence[str]] = None) -> Dict[str, List[Tuple[Any, str]]]:
+def swap_targets(fixes: Sequence[str] | None = None) -> dict[str, list[tuple[Any, str]]]:
     """For each named fix (default: all), the ``(owner, attribute)`` pairs it swaps. Swaps nothing."""
     return {name: [(owner, attr) for owner, attr, _d, _r in _FIX_FUNCS[name]()] for name in _select(fixes, ())}
 
 
 @contextlib.contextmanager
-def mindformers_cpu(exclude: Sequence[str] = (), fixes: Optional[Sequence[str]] = None) -> Iterator[Tuple[str, ...]]:
+def mindformers_cpu(exclude: Sequence[str] = (), fixes: Sequence[str] | None = None) -> Iterator[tuple[str, ...]]:
     """Inside the block exactly the selected fixes are active; on exit the previous state is restored.
 
     Yields the active fix names.
@@ -517,7 +518,7 @@ def mindformers_cpu(exclude: Sequence[str] = (), fixes: Optional[Sequence[str]] 
     wanted = _select(fixes, exclude)
     removed = [name for name in before if name not in wanted]
     disable(removed)
-    added: Tuple[str, ...] = ()
+    added: tuple[str, ...] = ()
     try:
         added = tuple(name for name in wanted if name not in before)
         enable(added)

@@ -14,10 +14,10 @@ Pipeline, one module per step:
 5. ``engine``: ``diff(path_a, path_b, options)`` runs 1-4 step by step and returns a ``DiffResult``
    (``result``: the plain data every later stage reads).
 
-Needs numpy, h5py and ml_dtypes only; imports neither torch nor MindSpore.
+Needs numpy, h5py and pyyaml (ml_dtypes to read BF16/FP8 tensors); imports neither torch nor MindSpore.
 """
 
 from .engine import diff
 from .result import DiffOptions, DiffResult, FirstDivergence, Row
 
-__all__ = ["diff", "DiffOptions", "DiffResult", "FirstDivergence", "Row"]
+__all__ = ["DiffOptions", "DiffResult", "FirstDivergence", "Row", "diff"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -109,7 +110,7 @@ class RenameRules:
     path: str = ""
 
     @classmethod
-    def load(cls, path: str, variables: dict[str, str] | None = None) -> "RenameRules":
+    def load(cls, path: str, variables: dict[str, str] | None = None) -> RenameRules:
         """Load a mapping file, or a built-in mapping by name (see ``builtin_mappings()``)."""
         if not os.path.exists(path) and path in builtin_mappings():
             path = builtin_mappings()[path]
@@ -121,7 +122,7 @@ class RenameRules:
         return cls.from_text(text, path, variables)
 
     @classmethod
-    def from_text(cls, text: str, path: str = "<mapping>", variables: dict[str, str] | None = None) -> "RenameRules":
+    def from_text(cls, text: str, path: str = "<mapping>", variables: dict[str, str] | None = None) -> RenameRules:
         doc = load_yaml(text, path, "mapping file")
         if not isinstance(doc, dict) or "rules" not in doc:
             raise MappingError(f"{path}: a mapping file is a YAML mapping with a 'rules:' list (see docs/mapping.md)")
@@ -131,7 +132,8 @@ class RenameRules:
         def subst(text: Any, where: str) -> str:
             def repl(m: re.Match) -> str:
                 if m.group(1) not in values:
-                    raise MappingError(f"{path}: {where} uses ${{{m.group(1)}}} but no value is set; add it under vars: or pass --var {m.group(1)}=VALUE")
+                    raise MappingError(f"{path}: {where} uses ${{{m.group(1)}}} but no value is set; add it under vars: or "
+                                       f"pass --var {m.group(1)}=VALUE")
                 return values[m.group(1)]
             return re.sub(r"\$\{(\w+)\}", repl, str(text))
 
@@ -216,7 +218,7 @@ def _strip_wrappers(name: str) -> str:
 
 
 def _pair_gradients_by_tensor(a_list: list[Record], b_list: list[Record],
-                              partner: dict[int, tuple[Record, str, tuple[Op, ...]]], taken_b: set[int]) -> None:
+                              partner: dict[int, tuple[Record, MatchHow, tuple[Op, ...]]], taken_b: set[int]) -> None:
     # a_list/b_list hold every record of the step, ignored ones included: a tensor may have
     # been seen first (and its gradient recorded) under a module the mapping leaves out
     """Gradients follow their tensor, not the name they were recorded under.
@@ -241,9 +243,9 @@ def _pair_gradients_by_tensor(a_list: list[Record], b_list: list[Record],
         if rb.phase != "backward" or rb.grad_of < 0 or rb.seq in taken_b:
             continue
         for a_tensor, ops in tensor_pairs.get(rb.grad_of, ()):
-            ra = open_a.pop(a_tensor, None)
-            if ra is not None:
-                partner[ra.seq] = (rb, "tensor", ops)
+            ra_open = open_a.pop(a_tensor, None)
+            if ra_open is not None:
+                partner[ra_open.seq] = (rb, "tensor", ops)
                 taken_b.add(rb.seq)
                 break
 
@@ -256,10 +258,11 @@ def align_step(recs_a: list[Record], recs_b: list[Record], mapping: RenameRules 
     ignored_b = {r.seq for r in recs_b if any(i.hits(r) for i in mapping.ignore_b)}
     a_list = [r for r in recs_a if r.seq not in ignored_a]
     b_list = [r for r in recs_b if r.seq not in ignored_b]
-    partner: dict[int, tuple[Record, str, tuple[Op, ...]]] = {}  # a.seq -> (b, how, ops)
+    partner: dict[int, tuple[Record, MatchHow, tuple[Op, ...]]] = {}  # a.seq -> (b, how, ops)
     taken_b: set[int] = set()
 
-    def run_pass(key_a, keys_b, how: str) -> None:
+    def run_pass(key_a: Callable[[Record], tuple], keys_b: Callable[[Record], list[tuple[tuple, tuple[Op, ...]]]],
+                 how: MatchHow) -> None:
         index: dict[tuple, Record] = {}
         for ra in a_list:
             if ra.seq not in partner:
@@ -268,9 +271,9 @@ def align_step(recs_a: list[Record], recs_b: list[Record], mapping: RenameRules 
             if rb.seq in taken_b:
                 continue
             for key, ops in keys_b(rb):
-                ra = index.pop(key, None)
-                if ra is not None:
-                    partner[ra.seq] = (rb, how, ops)
+                hit_a = index.pop(key, None)
+                if hit_a is not None:
+                    partner[hit_a.seq] = (rb, how, ops)
                     taken_b.add(rb.seq)
                     break
 

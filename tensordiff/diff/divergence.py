@@ -80,7 +80,7 @@ def _incoming(row: Row, st: _Step, prev_step: _Step | None) -> float:
             return st.max_err(seqs)
     if a.phase == "param_grad":
         seqs = [r.seq for r in st.ordered
-                if (r.phase == "backward" and r.module == a.module) or (r.phase == "forward" and r.module == a.module and r.kind == "input")]
+                if r.module == a.module and (r.phase == "backward" or (r.phase == "forward" and r.kind == "input"))]
         if seqs:
             return st.max_err(seqs)
     if a.phase == "weights" and prev_step is not None:
@@ -107,12 +107,13 @@ def _locate(row: Row, st: _Step, prev_step: _Step | None) -> tuple[str, str, dic
                     f"The weights already differ before anything ran{on_b}: the two runs did not load the same checkpoint "
                     f"(or converted it differently) for {mod}.{a.slot}.", {"module": a.module, "param": a.slot})
         return (f"the optimizer update of {mod}.{a.slot} after step {a.step - 1}",
-                f"Step {a.step - 1} ended with matching gradients for {mod}.{a.slot}, yet the weights differ at the start of step {a.step}: "
+                f"Step {a.step - 1} ended with matching gradients for {mod}.{a.slot}, yet the weights differ at the start of "
+                f"step {a.step}: "
                 "the optimizer update differs (learning rate, weight decay, betas/epsilon, gradient clipping or loss scaling).",
                 {"module": a.module, "param": a.slot, "after_step": a.step - 1})
     if a.phase == "loss":
-        return ("the loss computation", "The model's outputs agree but the loss does not: the loss function or its reduction differs "
-                "(mean vs sum, masking, label shift).", {})
+        return ("the loss computation", "The model's outputs agree but the loss does not: the loss function or its "
+                "reduction differs (mean vs sum, masking, label shift).", {})
     if a.phase == "param_grad":
         return (f"in the weight gradient of {mod}.{a.slot}",
                 f"The activations and gradients around {mod} agree, but the gradient of its parameter {a.slot} does not{on_b}: "
@@ -122,17 +123,20 @@ def _locate(row: Row, st: _Step, prev_step: _Step | None) -> tuple[str, str, dic
         children = [r for r in st.ordered if r.phase == "forward" and r.kind == "output" and a.enter <= r.seq < a.seq
                     and is_inside(r.module, a.module)]
         if not children:
-            return (f"in {mod}", f"The inputs of {mod} ({a.module_class}) agree and its output does not{on_b}: the module itself computes differently.",
+            return (f"in {mod}", f"The inputs of {mod} ({a.module_class}) agree and its output does not{on_b}: "
+                    "the module itself computes differently.",
                     {"module": a.module})
         last = _child_of(a.module, children[-1].module)
         return (f"inside {mod} after {_rel(last, a.module)}",
-                f"Every submodule of {mod} agrees, the output of {mod} does not{on_b}: the difference comes from code in {mod}'s own "
+                f"Every submodule of {mod} agrees, the output of {mod} does not{on_b}: the difference comes from code in "
+                f"{mod}'s own "
                 f"forward after {_rel(last, a.module)} (a residual or bias add, a functional op).",
                 {"module": a.module, "after": last})
     if a.phase == "forward" and a.kind == "input":
         parent = a.parent
         if a.enter >= 0 and not a.module and not parent:
-            return ("the model input", f"The model input {a.slot} differs: the two runs were not fed the same batch.", {"input": a.slot})
+            return ("the model input", f"The model input {a.slot} differs: the two runs were not fed the same "
+                                       "batch.", {"input": a.slot})
         start = st.enter_of(parent, a.seq) if parent else -1
         before = [r for r in st.ordered if r.phase == "forward" and r.kind == "output" and start <= r.seq < a.seq
                   and is_inside(r.module, parent) and not (r.module == a.module or is_inside(r.module, a.module))]
@@ -151,19 +155,23 @@ def _locate(row: Row, st: _Step, prev_step: _Step | None) -> tuple[str, str, dic
         fwd = st.recs.get(a.grad_of)
         if fwd is not None and fwd.kind == "input":
             return (f"in the backward of {mod}",
-                    f"The gradient arriving at {mod}'s output agrees; the gradient it passes to its input {a.slot} does not{on_b}: "
+                    f"The gradient arriving at {mod}'s output agrees; the gradient it passes to its input {a.slot} does "
+                    f"not{on_b}: "
                     f"{mod}'s backward differs.", {"module": a.module})
-        consumers = [r for r in st.ordered if r.phase == "forward" and r.kind == "input" and fwd is not None and r.same_as == fwd.seq]
+        consumers = [r for r in st.ordered
+                     if r.phase == "forward" and r.kind == "input" and fwd is not None and r.same_as == fwd.seq]
         if consumers:
             user = consumers[0].module
             return (f"in the backward of {module_label(user)}",
-                    f"The gradient of {mod}'s output is the first to differ; that output feeds {module_label(user)}, whose backward "
-                    "(or other code using the same tensor) computes it differently.", {"module": user, "of_output": a.module})
+                    f"The gradient of {mod}'s output is the first to differ; that output feeds {module_label(user)}, "
+                    "whose backward (or other code using the same tensor) computes it differently.",
+                    {"module": user, "of_output": a.module})
         parent = a.parent
         nxt = None
         if fwd is not None:
             for r in st.ordered:
-                if r.phase == "forward" and r.seq > fwd.seq and r.kind == "input" and r.module != a.module and not is_inside(r.module, a.module):
+                if (r.phase == "forward" and r.seq > fwd.seq and r.kind == "input" and r.module != a.module
+                        and not is_inside(r.module, a.module)):
                     nxt = r.module
                     break
         plabel = module_label(parent)
@@ -237,7 +245,8 @@ def _make(row: Row, st: _Step, prev: _Step | None, came_in: float, introduced: b
                 f"{came_in:.3g} away. ")
     else:
         head = (f"Step {a.step}, {a.phase}: {a.label} differs from B's {b.label} "
-                f"(relative L2 {err:.3g} > tolerance {row.tol:.3g} for {row.judged or a.dtype}) while what came in differed by {came_in:.3g}. ")
+                f"(relative L2 {err:.3g} > tolerance {row.tol:.3g} for {row.judged or a.dtype}) "
+                f"while what came in differed by {came_in:.3g}. ")
     if introduced:
         text = head + f"The difference is introduced {location}. " + sentence
     else:

@@ -30,7 +30,8 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         if not common:
             for cap in (ca, cb):
                 if not cap.steps:
-                    raise AlignmentError(f"{cap.path}: holds no complete step (the run stopped before its first step ended); re-run the capture")
+                    raise AlignmentError(f"{cap.path}: holds no complete step (the run stopped before its first step ended); "
+                                         "re-run the capture")
             raise AlignmentError(f"{path_a} (steps {ca.steps}) and {path_b} (steps {cb.steps}) have no step in common")
         rows: list[Row] = []
         matched_by_name = 0

@@ -62,5 +62,5 @@ def compare_pair(ca: CaptureFile, cb: CaptureFile, pair: Pair, tolerances: Toler
             return None, tol, "shape", f"{a.numel} vs {b.numel} elements"
         metrics = compare_stats(a, b)
         note = "statistics only"
-    verdict = "ok" if metrics.rel_l2 <= tol and metrics.nonfinite_mismatch == 0 else "diverged"
+    verdict: RowVerdict = "ok" if metrics.rel_l2 <= tol and metrics.nonfinite_mismatch == 0 else "diverged"
     return metrics, tol, verdict, note

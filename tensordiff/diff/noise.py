@@ -53,7 +53,8 @@ def load(path: str) -> dict[tuple, float]:
         with open(path, encoding="utf-8") as fh:
             doc = json.load(fh)
     except (OSError, ValueError) as err:
-        raise NoiseFileError(f"{path}: not a JSON noise file ({type(err).__name__}); make it again with tensordiff noise") from None
+        raise NoiseFileError(f"{path}: not a JSON noise file ({type(err).__name__}); make it again with tensordiff "
+                             "noise") from None
     if not isinstance(doc, dict) or "tensordiff_noise" not in doc or not isinstance(doc.get("records"), list):
         raise NoiseFileError(f"{path}: not a tensordiff noise file (no 'tensordiff_noise' / 'records'); "
                              "make one with tensordiff noise")
@@ -68,7 +69,8 @@ def load(path: str) -> dict[tuple, float]:
         except (TypeError, ValueError):
             raise NoiseFileError(f"{path}: record {i} is not [phase, module, call, kind, slot, rel_l2]: {rec!r}") from None
         if not math.isfinite(value) or value < 0:
-            raise NoiseFileError(f"{path}: record {i} ({module} {kind}.{slot}) has noise {value!r}; expected a finite number >= 0")
+            raise NoiseFileError(f"{path}: record {i} ({module} {kind}.{slot}) has noise {value!r}; expected a finite number "
+                                 ">= 0")
         out[(str(phase), str(module), int(call), str(kind), str(slot))] = value
     return out
 

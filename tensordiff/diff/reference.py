@@ -50,8 +50,8 @@ def judge_against_reference(rows: list[Row], ca: CaptureFile, cb: CaptureFile, c
         for step in common:
             partner: dict[int, tuple[Record, tuple]] = {}
             for pair in align_step(ca.records(step), cr.records(step), options.reference_mapping, order_fallback=False):
-                if pair.matched:
-                    partner[pair.a.seq] = (pair.b, pair.ops)  # type: ignore[union-attr]
+                if pair.a is not None and pair.b is not None:
+                    partner[pair.a.seq] = (pair.b, pair.ops)
             for row in rows:
                 if row.step != step or not row.pair.matched:
                     continue

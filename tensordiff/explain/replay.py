@@ -18,8 +18,9 @@ import importlib
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -109,7 +110,7 @@ def replay(path_a: str, path_b: str, module: str, factory: Callable[[], Any], st
             raise ReplayError(f"{path_a}: {module} has no output.0 recorded at step {step}")
         out_a = outputs[0]
         partner = {p.a.seq: p for p in align_step(recs_a, cb.records(step), mapping, order_fallback=False)
-                   if p.matched}  # type: ignore[union-attr]
+                   if p.a is not None and p.b is not None}
         notes: list[str] = []
 
         def b_side(rec: Record) -> np.ndarray | None:
@@ -160,10 +161,7 @@ def replay(path_a: str, path_b: str, module: str, factory: Callable[[], Any], st
                           f"{text[:200]}); check that --model builds side A's model and --module names one of its "
                           "modules") from None
 
-    def rel(x: np.ndarray, y: np.ndarray) -> float:
-        return rel_l2(np.asarray(x), np.asarray(y))
-
-    ab, ra, rb, rba = rel(y_a, y_b), rel(y_aa, y_a), rel(y_ab, y_b), rel(y_ab, y_a)
+    ab, ra, rb, rba = rel_l2(y_a, y_b), rel_l2(y_aa, y_a), rel_l2(y_ab, y_b), rel_l2(y_ab, y_a)
     verdict: ReplayVerdict
     if ra > max(rtol, 0.1 * ab):
         verdict = "unfaithful"

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-import ml_dtypes
 import mindspore as ms
+import ml_dtypes
 import numpy as np
 
 from .._text import listing

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pickle
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import ml_dtypes
 import numpy as np

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 from rich import box
@@ -12,8 +11,8 @@ from rich.text import Text
 
 from .._text import listing, plural, times_shape
 from ..ckpt.compare import CheckpointDiff, CkptVerdict, DiffRow
-from ..ckpt.files import describe_skipped
 from ..ckpt.convert import ConvertedFile
+from ..ckpt.files import describe_skipped
 from .theme import collapse, fmt
 
 
@@ -35,7 +34,7 @@ class CkptDiffReport:
         yield self._summary()
 
     def _table(self, width: int) -> Table:
-        cells = []
+        cells: list[int | tuple[DiffRow, list[str]]] = []
         for item in _select(self.diff.rows, self.max_rows):
             if isinstance(item, int):
                 cells.append(item)
@@ -56,12 +55,12 @@ class CkptDiffReport:
         table.add_column("tensor", overflow="fold", width=name_width)
         for head, w in zip(heads, others):
             table.add_column(head, justify="right" if head in ("rel L2", "max|Δ|") else "left", no_wrap=True, min_width=w)
-        for item in cells:
-            if isinstance(item, int):
-                table.add_row(Text(f"… {item} more identical or within tolerance", style="tensordiff.dim"),
+        for cell in cells:
+            if isinstance(cell, int):
+                table.add_row(Text(f"… {cell} more identical or within tolerance", style="tensordiff.dim"),
                               "", "", "", "", "")
                 continue
-            row, values = item
+            row, values = cell
             name = Text(_wrap_dotted(row.name, name_width))
             if row.b_from:
                 name.append("\n" + _wrap_dotted("B: " + _brace(row.b_from), name_width, indent="   "), style="tensordiff.dim")
@@ -79,7 +78,8 @@ class CkptDiffReport:
         if self.diff.count("shape"):
             text.append(f", {self.diff.count('shape')} with other shapes", style="tensordiff.shape")
         if self.diff.count("a_only") or self.diff.count("b_only"):
-            text.append(f"; {self.diff.count('a_only')} only in A, {self.diff.count('b_only')} only in B", style="tensordiff.unmatched")
+            text.append(f"; {self.diff.count('a_only')} only in A, {self.diff.count('b_only')} only in "
+                        "B", style="tensordiff.unmatched")
         text.append("\n")
         if self.diff.passed:
             text.append("Same checkpoint: every tensor is identical or within its tolerance.", style="tensordiff.ok")
@@ -88,10 +88,6 @@ class CkptDiffReport:
             text.append(f"Different: {listing(bad, 5)}", style="tensordiff.diverged")
         return text
 
-    def write_json(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(self.diff.to_dict(), fh, indent=1)
-            fh.write("\n")
 
 
 _VERDICT: dict[CkptVerdict, tuple[str, str]] = {"identical": ("identical", "tensordiff.ok"), "ok": ("ok", "tensordiff.ok"),

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from rich import box
 from rich.console import Console, ConsoleOptions, RenderResult
@@ -50,7 +50,8 @@ class DiffReport:
             style = "tensordiff.diverged"
             title = "First divergence" if first.introduced else "First divergence (accumulated, not introduced at one place)"
             body = Text(first.explanation)
-            yield Panel(body, title=title, title_align="left", border_style=style, box=box.ASCII if console.legacy_windows else box.ROUNDED)
+            yield Panel(body, title=title, title_align="left", border_style=style,
+                        box=box.ASCII if console.legacy_windows else box.ROUNDED)
             yield from self._hints()
         else:
             yield Text("No divergence: every matched pair is within its tolerance.", style="tensordiff.ok")
@@ -123,7 +124,8 @@ class DiffReport:
                 verdict, vstyle = "FIRST", "tensordiff.first"
             cells: list[Any] = [str(rec.seq), name]
             if wide:
-                cells.append(rec.dtype if row.pair.b is None or row.pair.b.dtype == rec.dtype else f"{rec.dtype}/{row.pair.b.dtype}")
+                b_dtype = row.pair.b.dtype if row.pair.b is not None else rec.dtype
+                cells.append(rec.dtype if b_dtype == rec.dtype else f"{rec.dtype}/{b_dtype}")
             approx = "~" if m is not None and m.source == "stats" else ""
             if three:
                 cells += [fmt(row.ab.rel_l2) if row.ab else (approx + fmt(m.rel_l2) if m else "-"),
@@ -132,7 +134,8 @@ class DiffReport:
             else:
                 cells += [approx + fmt(m.rel_l2) if m else "-", fmt(m.max_abs) if m else "-"]
             if wide:
-                cells += [fmt_cos(m.cosine) if m else "-", f"{100 * m.ulp_share:.1f}" if m and not math.isnan(m.ulp_share) else "-", fmt(row.tol) if m else "-"]
+                ulp = f"{100 * m.ulp_share:.1f}" if m and not math.isnan(m.ulp_share) else "-"
+                cells += [fmt_cos(m.cosine) if m else "-", ulp, fmt(row.tol) if m else "-"]
             cells.append(Text(verdict, style=vstyle))
             table.add_row(*cells)
         if after:
@@ -213,21 +216,22 @@ class DiffReport:
             })
         return {
             "tensordiff_report": JSON_VERSION,
-            "a": {"path": res.path_a, "framework": res.attrs_a.get("framework"), "framework_version": res.attrs_a.get("framework_version")},
-            "b": {"path": res.path_b, "framework": res.attrs_b.get("framework"), "framework_version": res.attrs_b.get("framework_version")},
+            "a": _side(res.path_a, res.attrs_a),
+            "b": _side(res.path_b, res.attrs_b),
             "steps": res.steps,
             "hints": [h.as_dict() for h in hints], "hints_note": hints_note or None,
-            "summary": {"ok": res.count("ok"), "diverged": res.count("diverged"), "drift": res.count("drift"), "only_a": len(res.unmatched("a")),
-                        "only_b": len(res.unmatched("b")), "shape_mismatch": res.count("shape"), "skipped": res.count("skipped"),
+            "summary": {"ok": res.count("ok"), "diverged": res.count("diverged"), "drift": res.count("drift"),
+                        "only_a": len(res.unmatched("a")), "only_b": len(res.unmatched("b")),
+                        "shape_mismatch": res.count("shape"), "skipped": res.count("skipped"),
                         "steps_only_a": res.only_a_steps, "steps_only_b": res.only_b_steps},
             "first_divergence": res.first.as_dict() if res.first else None,
             "rows": rows,
         }
 
-    def write_json(self, path: str) -> None:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(self.to_dict(), fh, indent=1)
-            fh.write("\n")
+
+
+def _side(path: str, attrs: dict) -> dict[str, Any]:
+    return {"path": path, "framework": attrs.get("framework"), "framework_version": attrs.get("framework_version")}
 
 
 def _who(attrs: dict) -> str:
@@ -245,7 +249,7 @@ def _select(rows: list[Row], max_rows: int) -> list[Row | int]:
     """Rows to show: all non-ok rows and context; long runs of ok rows collapse into one marker."""
     if max_rows <= 0 or len(rows) <= max_rows:
         return list(rows)
-    keep = set()
+    keep: set[int] = set()
     for i, row in enumerate(rows):
         if row.verdict != "ok":
             keep.update(range(max(0, i - 2), min(len(rows), i + 3)))

@@ -108,7 +108,8 @@ def write_html(res: Comparison, path: str, png: bytes | None = None) -> None:
     img = (f'<img alt="loss curves, relative error and grad norms" '
            f'src="data:image/png;base64,{base64.b64encode(png).decode()}">' if png else "")
     page = f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>tensordiff runs: {e(os.path.basename(res.a.path))} vs {e(os.path.basename(res.b.path))}</title>
+<html lang="en"><head><meta charset="utf-8">
+<title>tensordiff runs: {e(os.path.basename(res.a.path))} vs {e(os.path.basename(res.b.path))}</title>
 <style>{_CSS}</style></head><body>
 <h1>tensordiff runs</h1>
 <p>A <code>{e(res.a.describe())}</code><br>

@@ -38,7 +38,7 @@ _MF_LR = re.compile(r"\blr:\s*\[?\s*" + _NUM)
 def _parse_megatron(line: str, run: Run) -> bool:
     m = _MEGATRON_VAL.search(line)
     if m:
-        fields = dict((k.strip(), v) for k, v in _MEGATRON_FIELD.findall("|" + m.group(2)))
+        fields = {k.strip(): v for k, v in _MEGATRON_FIELD.findall("|" + m.group(2))}
         value = fields.get("lm loss value")
         if value is not None:
             run.val_loss[int(m.group(1))] = float(value)

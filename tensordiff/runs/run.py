@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+
 @dataclass
 class Run:
     """The scalars of one run by step (steps numbered from 1, as the training logs do)."""

@@ -7,7 +7,8 @@ Reads the scalars MindFormers, Megatron-LM and tensorboardX write (``simple_valu
 from __future__ import annotations
 
 import struct
-from typing import Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from ..errors import RunsError
 from .run import Run
@@ -33,12 +34,13 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(buf: bytes) -> Iterator[tuple[int, int, int | bytes]]:
+def _fields(buf: bytes) -> Iterator[tuple[int, int, Any]]:
     """(field number, wire type, value) of a protobuf message; length-delimited values as bytes."""
     pos = 0
     while pos < len(buf):
         key, pos = _varint(buf, pos)
         number, wire = key >> 3, key & 7
+        value: Any
         if wire == 0:
             value, pos = _varint(buf, pos)
         elif wire == 1:

@@ -14,4 +14,4 @@ from .writer import CaptureWriter
 #: The reader's name before 0.2 (``tensordiff.store.Capture``), kept for scripts that use it.
 Capture = CaptureFile
 
-__all__ = ["CaptureFile", "CaptureWriter", "FORMAT_VERSION", "Capture"]
+__all__ = ["FORMAT_VERSION", "Capture", "CaptureFile", "CaptureWriter"]

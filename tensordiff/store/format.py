@@ -5,7 +5,8 @@ See docs/format.md. Shared by the writer (capture side) and the reader (diff sid
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import h5py
 import numpy as np

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import h5py
 import numpy as np
@@ -22,7 +23,8 @@ class CaptureFile:
         if not os.path.exists(path):
             raise CaptureFileError(f"{path}: no such file; check the path (captures are written by `tensordiff capture -o FILE`)")
         if os.path.isdir(path):
-            raise CaptureFileError(f"{path}: is a directory, not a capture file; pass the .h5 file written by `tensordiff capture`")
+            raise CaptureFileError(f"{path}: is a directory, not a capture file; pass the .h5 file written by `tensordiff "
+                                   "capture`")
         try:
             self._file = h5py.File(path, "r")
         except OSError as err:
@@ -39,7 +41,8 @@ class CaptureFile:
         if FORMAT_ATTR not in self._file.attrs:
             self._file.close()
             raise CaptureFileError(
-                f"{path}: an HDF5 file but not a tensordiff capture (no '{FORMAT_ATTR}' attribute); write captures with `tensordiff capture` or tensordiff.capture()"
+                f"{path}: an HDF5 file but not a tensordiff capture (no '{FORMAT_ATTR}' attribute); write captures with "
+                "`tensordiff capture` or tensordiff.capture()"
             )
         version = int(self._file.attrs[FORMAT_ATTR])
         if version > FORMAT_VERSION:
@@ -61,7 +64,7 @@ class CaptureFile:
         self._cache: dict[int, list[Record]] = {}
 
     # context manager -------------------------------------------------------
-    def __enter__(self) -> "CaptureFile":
+    def __enter__(self) -> CaptureFile:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -144,7 +147,8 @@ class CaptureFile:
                 return None
             raw = ds[()]
         except OSError as err:
-            raise CaptureFileError(f"{self.path}: tensor {record.label} of step {record.step} is damaged ({err}); re-run the capture") from None
+            raise CaptureFileError(f"{self.path}: tensor {record.label} of step {record.step} is damaged ({err}); re-run the "
+                                   "capture") from None
         return dtypes.from_storage(np.asarray(raw), record.dtype).reshape(record.shape)
 
     def nbytes(self) -> int:

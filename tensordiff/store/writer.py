@@ -17,8 +17,17 @@ import h5py
 import numpy as np
 
 from .. import dtypes
-from .format import (CHUNK_MIN_BYTES, FORMAT_ATTR, FORMAT_VERSION, INDEX_DTYPE, ROW_FIELDS, SCALAR_DTYPE,
-                     SCALAR_NAME_LEN, attr_value, step_group_name)
+from .format import (
+    CHUNK_MIN_BYTES,
+    FORMAT_ATTR,
+    FORMAT_VERSION,
+    INDEX_DTYPE,
+    ROW_FIELDS,
+    SCALAR_DTYPE,
+    SCALAR_NAME_LEN,
+    attr_value,
+    step_group_name,
+)
 
 
 class CaptureWriter:
@@ -121,7 +130,7 @@ class CaptureWriter:
         grp = self._file.create_group(step_group_name(step))
         index = np.zeros(len(rows), dtype=INDEX_DTYPE)
         for i, row in enumerate(rows):
-            index[i] = tuple(row[name] for name in ROW_FIELDS)
+            index[i] = tuple(row[name] for name in ROW_FIELDS or ())
         grp.create_dataset("index", data=index)
         dgrp = grp.create_group("data")
         for seq, array in data.items():

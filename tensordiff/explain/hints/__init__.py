@@ -16,7 +16,7 @@ captured arrays.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -31,7 +31,7 @@ from .layout import check_layout
 from .norm import check_norm_epsilon
 from .rope import check_rope, check_rope_table
 
-__all__ = ["CHECKS", "CHECKED", "Hint", "MIN_EXPLAINED", "find_hints", "hints_for_row"]
+__all__ = ["CHECKED", "CHECKS", "MIN_EXPLAINED", "Hint", "find_hints", "hints_for_row"]
 
 
 #: The checks run at a diverged pair, most specific first (a tie in ``explained`` keeps this order).

@@ -6,7 +6,7 @@ See docs/hints/activation.md and docs/hints/activation-backward.md."""
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 

@@ -8,8 +8,9 @@ A check that cannot first reproduce A itself from the same inputs says nothing (
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -61,18 +62,15 @@ class Site:
         self.recs_a = ca.records(self.a.step)
         self.by_seq = {r.seq: r for r in self.recs_a}
         xa, xb = ca.array(self.a), cb.array(self.b)
-        self.xa = None if xa is None else xa.astype(np.float64)
-        self.xb = None
-        if xb is not None:
-            xb = apply(row.pair.ops, xb) if row.pair.ops else xb
-            self.xb = np.asarray(xb, dtype=np.float64)
+        if xb is not None and row.pair.ops:
+            xb = apply(row.pair.ops, xb)
+        #: both tensors were stored, and have one shape once B is in A's layout
+        self.ready = xa is not None and xb is not None and xa.shape == xb.shape
+        self.xa: np.ndarray = np.asarray(xa if xa is not None else (), dtype=np.float64)
+        self.xb: np.ndarray = np.asarray(xb if xb is not None else (), dtype=np.float64)
         self.before = rel_l2(self.xa, self.xb) if self.ready else math.nan
         self._weights: dict[str, dict[str, np.ndarray]] = {}
         self._inputs: dict[tuple[str, int], list[np.ndarray]] = {}
-
-    @property
-    def ready(self) -> bool:
-        return self.xa is not None and self.xb is not None and self.xa.shape == self.xb.shape
 
     def array(self, rec: Record) -> np.ndarray | None:
         x = self.ca.array(rec)
@@ -112,7 +110,7 @@ class Site:
                 return
 
 
-def fit_sides(site: "Site", outs: dict) -> tuple[Any, Any, float] | None:
+def fit_sides(site: Site, outs: dict) -> tuple[Any, Any, float] | None:
     """Of candidate rebuilds, the one closest to A and the one closest to B: (key A, key B, B's residual), or
     None when no candidate reproduces A (the inputs are not this op's) or A's and B's best are the same."""
     if not outs:

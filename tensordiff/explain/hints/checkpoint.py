@@ -4,10 +4,11 @@ See docs/hints/checkpoint.md."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from ...diff.result import DiffResult
 from .base import Hint, Site
+
 
 def check_checkpoint(site: Site, result: DiffResult) -> Iterator[Hint]:
     """Weights already differ before the first step: name every parameter that differs."""

@@ -5,12 +5,14 @@ See docs/hints/dtype.md."""
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
-import ml_dtypes
 import numpy as np
 
+from ... import dtypes
 from .base import MIN_EXPLAINED, Hint, Site, explained_share, make_hint, rel_l2
+
 
 def _representable(x: np.ndarray, dtype: Any) -> float:
     x32 = x.astype(np.float32)
@@ -28,11 +30,14 @@ def check_dtype(site: Site) -> Iterator[Hint]:
         if w is not None and w.ndim == 2 and ins and ins[0].shape[-1] == w.shape[1] \
                 and rel_l2(ins[0] @ w.T, site.xa) <= 0.05 * site.before:
             linear = (ins[0], w)
-    for name, dt, eps in (("BF16", ml_dtypes.bfloat16, 2.0 ** -8), ("FP16", np.float16, 2.0 ** -11)):
+    narrow = [("FP16", np.dtype(np.float16), 2.0 ** -11)]
+    if "bfloat16" in dtypes.NUMPY_DTYPES:  # ml_dtypes installed
+        narrow.insert(0, ("BF16", dtypes.NUMPY_DTYPES["bfloat16"], 2.0 ** -8))
+    for name, dt, eps in narrow:
         # 1. the linear layer recomputed from rounded inputs and weight, output rounded
         if linear is not None:
             x, w = linear
-            r = lambda v: v.astype(np.float32).astype(dt).astype(np.float64)  # noqa: E731
+            r = lambda v, dt=dt: v.astype(np.float32).astype(dt).astype(np.float64)
             after = rel_l2(r(r(x) @ r(w).T), site.xb)
             if explained_share(site.before, after) >= MIN_EXPLAINED:
                 yield make_hint("dtype", f"B computes {a.module} in {name}: inputs, weight and output rounded to "

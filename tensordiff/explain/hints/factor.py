@@ -4,11 +4,12 @@ See docs/hints/factor.md."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
 from .base import MIN_EXPLAINED, Hint, Site, explained_share, make_hint, rel_l2
+
 
 def check_factor(site: Site) -> Iterator[Hint]:
     """B = c * A: a loss reduction (sum vs mean), DP averaging, gradient accumulation, a loss scale."""

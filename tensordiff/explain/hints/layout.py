@@ -5,12 +5,19 @@ See docs/hints/layout.md and docs/hints/missing-bias.md."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 
 import numpy as np
 
 from ...transforms import OPS
 from .base import MIN_EXPLAINED, Hint, Site, explained_share, make_hint, rel_l2
+
+
+def _swap_halves(x: np.ndarray, d: int) -> np.ndarray:
+    h = x.shape[d] // 2
+    return np.concatenate([np.take(x, range(h, 2 * h), axis=d), np.take(x, range(h), axis=d)], axis=d)
+
 
 def _layout_ops(shape: tuple[int, ...]) -> Iterator[tuple[str, Callable[[np.ndarray], np.ndarray]]]:
     nd = len(shape)
@@ -20,16 +27,13 @@ def _layout_ops(shape: tuple[int, ...]) -> Iterator[tuple[str, Callable[[np.ndar
         yield "transpose", OPS["transpose"]
     for d in range(nd):
         if shape[d] % 2 == 0 and shape[d] >= 4:
-            yield f"interleave(dim={d})", lambda x, d=d: OPS["interleave"](x, d)
-            yield f"deinterleave(dim={d})", lambda x, d=d: OPS["deinterleave"](x, d)
-            h = shape[d] // 2
-            yield f"halves swapped (dim={d})", lambda x, d=d, h=h: np.concatenate(
-                [np.take(x, range(h, 2 * h), axis=d), np.take(x, range(h), axis=d)], axis=d)
+            yield f"interleave(dim={d})", partial(OPS["interleave"], dim=d)
+            yield f"deinterleave(dim={d})", partial(OPS["deinterleave"], dim=d)
+            yield f"halves swapped (dim={d})", partial(_swap_halves, d=d)
         if shape[d] % 3 == 0:
             for heads in (1, 2, 4, 8, 12, 16, 32):
                 if shape[d] % (3 * heads) == 0 and heads < shape[d] // 3:
-                    yield (f"qkv_grouped(heads={heads}, dim={d})",
-                           lambda x, d=d, heads=heads: OPS["qkv_grouped"](x, heads, None, d))
+                    yield f"qkv_grouped(heads={heads}, dim={d})", partial(OPS["qkv_grouped"], heads=heads, dim=d)
 
 
 def check_layout(site: Site) -> Iterator[Hint]:

@@ -5,7 +5,7 @@ See docs/hints/norm-epsilon.md."""
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 

@@ -4,11 +4,12 @@ See docs/hints/rope.md."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 
 from .base import Hint, Site, fit_sides, make_hint
+
 
 def _rope(x: np.ndarray, base: float, interleaved: bool, offset: int, seq_axis: int) -> np.ndarray:
     """Rotary embedding over the last dimension; positions along ``seq_axis`` (+ offset)."""

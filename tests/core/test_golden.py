@@ -1,0 +1,447 @@
+"""Golden-text tests of every renderable in ``tensordiff.report``, rich-style: render at 80 columns without
+colour and compare with ``tests/golden/*.txt`` exactly.
+
+Inputs are built synthetically (numpy, h5py, rich only: no torch, MindSpore, megatron or transformers):
+a tiny MLP written as captures with ``helpers.write_capture``, checkpoints as numpy dicts, runs as ``Run``.
+Every test chdirs into its tmp_path and uses relative file names, so no temporary path, date or host name
+reaches a golden.
+
+Rewrite the goldens after an intended change, then read them:
+
+    TENSORDIFF_UPDATE_GOLDENS=1 .venv/bin/python -m pytest tests/core/test_golden.py
+    .venv/bin/python tests/core/test_golden.py          # the same
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+
+_TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _TESTS not in sys.path:  # run as a script: tests/conftest.py has not put tests/ on the path
+    sys.path.insert(0, _TESTS)
+
+from helpers import GOLDEN_DIR, UPDATE_ENV, T, check_golden, render, write_capture  # noqa: E402
+
+from tensordiff.ckpt import diff_tensors  # noqa: E402
+from tensordiff.ckpt.compare import CheckpointDiff  # noqa: E402
+from tensordiff.diff import DiffOptions  # noqa: E402
+from tensordiff.diff.align import RenameRules  # noqa: E402
+from tensordiff.explain import diagnose  # noqa: E402
+from tensordiff.explain.replay import ReplayResult  # noqa: E402
+from tensordiff.report.capture import CaptureListing, NoiseSummary, RecordTable, ReplaySummary  # noqa: E402
+from tensordiff.report.ckpt import CkptDiffReport, ConvertSummary  # noqa: E402
+from tensordiff.report.diff import DiffReport  # noqa: E402
+from tensordiff.report.runs import RunsReport  # noqa: E402
+from tensordiff.runs import compare_runs  # noqa: E402
+from tensordiff.runs.run import Run  # noqa: E402
+from tensordiff.store import CaptureFile  # noqa: E402
+
+WIDTH = 80
+
+# ----------------------------------------------------------------------------------------- a tiny MLP
+#
+#   ToyMLP:  x ─ mlp[ linear_fc1 ─ gelu (a function, not a module) ─ linear_fc2 ] ─ head ─ logits
+#   loss = 0.5 · Σ logits² / batch
+#
+# recorded the way the recorder does it: the weights, then every module's inputs and outputs in the order
+# they run (a tensor handed on is recorded once and linked with same_as), the loss, the gradients of the
+# forward tensors in the order backward produces them (grad_of), the parameter gradients.
+
+BATCH = 2
+
+
+def _gelu(h: np.ndarray, tanh: bool) -> np.ndarray:
+    if tanh:
+        return 0.5 * h * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * h ** 3)))
+    erf = np.vectorize(math.erf, otypes=[np.float64])
+    return 0.5 * h * (1.0 + erf(h / math.sqrt(2.0)))
+
+
+def _dgelu(h: np.ndarray, tanh: bool) -> np.ndarray:
+    if tanh:
+        k = math.sqrt(2.0 / math.pi)
+        t = np.tanh(k * (h + 0.044715 * h ** 3))
+        return 0.5 * (1.0 + t) + 0.5 * h * (1.0 - t * t) * k * (1.0 + 3 * 0.044715 * h * h)
+    erf = np.vectorize(math.erf, otypes=[np.float64])
+    return 0.5 * (1.0 + erf(h / math.sqrt(2.0))) + h * np.exp(-0.5 * h * h) / math.sqrt(2 * math.pi)
+
+
+def _init(seed: int = 0) -> dict[tuple[str, str], np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        ("mlp.linear_fc1", "weight"): rng.normal(0, 0.5, (8, 4)), ("mlp.linear_fc1", "bias"): rng.normal(0, 0.1, 8),
+        ("mlp.linear_fc2", "weight"): rng.normal(0, 0.5, (4, 8)), ("mlp.linear_fc2", "bias"): rng.normal(0, 0.1, 4),
+        ("head", "weight"): rng.normal(0, 0.5, (3, 4)),
+    }
+
+
+CLASSES = {"": "ToyMLP", "mlp": "MLP", "mlp.linear_fc1": "Linear", "mlp.linear_fc2": "Linear", "head": "Linear",
+           "mlp.act": "GELU", "pos_embed": "Embedding"}
+
+
+def _f32(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32)
+
+
+def toy_step(params: dict[tuple[str, str], np.ndarray], x: np.ndarray, *, gelu_tanh: bool = False, store: bool = True,
+             head_bias: bool = False, pad_vocab: int = 0, act_module: bool = False, fc1_repeat: int = 1,
+             fc2_grad_scale: float = 1.0, extra: dict[tuple[str, str], np.ndarray] | None = None,
+             ) -> tuple[list[T], dict[tuple[str, str], np.ndarray], float]:
+    """One training step of the toy MLP as records, its parameter gradients, and the loss.
+
+    Knobs for side B: ``gelu_tanh`` (the tanh GELU), ``pad_vocab`` (head rows padded with zeros: other shapes),
+    ``act_module`` (the GELU is a module of its own: records A lacks), ``fc1_repeat`` (linear_fc1's weight stored
+    with every row repeated, its gradient split between the copies), ``fc2_grad_scale`` (a factor on one
+    parameter gradient). For A: ``head_bias`` (a zero bias B does not have). ``extra``: parameters no
+    computation uses, recorded with the weights."""
+    recs: list[T] = []
+
+    def add(phase: str, module: str, kind: str, slot: str, value: np.ndarray, **kw) -> int:
+        if kw.get("same_as", -1) >= 0:
+            kw.setdefault("extra", {"has_data": int(store)})  # a linked record holds its source's tensor
+        recs.append(T(phase, module, kind, slot, _f32(value), module_class=CLASSES.get(module, ""), store=store, **kw))
+        return len(recs) - 1
+
+    w1, b1 = params[("mlp.linear_fc1", "weight")], params[("mlp.linear_fc1", "bias")]
+    w2, b2 = params[("mlp.linear_fc2", "weight")], params[("mlp.linear_fc2", "bias")]
+    w3 = params[("head", "weight")]
+    w3_b = np.concatenate([w3, np.zeros((pad_vocab, w3.shape[1]))]) if pad_vocab else w3
+
+    add("weights", "mlp.linear_fc1", "param", "weight", np.repeat(w1, fc1_repeat, axis=0) / 1.0)
+    add("weights", "mlp.linear_fc1", "param", "bias", b1)
+    add("weights", "mlp.linear_fc2", "param", "weight", w2)
+    add("weights", "mlp.linear_fc2", "param", "bias", b2)
+    add("weights", "head", "param", "weight", w3_b)
+    if head_bias:
+        add("weights", "head", "param", "bias", np.zeros(w3.shape[0]))
+    for (module, slot), value in (extra or {}).items():
+        add("weights", module, "param", slot, value)
+
+    h = x @ w1.T + b1
+    g = _gelu(h, gelu_tanh)
+    y = g @ w2.T + b2
+    logits = y @ w3_b.T
+    loss = 0.5 * float(np.sum(logits ** 2)) / BATCH
+
+    root = add("forward", "", "input", "0", x, enter=len(recs))
+    mlp = add("forward", "mlp", "input", "0", x, enter=len(recs), same_as=root)
+    fc1_in = add("forward", "mlp.linear_fc1", "input", "0", x, enter=len(recs), parent="mlp", same_as=root)
+    fc1_out = add("forward", "mlp.linear_fc1", "output", "0", h, enter=fc1_in, parent="mlp")
+    if act_module:
+        act_in = add("forward", "mlp.act", "input", "0", h, enter=len(recs), parent="mlp", same_as=fc1_out)
+        act_out = add("forward", "mlp.act", "output", "0", g, enter=act_in, parent="mlp")
+        fc2_in = add("forward", "mlp.linear_fc2", "input", "0", g, enter=len(recs), parent="mlp", same_as=act_out)
+    else:
+        fc2_in = add("forward", "mlp.linear_fc2", "input", "0", g, enter=len(recs), parent="mlp")
+    fc2_out = add("forward", "mlp.linear_fc2", "output", "0", y, enter=fc2_in, parent="mlp")
+    add("forward", "mlp", "output", "0", y, enter=mlp, same_as=fc2_out)
+    head_in = add("forward", "head", "input", "0", y, enter=len(recs), same_as=fc2_out)
+    head_out = add("forward", "head", "output", "0", logits, enter=head_in)
+    add("forward", "", "output", "0", logits, enter=root, same_as=head_out)
+    add("loss", "loss", "loss", "value", np.float32(loss))
+
+    dlogits = logits / BATCH
+    dy = dlogits @ w3_b
+    dg = dy @ w2
+    dh = dg * _dgelu(h, gelu_tanh)
+    add("backward", "head", "grad_output", "0", dlogits, grad_of=head_out, enter=head_in)
+    add("backward", "mlp.linear_fc2", "grad_output", "0", dy, grad_of=fc2_out, enter=fc2_in, parent="mlp")
+    add("backward", "mlp.linear_fc2", "grad_input", "0", dg, grad_of=fc2_in, enter=fc2_in, parent="mlp")
+    add("backward", "mlp.linear_fc1", "grad_output", "0", dh, grad_of=fc1_out, enter=fc1_in, parent="mlp")
+
+    grads = {("mlp.linear_fc1", "weight"): dh.T @ x, ("mlp.linear_fc1", "bias"): dh.sum(0),
+             ("mlp.linear_fc2", "weight"): dy.T @ g, ("mlp.linear_fc2", "bias"): dy.sum(0),
+             ("head", "weight"): (dlogits.T @ y)[:w3.shape[0]]}
+    recorded = dict(grads)
+    recorded[("mlp.linear_fc1", "weight")] = np.repeat(grads[("mlp.linear_fc1", "weight")] / fc1_repeat, fc1_repeat, axis=0)
+    recorded[("mlp.linear_fc2", "weight")] = grads[("mlp.linear_fc2", "weight")] * fc2_grad_scale
+    recorded[("head", "weight")] = dlogits.T @ y
+    for (module, slot), value in recorded.items():
+        add("param_grad", module, "grad", slot, value)
+    if head_bias:
+        add("param_grad", "head", "grad", "bias", dlogits.sum(0))
+    return recs, grads, loss
+
+
+def _batch(seed: int = 1) -> np.ndarray:
+    return np.random.default_rng(seed).normal(0, 1, (BATCH, 4))
+
+
+def toy_run(path: str, steps: int = 1, lr: float = 0.1, framework: str = "torch", version: str = "2.4.0",
+            scalars: bool = False, stored: tuple[int, ...] | None = None, per_step: dict[int, dict] | None = None,
+            **knobs) -> str:
+    """``steps`` steps of SGD on the toy MLP, written as a capture (steps not in ``stored``: statistics only).
+    ``knobs`` go to every ``toy_step``, ``per_step[step]`` to that step only."""
+    params = _init()
+    all_steps, losses, values = [], [], {}
+    for step in range(steps):
+        store = stored is None or step in stored
+        recs, grads, loss = toy_step(params, _batch(1 + step), store=store, **{**knobs, **(per_step or {}).get(step, {})})
+        all_steps.append(recs)
+        losses.append(loss)
+        norm = math.sqrt(sum(float(np.sum(g ** 2)) for g in grads.values()))
+        values[step] = {"loss": loss, "grad_norm": norm, "lr": lr}
+        params = {k: v - lr * grads[k] for k, v in params.items()}
+    return write_capture(path, all_steps, framework=framework, losses=losses, scalars=values if scalars else None,
+                         framework_version=version, model_class="ToyMLP", **({"rank": 0, "world_size": 1} if scalars else {}))
+
+
+# ----------------------------------------------------------------------------------------- plumbing
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+    """Relative file names only: no temporary path in any golden."""
+    monkeypatch.chdir(tmp_path)
+
+
+def golden(name: str, renderable, width: int = WIDTH, normalise=None) -> str:
+    text = render(renderable, width=width)
+    if normalise is not None:
+        text = normalise(text)
+    check_golden(name, text)
+    return text
+
+
+# ----------------------------------------------------------------------------------------- tensordiff diff
+@pytest.fixture
+def gelu_pair():
+    """A: the exact GELU; B (another framework): the tanh GELU, so linear_fc2's input is the first divergence."""
+    a = toy_run("a.h5")
+    b = toy_run("b.h5", framework="mindspore", version="2.9.0", gelu_tanh=True)
+    return diagnose(a, b)
+
+
+def test_diff_report(gelu_pair):
+    res = gelu_pair
+    assert res.first is not None and res.first.module_a == "mlp.linear_fc2" and res.first.kind == "input"
+    assert res.hints and res.hints[0].cause == "activation"
+    golden("diff_report.txt", DiffReport(res))
+
+
+def test_diff_report_first_only(gelu_pair):
+    golden("diff_report_first_only.txt", DiffReport(gelu_pair, first_only=True))
+
+
+def test_diff_report_json_keys(gelu_pair):
+    report = DiffReport(gelu_pair).to_dict()
+    assert set(report) == {"tensordiff_report", "a", "b", "steps", "hints", "hints_note", "summary",
+                           "first_divergence", "rows"}
+    assert set(report["a"]) == {"path", "framework", "framework_version"}
+    assert set(report["summary"]) >= {"ok", "diverged", "drift", "only_a", "only_b", "shape_mismatch"}
+    assert set(report["rows"][0]) >= {"step", "phase", "verdict", "a", "b", "metrics"}
+    assert report["first_divergence"]["location"] == "inside mlp between linear_fc1 and linear_fc2"
+    assert report["hints"][0]["cause"] == "activation"
+
+
+#: B stores linear_fc1's weight with every row twice (like repeated KV heads) and sums its gradient
+#: over the copies: the mapping undoes both. Statistics follow the un-repeat but not the sum.
+REPEAT_MAPPING = """
+rules:
+  - {b: 'mlp\\.linear_fc1', a: mlp.linear_fc1, phases: [weights], params: {weight: 'unrepeat(times=2, dim=0)'}}
+  - {b: 'mlp\\.linear_fc1', a: mlp.linear_fc1, phases: [param_grad], params: {weight: 'unrepeat_sum(times=2, dim=0)'}}
+"""
+
+
+def test_diff_report_every_verdict():
+    """One report with a row of each verdict: ok, DIVERGED (FIRST, a factor hint), unmatched on either side,
+    SHAPE, skipped and drift, and statistics-only rows (step 1 is captured with store=False)."""
+    # pos_embed: a parameter nothing computes with (like attention's key bias, which softmax ignores), moved
+    # apart by B's optimizer in step 0: drift at step 1. B doubles one gradient in step 0 only (a loss scale
+    # not undone); both sides then take the same SGD step.
+    pos = np.linspace(-1, 1, 6)
+    a = toy_run("a.h5", steps=2, stored=(0,), head_bias=True, extra={("pos_embed", "weight"): pos})
+    b = toy_run("b.h5", steps=2, stored=(0,), framework="mindspore", version="2.9.0", pad_vocab=1, act_module=True,
+                fc1_repeat=2, extra={("pos_embed", "weight"): pos},
+                per_step={0: {"fc2_grad_scale": 2.0}, 1: {"extra": {("pos_embed", "weight"): pos + 0.05}}})
+    res = diagnose(a, b, DiffOptions(mapping=RenameRules.from_text(REPEAT_MAPPING)))
+    seen = {r.verdict for r in res.rows}
+    assert seen == {"ok", "diverged", "unmatched", "shape", "skipped", "drift"}, seen
+    assert res.unmatched("a") and res.unmatched("b")
+    assert any(r.metrics is not None and r.metrics.source == "stats" for r in res.rows)
+    assert res.first is not None and res.first.phase == "param_grad"
+    assert res.hints and res.hints[0].cause == "factor"
+    golden("diff_report_verdicts.txt", DiffReport(res))
+
+
+def test_diff_report_clean():
+    a = toy_run("a.h5", steps=2)
+    b = toy_run("b.h5", steps=2)
+    res = diagnose(a, b)
+    assert res.first is None
+    text = golden("diff_report_clean.txt", DiffReport(res))
+    assert "No divergence" in text
+
+
+# ----------------------------------------------------------------------------------------- tensordiff ckpt
+def _ckpt_pair() -> tuple[dict, dict, dict]:
+    rng = np.random.default_rng(3)
+    f32 = lambda *shape: rng.normal(0, 0.02, shape).astype(np.float32)  # noqa: E731
+    layer = "decoder.layers.11.self_attention"
+    emb, qkv, proj, fc1, fc2 = f32(32, 8), f32(24, 8), f32(8, 8), f32(32, 8), f32(8, 16)
+    a = {
+        "embedding.word_embeddings.weight": emb,
+        f"{layer}.linear_qkv.weight": qkv,  # identical
+        f"{layer}.linear_qkv.layer_norm_weight": np.ones(8, np.float32),  # float32 vs float16: within tolerance
+        f"{layer}.linear_proj.weight": proj,  # differs
+        "decoder.layers.11.mlp.linear_fc1.weight": fc1,  # differs: B's rows are interleaved (noted)
+        "decoder.layers.11.mlp.linear_fc2.weight": fc2,  # other shape
+        "decoder.layers.11.mlp.linear_fc2.bias": np.zeros(8, np.float32),  # only in A
+        "output_layer.weight": emb.copy(),
+    }
+    inter = np.empty_like(fc1)
+    inter[0::2], inter[1::2] = fc1[:16], fc1[16:]
+    b = {
+        "embedding.word_embeddings.weight": emb.copy(),
+        f"{layer}.linear_qkv.weight": qkv.copy(),
+        f"{layer}.linear_qkv.layer_norm_weight": (1 + 1e-3 * (np.arange(8) % 2)).astype(np.float16),
+        f"{layer}.linear_proj.weight": proj * np.float32(1.5),
+        "decoder.layers.11.mlp.linear_fc1.weight": inter,
+        "decoder.layers.11.mlp.linear_fc2.weight": f32(8, 24),
+        "output_layer.weight": emb.copy(),
+        "decoder.layers.11.self_attention.core_attention.rotary_pos_emb.inv_freq": np.ones(2, np.float32),  # only in B
+    }
+    origin = {f"{layer}.linear_qkv.weight": (f"{layer}.linear_q.weight", f"{layer}.linear_k.weight",
+                                             f"{layer}.linear_v.weight")}
+    return a, b, origin
+
+
+def test_ckpt_diff_report():
+    a, b, origin = _ckpt_pair()
+    rows = diff_tensors(a, b, b_origin=origin)
+    fc1 = next(r for r in rows if r.name.endswith("linear_fc1.weight"))
+    fc1.note = "equals B without interleave(dim=0): check --var fc1_layout (now interleaved)"  # as _explain_layouts writes it
+    diff = CheckpointDiff("mcore.safetensors", "mf.safetensors", rows,
+                          how="(mindformers, converted to A's mcore names and layout)",
+                          mapping="mcore-to-mindformers (fc1_layout=interleaved)",
+                          notes=["1 entries of B ignored by the table (decoder.layers.0.self_attention.core_attention.inv_freq)"])
+    assert {r.verdict for r in rows} == {"identical", "ok", "differs", "shape", "a_only", "b_only"}
+    golden("ckpt_diff.txt", CkptDiffReport(diff))
+
+
+def test_ckpt_diff_report_same_collapsed():
+    """Many identical tensors beyond max_rows collapse into one line; the verdict is 'Same checkpoint'."""
+    rng = np.random.default_rng(4)
+    a = {f"decoder.layers.{i}.mlp.linear_fc{j}.weight": rng.normal(0, 1, (4, 4)).astype(np.float32)
+         for i in range(6) for j in (1, 2)}
+    b = {k: v.copy() for k, v in a.items()}
+    diff = CheckpointDiff("a.safetensors", "b.safetensors", diff_tensors(a, b))
+    assert diff.passed
+    golden("ckpt_diff_same.txt", CkptDiffReport(diff, max_rows=4))
+
+
+def _mb_free(text: str) -> str:
+    # the converted file's size depends on the safetensors header layout (its padding changed across versions)
+    return re.sub(r"\d+\.\d (kB|MB)", r"N.N \1", text)
+
+
+def test_ckpt_convert_summary():
+    pytest.importorskip("safetensors")
+    from tensordiff.ckpt import save
+    from tensordiff.ckpt.convert import convert_file
+
+    rng = np.random.default_rng(5)
+    hidden, heads, groups, head_dim, ffn, vocab = 8, 2, 1, 4, 16, 32
+    src = {"embedding.word_embeddings.weight": (vocab, hidden)}
+    for i in range(2):
+        layer = f"decoder.layers.{i}"
+        src.update({
+            f"{layer}.input_layernorm.weight": (hidden,),
+            f"{layer}.self_attention.linear_qkv.weight": ((heads + 2 * groups) * head_dim, hidden),
+            f"{layer}.self_attention.linear_proj.weight": (hidden, heads * head_dim),
+            f"{layer}.pre_mlp_layernorm.weight": (hidden,),
+            f"{layer}.mlp.linear_fc1.weight": (2 * ffn, hidden),
+            f"{layer}.mlp.linear_fc2.weight": (hidden, ffn),
+        })
+    src.update({"decoder.final_layernorm.weight": (hidden,), "output_layer.weight": (vocab, hidden),
+                "decoder.layers.0.self_attention.core_attention.rotary_pos_emb.inv_freq": (head_dim // 2,)})
+    tensors = {k: rng.normal(0, 1, s).astype(np.float16 if len(s) == 1 else np.float32) for k, s in src.items()}
+    save(tensors, "mcore.safetensors")
+    done = convert_file("mcore.safetensors", "mf.safetensors", "mcore-to-mindformers", to="mindformers")
+    assert done.read == len(src) and len(done.conversion.tensors) == len(src) - 1
+    golden("ckpt_convert.txt", ConvertSummary(done), normalise=_mb_free)
+
+
+# ----------------------------------------------------------------------------------------- tensordiff runs
+def _curve(n: int, start: float, end: float) -> dict[int, float]:
+    return {s: end + (start - end) * math.exp(-(s - 1) / 6) for s in range(1, n + 1)}
+
+
+def _runs(b_loss, b_gn) -> tuple[Run, Run]:
+    loss, gn = _curve(20, 10.5, 6.0), _curve(20, 4.0, 1.2)
+    a = Run("megatron.log", "megatron-lm log", loss=loss, grad_norm=gn, lr={s: 3e-4 for s in loss},
+            val_loss={10: 6.9, 20: 6.2})
+    b = Run("mindformers.log", "mindformers log", loss={s: b_loss(s, v) for s, v in loss.items()},
+            grad_norm={s: b_gn(s, v) for s, v in gn.items()}, lr={s: 3e-4 for s in loss},
+            val_loss={10: b_loss(10, 6.9), 20: b_loss(20, 6.2)})
+    return a, b
+
+
+def test_runs_report_pass():
+    a, b = _runs(lambda s, v: v * (1 + 2e-4 * (-1) ** s), lambda s, v: v * (1 + 1e-3 * (-1) ** s))
+    res = compare_runs(a, b, threshold=0.01, warmup=2, ppl_threshold=0.02, grad_norm_threshold=0.05)
+    assert res.passed
+    golden("runs_pass.txt", RunsReport(res))
+
+
+def test_runs_report_fail():
+    a, b = _runs(lambda s, v: v * (1 + (0.003 * (s - 10) if s > 10 else 1e-4)), lambda s, v: v * 1.08)
+    b.relogged = {11, 12}  # a restart from a checkpoint logged these steps again
+    res = compare_runs(a, b, threshold=0.01, warmup=2, ppl_threshold=0.02, grad_norm_threshold=0.05)
+    assert not res.passed and len(res.failures) == 4, res.failures
+    golden("runs_fail.txt", RunsReport(res))
+
+
+# ----------------------------------------------------------------------------------------- ls / show
+def _mb_normalised(text: str) -> str:
+    # the capture's size in MB depends on the h5py / HDF5 version (metadata layout): not part of the golden
+    return re.sub(r"^(\S+): \d+\.\d\d MB,", r"\1: N.NN MB,", text, count=1)
+
+
+def test_ls():
+    path = toy_run("run.h5", steps=3, scalars=True, stored=(0,))
+    with CaptureFile(path) as cap:
+        text = golden("ls.txt", CaptureListing(cap), normalise=_mb_normalised)
+    assert "N.NN MB" in text
+
+
+def test_show():
+    path = toy_run("run.h5", steps=1)
+    with CaptureFile(path) as cap:
+        golden("show.txt", RecordTable(f"{path} step 0", cap.records(0)))
+
+
+# ----------------------------------------------------------------------------------------- replay / noise
+def test_replay_summary():
+    res = ReplayResult(module="mlp.linear_fc2", step=0, call=0, module_class="Linear", ab=1.6e-4, replay_a=0.0,
+                       replay_b=1.5e-4, replay_b_vs_a=2.2e-7, verdict="introduced",
+                       notes=["input 1: not captured on B, A's used"])
+    golden("replay.txt", ReplaySummary(res))
+
+
+def test_noise_summary():
+    noise = {("forward", f"layers.{i}", 0, "output", "0"): 1e-7 * (i + 1) for i in range(5)}
+    noise.update({("backward", f"layers.{i}", 0, "grad_output", "0"): 3e-7 * (i + 1) for i in range(4)})
+    noise[("loss", "loss", 0, "loss", "value")] = 0.0
+    golden("noise.txt", NoiseSummary("noise.json", noise, "two captures of the same run"))
+
+
+# ----------------------------------------------------------------------------------------- every golden
+def test_goldens_fit_80_columns():
+    if os.environ.get(UPDATE_ENV):
+        pytest.skip("goldens are being rewritten")
+    names = sorted(f for f in os.listdir(GOLDEN_DIR) if f.endswith(".txt"))
+    assert names
+    for name in names:
+        with open(os.path.join(GOLDEN_DIR, name), encoding="utf-8") as fh:
+            for number, line in enumerate(fh.read().splitlines(), 1):
+                assert len(line) <= WIDTH, f"{name}:{number} is {len(line)} columns: {line!r}"
+
+
+if __name__ == "__main__":
+    os.environ[UPDATE_ENV] = "1"
+    sys.exit(pytest.main([os.path.abspath(__file__), "-q", "-p", "no:cacheprovider"]))

@@ -1,0 +1,117 @@
+"""Test helpers shared by every layer of the suite: synthetic captures, renders at a fixed width, goldens.
+
+Framework-free: numpy, h5py and rich only, so the core tests (tests/core/) can use them in an
+environment without torch or MindSpore.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+#: Set (``TENSORDIFF_UPDATE_GOLDENS=1 pytest tests/core/test_golden.py`` or ``python tests/core/test_golden.py``)
+#: to rewrite the golden files from the current output instead of comparing against them.
+UPDATE_ENV = "TENSORDIFF_UPDATE_GOLDENS"
+
+
+@dataclass
+class T:
+    """One tensor record of a synthetic step: what a framework adapter would have recorded."""
+
+    phase: str
+    module: str
+    kind: str
+    slot: str
+    value: np.ndarray | None = None
+    call: int = 0
+    module_class: str = ""
+    dtype: str = ""
+    shape: tuple[int, ...] | None = None
+    store: bool = True
+    """store the tensor (``has_data``); statistics are always computed from ``value``."""
+    same_as: int = -1
+    grad_of: int = -1
+    enter: int = -1
+    parent: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _stats(x: np.ndarray) -> dict[str, Any]:
+    d = np.asarray(x, dtype=np.float64).reshape(-1)
+    if d.size == 0:
+        return {"min": 0.0, "max": 0.0, "mean": 0.0, "l2": 0.0, "nan": 0, "inf": 0}
+    finite = d[np.isfinite(d)]
+    return {
+        "min": float(finite.min()) if finite.size else 0.0, "max": float(finite.max()) if finite.size else 0.0,
+        "mean": float(d.sum() / d.size), "l2": float(np.sqrt(np.dot(finite, finite))),
+        "nan": int(np.isnan(d).sum()), "inf": int(np.isinf(d).sum()),
+    }
+
+
+def rows_of(tensors: list[T]) -> tuple[list[dict[str, Any]], dict[int, np.ndarray]]:
+    """Index rows and stored tensors of one step, in the writer's format (seq = position in the list)."""
+    from tensordiff import dtypes
+    from tensordiff.store.format import shape_text
+
+    rows, data = [], {}
+    for seq, t in enumerate(tensors):
+        x = None if t.value is None else np.asarray(t.value)
+        shape = t.shape if t.shape is not None else (tuple(x.shape) if x is not None else ())
+        dtype = t.dtype or (dtypes.name_of(x.dtype) if x is not None else "float32")
+        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        row = {"seq": seq, "phase": t.phase, "module": t.module, "call": t.call, "kind": t.kind, "slot": t.slot,
+               "module_class": t.module_class, "dtype": dtype, "shape": shape_text(shape), "numel": numel,
+               "has_data": 0, "same_as": t.same_as, "grad_of": t.grad_of, "enter": t.enter, "parent": t.parent,
+               **(_stats(x) if x is not None else {"min": 0.0, "max": 0.0, "mean": 0.0, "l2": 0.0, "nan": 0, "inf": 0})}
+        row.update(t.extra)
+        if x is not None and t.store and t.same_as < 0:
+            data[seq] = x
+            row["has_data"] = 1
+        rows.append(row)
+    return rows, data
+
+
+def write_capture(path: str, steps: list[list[T]], framework: str = "torch", losses: list[float] | None = None,
+                  scalars: dict[int, dict[str, float]] | None = None, **attrs: Any) -> str:
+    """A capture file of the given steps, written by the real ``CaptureWriter`` (in the calling thread)."""
+    from tensordiff.store import CaptureWriter
+
+    writer = CaptureWriter(path, {"framework": framework, "framework_version": "0.0", **attrs}, background=False)
+    for step, tensors in enumerate(steps):
+        rows, data = rows_of(tensors)
+        step_attrs: dict[str, Any] = {"wall_time": 0.0}
+        if losses is not None:
+            step_attrs["loss"] = losses[step]
+        writer.submit(step, rows, data, step_attrs)
+    for step, values in sorted((scalars or {}).items()):
+        writer.submit_scalars(step, values)
+    writer.close()
+    return path
+
+
+def render(renderable: Any, width: int = 80) -> str:
+    """What ``console.print(renderable)`` shows at ``width`` columns, without colour."""
+    from tensordiff.report.theme import make_console
+
+    buf = io.StringIO()
+    make_console(file=buf, width=width, color=False).print(renderable)
+    return buf.getvalue()
+
+
+def check_golden(name: str, text: str) -> None:
+    """``text`` must equal ``tests/golden/NAME``; with TENSORDIFF_UPDATE_GOLDENS=1 the file is rewritten instead."""
+    path = os.path.join(GOLDEN_DIR, name)
+    if os.environ.get(UPDATE_ENV):
+        os.makedirs(GOLDEN_DIR, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        return
+    assert os.path.exists(path), f"no golden file {path}; run with {UPDATE_ENV}=1 to write it"
+    with open(path, encoding="utf-8") as fh:
+        expected = fh.read()
+    assert text == expected, f"{name} differs from its golden file (rerun with {UPDATE_ENV}=1 if the change is intended)"
