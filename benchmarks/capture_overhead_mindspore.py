@@ -31,7 +31,7 @@ from tensordiff.compat import mindformers_cpu  # noqa: E402
 from tensordiff.store import CaptureFile  # noqa: E402
 
 
-def build(spec):  # noqa: ANN001, ANN201
+def build(spec):
     from examples.megatron_vs_mindformers.mf_models import _gpt_model
 
     ms.set_seed(1)
@@ -40,7 +40,7 @@ def build(spec):  # noqa: ANN001, ANN201
     return model
 
 
-def run(spec, steps: int, path: str | None, tensors: str, cap_steps: int) -> list[float]:  # noqa: ANN001
+def run(spec, steps: int, path: str | None, tensors: str, cap_steps: int) -> list[float]:
     model = build(spec)
     batches = []
     for i in range(steps):
@@ -48,7 +48,7 @@ def run(spec, steps: int, path: str | None, tensors: str, cap_steps: int) -> lis
         batches.append({k: ms.Tensor(v.astype(np.int32) if v.dtype == np.int64 else v) for k, v in b.arrays().items()})
     opt = ms.nn.AdamWeightDecay(model.trainable_params(), learning_rate=1e-4)
 
-    def loss_fn(b):  # noqa: ANN001, ANN202
+    def loss_fn(b):
         return model(b["tokens"], labels=b["labels"], attention_mask=b["attention_mask"], loss_mask=b["loss_mask"])[0]
 
     grad_fn = ms.value_and_grad(loss_fn, None, opt.parameters)

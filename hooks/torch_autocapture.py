@@ -13,7 +13,7 @@ import sys
 if len(sys.argv) < 2:
     sys.exit("usage: python hooks/torch_autocapture.py SCRIPT [ARGS...]")
 
-from tensordiff.capturing.auto import AutoCapture  # noqa: E402
+from tensordiff.capturing.auto import AutoCapture
 
 auto = AutoCapture()
 if not auto.install():

@@ -95,8 +95,8 @@ def ulp(magnitude: np.ndarray, name: str) -> np.ndarray:
     bits = MANTISSA_BITS.get(name)
     if bits is None:
         return np.zeros_like(magnitude)
-    _, exp = np.frexp(magnitude)  # magnitude = m * 2**exp, m in [0.5, 1)
-    exp = np.maximum(exp - 1, _MIN_EXP[name])
+    _, exp = np.frexp(magnitude)  # magnitude = m * 2**exp, m in [0.5, 1); frexp(0) gives exp 0
+    exp = np.where(magnitude == 0, _MIN_EXP[name], np.maximum(exp - 1, _MIN_EXP[name]))
     return np.ldexp(1.0, exp - bits)
 
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import inspect
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -159,6 +160,16 @@ def parse_op(text: str, where: str) -> Op:
                 raise MappingError(f"{where}: transform {text!r}: {key.strip()} must be a number, got "
                                    f"{value.strip()!r}") from None
             kwargs.append((key.strip(), int(num) if num.is_integer() and key.strip() != "factor" else num))
+    params = list(inspect.signature(OPS[m.group(1)]).parameters.values())[1:]  # after the tensor
+    takes = [p.name for p in params]
+    unknown = [k for k, _ in kwargs if k not in takes]
+    if unknown:
+        raise MappingError(f"{where}: transform {text!r}: {m.group(1)} takes "
+                           f"{', '.join(takes) or 'no arguments'}, not {', '.join(unknown)}")
+    missing = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in dict(kwargs)]
+    if missing:
+        raise MappingError(f"{where}: transform {text!r} needs {', '.join(f'{n}=' for n in missing)}, "
+                           f"e.g. {m.group(1)}({', '.join(f'{n}=2' for n in missing)})")
     return Op(m.group(1), tuple(kwargs))
 
 

@@ -12,6 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pytest
+
+try:
+    import ml_dtypes
+except ImportError:  # the core venv (make test-core) has no ml_dtypes: BF16/FP8 tests skip there
+    ml_dtypes = None
+
+#: Marks a test (or a parameter) that needs ml_dtypes arrays (BF16, FP8).
+needs_ml_dtypes = pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes (BF16/FP8 arrays)")
 
 GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 #: Set (``TENSORDIFF_UPDATE_GOLDENS=1 pytest tests/core/test_golden.py`` or ``python tests/core/test_golden.py``)
@@ -68,10 +77,12 @@ def rows_of(tensors: list[T]) -> tuple[list[dict[str, Any]], dict[int, np.ndarra
                "module_class": t.module_class, "dtype": dtype, "shape": shape_text(shape), "numel": numel,
                "has_data": 0, "same_as": t.same_as, "grad_of": t.grad_of, "enter": t.enter, "parent": t.parent,
                **(_stats(x) if x is not None else {"min": 0.0, "max": 0.0, "mean": 0.0, "l2": 0.0, "nan": 0, "inf": 0})}
-        row.update(t.extra)
         if x is not None and t.store and t.same_as < 0:
             data[seq] = x
             row["has_data"] = 1
+        elif t.same_as >= 0:  # a link holds its source's tensor, as the recorder writes it
+            row["has_data"] = rows[t.same_as]["has_data"]
+        row.update(t.extra)
         rows.append(row)
     return rows, data
 

@@ -85,11 +85,11 @@ def test_records_every_phase_with_mindspore_names(tmp_path):
         # the optimizer's input is value_and_grad's gradient, bit for bit
         names = [p.name for p in _tiny().trainable_params()]
         np.testing.assert_array_equal(cap.array(pg), grads[0][names.index("decoder.layers.1.mlp.linear_fc1.weight")])
-        loss = [r for r in recs if r.phase == "loss"][0]
+        loss = next(r for r in recs if r.phase == "loss")
         assert float(cap.array(loss)) == pytest.approx(losses[0], rel=0, abs=0)
         # weights at the start of step 1 are the SGD update of step 0
-        w1 = [r for r in cap.records(1) if r.phase == "weights" and r.module == "decoder.layers.1.mlp.linear_fc1"
-              and r.slot == "weight"][0]
+        w1 = next(r for r in cap.records(1) if r.phase == "weights" and r.module == "decoder.layers.1.mlp.linear_fc1"
+              and r.slot == "weight")
         w0 = by_key[("weights", "decoder.layers.1.mlp.linear_fc1", "param", "weight", 0)]
         assert w1.l2 != w0.l2
 
@@ -127,7 +127,7 @@ def test_graph_mode_is_refused_with_the_fix(tmp_path):
 
     model = _tiny()
     ms.set_context(mode=ms.GRAPH_MODE)
-    with pytest.raises(UsageError, match="GRAPH_MODE.*PYNATIVE_MODE"):
+    with pytest.raises(UsageError, match=r"GRAPH_MODE.*PYNATIVE_MODE"):
         MindSporeCapture(model, CaptureOptions(path=str(tmp_path / "g.h5")))
     with pytest.warns(RuntimeWarning, match="GRAPH_MODE"):
         cap = tensordiff.capture(model, str(tmp_path / "g.h5"))
@@ -184,7 +184,7 @@ def test_scalars_for_every_step_after_the_captured_ones(tmp_path):
                            None, opt.parameters)
     losses, norms = [], []
     with tensordiff.capture(model, path, steps=1) as cap:
-        for step in range(6):
+        for _step in range(6):
             loss, grads = fn()
             norm = ms.ops.sqrt(sum(ms.ops.sum(g * g) for g in grads))
             opt(grads)

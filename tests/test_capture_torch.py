@@ -94,7 +94,7 @@ def test_bf16_and_fp16_are_stored_losslessly_in_their_width(tmp_path):
         half(x.to(torch.float16))
         cap.step()
     with CaptureFile(str(tmp_path / "bf.h5")) as c:
-        out = [r for r in c.records(0) if r.kind == "output"][0]
+        out = next(r for r in c.records(0) if r.kind == "output")
         assert out.dtype == "bfloat16"
         arr = c.array(out)
         assert arr.dtype == np.dtype(ml_dtypes.bfloat16)
@@ -104,7 +104,7 @@ def test_bf16_and_fp16_are_stored_losslessly_in_their_width(tmp_path):
         stored = f["steps/000000/data"][str(out.seq)]
         assert stored.dtype == np.uint16  # raw bits, not upcast
     with CaptureFile(str(tmp_path / "fp.h5")) as c:
-        out = [r for r in c.records(0) if r.kind == "output"][0]
+        out = next(r for r in c.records(0) if r.kind == "output")
         assert out.dtype == "float16" and c.array(out).dtype == np.float16
 
 
@@ -115,7 +115,7 @@ def test_statistics_count_nan_and_inf(tmp_path):
         model(x)
         cap.step()
     with CaptureFile(str(tmp_path / "c.h5")) as c:
-        out = [r for r in c.records(0) if r.kind == "output"][0]
+        out = next(r for r in c.records(0) if r.kind == "output")
         assert (out.nan, out.inf, out.numel, out.has_data) == (2, 1, 5, False)
 
 

@@ -139,7 +139,8 @@ def test_megatron_checkpoint_loads_into_real_legacy_llama(mcore, mf, workdir):
         fc1 = tensors[f"decoder.layers.{i}.mlp.linear_fc1.weight"]
         np.testing.assert_array_equal(params[f"model.layers.{i}.feed_forward.w1.weight"], fc1[:FFN])
         np.testing.assert_array_equal(params[f"model.layers.{i}.feed_forward.w3.weight"], fc1[FFN:])
-        np.testing.assert_array_equal(params[attn + "wo.weight"], tensors[f"decoder.layers.{i}.self_attention.linear_proj.weight"])
+        np.testing.assert_array_equal(params[attn + "wo.weight"],
+                                      tensors[f"decoder.layers.{i}.self_attention.linear_proj.weight"])
     np.testing.assert_array_equal(params["model.tok_embeddings.embedding_weight"], tensors["embedding.word_embeddings.weight"])
     np.testing.assert_array_equal(params["lm_head.weight"], tensors["output_layer.weight"])
 
@@ -263,7 +264,7 @@ class NotATensor:
 
 
 def test_pickled_objects_are_refused_not_unpickled(mcore, workdir, capsys):
-    _, tensors = mcore
+    _, _tensors = mcore
     torch.save({"embedding.word_embeddings.weight": torch.ones(2), "config": NotATensor()}, workdir / "pickle.pt")
     with pytest.raises(CheckpointError, match=r"weights_only=True.*NotATensor"):
         ckpt_files.load(str(workdir / "pickle.pt"))

@@ -105,7 +105,8 @@ def test_missing_file(pair, capsys):
 
 
 def test_truncated_file(pair, tmp_path, capsys):
-    data = open(pair[0], "rb").read()
+    with open(pair[0], "rb") as fh:
+        data = fh.read()
     bad = tmp_path / "trunc.h5"
     bad.write_bytes(data[: len(data) // 3])
     _one_line_error(capsys, ["diff", pair[0], str(bad)], str(bad), "truncated")

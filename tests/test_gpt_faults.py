@@ -5,9 +5,9 @@ import pytest
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-from examples.gpt import train  # noqa: E402
-from tensordiff.diff.align import RenameRules  # noqa: E402
-from tensordiff.diff import DiffOptions, diff  # noqa: E402
+from examples.gpt import train
+from tensordiff.diff import DiffOptions, diff
+from tensordiff.diff.align import RenameRules
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +33,13 @@ def runs(tmp_path_factory):
 FAULTS = [
     # fault, step, phase, module named, words in the location
     ("ln-eps", 0, "forward", "decoder.layers.1.pre_mlp_layernorm", "in decoder.layers.1.pre_mlp_layernorm"),
-    ("gelu-tanh", 0, "forward", "decoder.layers.1.mlp.linear_fc2", "inside decoder.layers.1.mlp between linear_fc1 and linear_fc2"),
+    ("gelu-tanh", 0, "forward", "decoder.layers.1.mlp.linear_fc2", "inside decoder.layers.1.mlp between linear_fc1 and "
+                                                                   "linear_fc2"),
     ("gelu-backward", 0, "backward", "decoder.layers.1.mlp.linear_fc1",
      "in the backward of code inside decoder.layers.1.mlp between linear_fc1 and linear_fc2"),
     ("ckpt", 0, "weights", "decoder.layers.0.self_attention.linear_qkv", "before the first step"),
-    ("grad-scale", 0, "param_grad", "decoder.layers.1.mlp.linear_fc2", "weight gradient of decoder.layers.1.mlp.linear_fc2.weight"),
+    ("grad-scale", 0, "param_grad", "decoder.layers.1.mlp.linear_fc2", "weight gradient of "
+                                                                       "decoder.layers.1.mlp.linear_fc2.weight"),
     ("optimizer-wd", 1, "weights", "decoder.layers.0.input_layernorm", "optimizer update"),
 ]
 
@@ -97,9 +99,9 @@ def test_megatron_vs_hf_gpt2_diverges_inside_the_first_mlp(runs):
 
 def test_megatron_vs_hf_gpt2_with_the_same_gelu_agrees(runs, tmp_path):
     """With HF's activation set to megatron's erf GELU, the frameworks agree within FP32 noise."""
-    from examples.gpt.models import GPTSpec, build_hf_gpt2, build_mcore_gpt, hf_loss, make_batch
+
     import tensordiff
-    import torch
+    from examples.gpt.models import GPTSpec, build_hf_gpt2, build_mcore_gpt, hf_loss, make_batch
 
     spec = GPTSpec()
     mcore = build_mcore_gpt(spec, seed=1234)

@@ -7,13 +7,13 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from examples.gpt import train  # noqa: E402
-from examples.megatron_vs_mindformers import megatron_side  # noqa: E402
-from tensordiff.batch import make, save  # noqa: E402
-from tensordiff.diff import DiffOptions  # noqa: E402
-from tensordiff.explain import diagnose as diff  # noqa: E402
-from tensordiff.explain.hints import hints_for_row  # noqa: E402
-from tensordiff.store import CaptureFile  # noqa: E402
+from examples.gpt import train
+from examples.megatron_vs_mindformers import megatron_side
+from tensordiff.batch import make, save
+from tensordiff.diff import DiffOptions
+from tensordiff.explain import diagnose as diff
+from tensordiff.explain.hints import hints_for_row
+from tensordiff.store import CaptureFile
 
 
 @pytest.fixture(scope="module")

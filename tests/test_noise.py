@@ -29,7 +29,7 @@ def test_one_ulp_perturbation_measures_rounding_noise(measured):
     _, doc, _ = measured
     assert doc["tensordiff_noise"] == 1 and "one ulp" in doc["how"]
     by_phase = {}
-    for phase, module, call, kind, slot, value in doc["records"]:
+    for phase, _module, _call, _kind, _slot, value in doc["records"]:
         by_phase.setdefault(phase, []).append(value)
     # every weight moved by one FP32 ulp: relative change 2^-24..2^-23 (zeros stay zeros)
     assert 2 ** -25 < max(by_phase["weights"]) < 2 ** -22

@@ -6,10 +6,10 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from examples.megatron_vs_mindformers import megatron_side  # noqa: E402
-from tensordiff.batch import make, save  # noqa: E402
-from tensordiff.cli import main  # noqa: E402
-from tensordiff.diff import DiffOptions, diff  # noqa: E402
+from examples.megatron_vs_mindformers import megatron_side
+from tensordiff.batch import make, save
+from tensordiff.cli import main
+from tensordiff.diff import DiffOptions, diff
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from examples.gpt import train  # noqa: E402
-from tensordiff.cli import main  # noqa: E402
-from tensordiff.explain.replay import load_factory, replay  # noqa: E402
+from examples.gpt import train
+from tensordiff.cli import main
+from tensordiff.explain.replay import load_factory, replay
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,6 +48,18 @@ def test_bad_replay_requests_are_one_line(gelu, capsys):
     assert len(err.splitlines()) == 1 and "no forward call 0 of module 'decoder.layers.9'" in err
     assert main(["replay", *gelu, "--module", "decoder.layers.1.mlp", "--model", "no_such_module:f"]) == 2
     assert "cannot import no_such_module" in capsys.readouterr().err
+
+
+def test_a_model_without_the_module_is_one_line_not_a_traceback(gelu, capsys, tmp_path, monkeypatch):
+    (tmp_path / "other_model.py").write_text("import torch\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(2, "
+                                             "2))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["replay", *gelu, "--module", "decoder.layers.1.mlp", "--model", "other_model:build"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith("tensordiff: error: --module decoder.layers.1.mlp: calling it in the model built by the factory "
+                          "failed (AttributeError")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("mindspore") is None, reason="needs MindSpore")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import re
 import struct
 import subprocess
@@ -177,7 +176,7 @@ def _tiny_run(tmp_path, name, kill_at=-1):
     path = str(tmp_path / name)
     proc = subprocess.run([sys.executable, "-c", TINY_TRAIN, path, str(kill_at)], capture_output=True, text=True,
                           timeout=300)
-    printed = {int(s) + 1: (float(l), float(n)) for s, l, n in (line.split() for line in proc.stdout.splitlines())}
+    printed = {int(s) + 1: (float(loss), float(n)) for s, loss, n in (line.split() for line in proc.stdout.splitlines())}
     return path, proc.returncode, printed
 
 
@@ -237,7 +236,8 @@ def test_plot_and_self_contained_html(logs, tmp_path, capsys):
     assert head[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", head[16:24])
     assert width >= 800 and height >= 700  # three panels: loss, relative error, grad norm
-    html_text = open(page, encoding="utf-8").read()
+    with open(page, encoding="utf-8") as fh:
+        html_text = fh.read()
     assert "data:image/png;base64," in html_text and "first exceeds 1.00% at step 150" in html_text
     assert "http://" not in html_text and "https://" not in html_text and "<script" not in html_text
     assert html_text.count("<tr>") == 1 + 7 + 1 + 20  # header, 7 measures, per-step header, 20 common steps

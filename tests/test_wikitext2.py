@@ -127,7 +127,8 @@ def test_megatron_bf16_on_gpu_tracks_fp32(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, TENSORDIFF_TENSORS="none")
     subprocess.run([sys.executable, PREPARE, "--data", data, "-o", tokens], check=True, timeout=300)
     runs = {}
-    for name, extra in (("cpu", ["--save-ckpt", ckpt, "--device", "cpu"]), ("gpu", ["--load-ckpt", ckpt, "--device", "cuda", "--bf16"])):
+    for name, extra in (("cpu", ["--save-ckpt", ckpt, "--device", "cpu"]),
+                        ("gpu", ["--load-ckpt", ckpt, "--device", "cuda", "--bf16"])):
         runs[name] = str(tmp_path / f"{name}.h5")
         env_side = dict(env, CUDA_VISIBLE_DEVICES="") if name == "cpu" else env  # megatron's CPU mode needs no GPU in sight
         proc = subprocess.run([sys.executable, train, "--tokens", tokens, "--steps", "30", "--capture", runs[name]] + extra,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import types
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -103,7 +103,7 @@ def mcore_logits(model: Any, tokens: Tensor) -> Tensor:
     return model(tokens, position_ids, causal_mask(s).to(tokens.device))
 
 
-def make_batch(spec: GPTSpec, seed: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
+def make_batch(spec: GPTSpec, seed: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Random next-token batch: ``(tokens, labels, position_ids)``, int64 ``[B, S]``."""
     g = torch.Generator().manual_seed(seed)
     stream = torch.randint(0, spec.vocab_size, (spec.batch_size, spec.seq_length + 1), generator=g)
@@ -112,7 +112,7 @@ def make_batch(spec: GPTSpec, seed: int = 0) -> Tuple[Tensor, Tensor, Tensor]:
     return tokens, labels, position_ids
 
 
-def _unpack_qkv(t: Tensor, spec: GPTSpec, num_query_groups: Optional[int] = None) -> Tuple[Tensor, Tensor, Tensor]:
+def _unpack_qkv(t: Tensor, spec: GPTSpec, num_query_groups: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Megatron packed rows ``[g0: q.., k, v | g1: ...]`` -> (all q, all k, all v) rows."""
     ng = num_query_groups or spec.num_attention_heads
     nq, hd = spec.num_attention_heads // ng, spec.head_dim
@@ -121,7 +121,7 @@ def _unpack_qkv(t: Tensor, spec: GPTSpec, num_query_groups: Optional[int] = None
     return q.reshape(-1, *t.shape[1:]), k.reshape(-1, *t.shape[1:]), v.reshape(-1, *t.shape[1:])
 
 
-def mcore_to_hf_gpt2_state(mcore_state_dict: Dict[str, Tensor], spec: GPTSpec) -> Dict[str, Tensor]:
+def mcore_to_hf_gpt2_state(mcore_state_dict: dict[str, Tensor], spec: GPTSpec) -> dict[str, Tensor]:
     """Convert megatron-core GPT weights (or gradients) to HF ``GPT2LMHeadModel`` names/layouts.
 
     HF Conv1D weights are ``[in, out]`` (transposed vs megatron's ``[out, in]``); ``c_attn``
@@ -134,7 +134,7 @@ def mcore_to_hf_gpt2_state(mcore_state_dict: Dict[str, Tensor], spec: GPTSpec) -
         used.add(k)
         return sd[k].detach().clone()
 
-    out: Dict[str, Tensor] = {}
+    out: dict[str, Tensor] = {}
     out["transformer.wte.weight"] = take("embedding.word_embeddings.weight")
     out["lm_head.weight"] = out["transformer.wte.weight"].clone()
     if "output_layer.weight" in sd:  # untied megatron model
@@ -161,7 +161,7 @@ def mcore_to_hf_gpt2_state(mcore_state_dict: Dict[str, Tensor], spec: GPTSpec) -
     return out
 
 
-def build_hf_gpt2(spec: GPTSpec, mcore_state_dict: Dict[str, Tensor], activation: str = "gelu_new") -> Any:
+def build_hf_gpt2(spec: GPTSpec, mcore_state_dict: dict[str, Tensor], activation: str = "gelu_new") -> Any:
     """HF GPT2LMHeadModel matching ``spec`` with converted megatron weights (strict load)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -196,8 +196,8 @@ def hf_loss(model: Any, tokens: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
 
 
-def _split_qkv_forward(self: Any, input_: Tensor, weight: Optional[Tensor] = None,
-                       runtime_gather_output: Optional[bool] = None) -> Tuple[Tensor, Optional[Tensor]]:
+def _split_qkv_forward(self: Any, input_: Tensor, weight: Tensor | None = None,
+                       runtime_gather_output: bool | None = None) -> tuple[Tensor, Tensor | None]:
     """linear_qkv forward as three matmuls (q, k, v row blocks), re-packed in megatron order."""
     w = self.weight if weight is None else weight
     heads = self.config.num_attention_heads
@@ -239,7 +239,7 @@ def _diff(a: Tensor, b: Tensor) -> str:
     return f"max_abs={(a - b).abs().max().item():.3e} rel_l2={rel.item():.3e}"
 
 
-def _self_check(spec: Optional[GPTSpec] = None) -> None:
+def _self_check(spec: GPTSpec | None = None) -> None:
     spec = spec or GPTSpec()
     tokens, labels, _ = make_batch(spec)
     print(f"spec={spec}")
@@ -267,7 +267,7 @@ def _self_check(spec: Optional[GPTSpec] = None) -> None:
               f" worst tensor {worst[0]} rel_l2={worst[1]:.3e}")
     # erf vs tanh GELU at the first MLP
     fc1 = mc.decoder.layers[0].mlp.linear_fc1
-    cap: Dict[str, Tensor] = {}
+    cap: dict[str, Tensor] = {}
     h = fc1.register_forward_hook(lambda m, i, o: cap.__setitem__("pre", (o[0] + o[1]).detach()))
     with torch.no_grad():
         mcore_logits(mc, tokens)
@@ -277,7 +277,7 @@ def _self_check(spec: Optional[GPTSpec] = None) -> None:
           _diff(_gelu_tanh(pre), F.gelu(pre)))
     # split vs fused QKV
     mc = build_mcore_gpt(spec)
-    outs: Dict[str, Tensor] = {}
+    outs: dict[str, Tensor] = {}
     qkv = mc.decoder.layers[0].self_attention.linear_qkv
     h = qkv.register_forward_hook(lambda m, i, o: outs.__setitem__("qkv", o[0].detach()))
     with torch.no_grad():

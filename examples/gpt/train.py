@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -100,7 +101,8 @@ def optimizer_for(model: torch.nn.Module, fault: str, lr: float) -> torch.optim.
 
 def main(argv: list[str] | None = None) -> list[float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--framework", choices=("mcore", "hf"), default="mcore", help="megatron-core GPTModel or HF transformers GPT-2")
+    p.add_argument("--framework", choices=("mcore", "hf"), default="mcore", help="megatron-core GPTModel or HF transformers "
+                                                                                 "GPT-2")
     p.add_argument("--fault", choices=sorted(FAULTS), default="none", help="inject one fault (megatron-core only)")
     p.add_argument("--train-steps", type=int, default=2, help="training steps to run")
     p.add_argument("--seed", type=int, default=1234, help="seed of the initial weights")

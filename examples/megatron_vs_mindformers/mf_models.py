@@ -7,7 +7,8 @@ kernels MindFormers lacks). GPTModel and Qwen3 are MindFormers 1.9's Megatron-st
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import mindspore as ms
 import numpy as np

@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -66,7 +67,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=sorted(FAMILIES), default="gpt2")
     p.add_argument("--batch", required=True, help="batch file written by tensordiff batch")
-    p.add_argument("--load-ckpt", required=True, help="MindSpore checkpoint (.ckpt or .safetensors) converted with tensordiff ckpt convert")
+    p.add_argument("--load-ckpt", required=True, help="MindSpore checkpoint (.ckpt or .safetensors) converted with tensordiff "
+                                                      "ckpt convert")
     p.add_argument("--fault", choices=sorted(FAULTS), default="none")
     p.add_argument("--train-steps", type=int, default=2)
     p.add_argument("--capture", help="capture file (tensordiff capture -o sets it instead)")

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         per_token = model(ids[:, :-1], position_ids[:len(ids)], causal, labels=ids[:, 1:])  # [B, S]
         return per_token.float().mean()
 
-    log = open(args.log, "w") if args.log else None
+    log = open(args.log, "w") if args.log else None  # noqa: SIM115 - written through the loop, closed at the end
     started = time.time()
     with tensordiff.capture(model, args.capture, steps=1, optimizer=opt.optimizer if args.bf16 else opt) as cap:
         for step in range(t.steps):

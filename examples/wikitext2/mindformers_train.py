@@ -32,6 +32,7 @@ from examples.wikitext2.common import Tokens, Train, decays, learning_rates, mod
 from tensordiff.ckpt import load as read_checkpoint
 from tensordiff.compat.mindformers_cpu import enable, init_mindformers_cpu
 
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", required=True, help="written by prepare.py")

@@ -37,8 +37,8 @@ def data_dir(arg: str | None) -> str:
                         "(a folder with valid.txt and test.txt)")
     for name in ("valid.txt", "test.txt"):
         if not os.path.isfile(os.path.join(path, name)):
-            raise DataError(f"{os.path.join(path, name)}: not found; pass --data DIR (make wikitext2 WIKITEXT2=DIR) with WikiText-2's valid.txt "
-                            "and test.txt")
+            raise DataError(f"{os.path.join(path, name)}: not found; pass --data DIR (make wikitext2 WIKITEXT2=DIR) "
+                            "with WikiText-2's valid.txt and test.txt")
     return path
 
 

@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args
 import numpy as np
 
 from .. import dtypes
-from .._text import listing
+from .._text import listing, plural
 from ..diff.metrics import Metrics, compare_arrays
 from ..diff.tolerance import Tolerances
 from ..errors import CheckpointError, TensordiffError, UsageError
@@ -174,7 +174,7 @@ def diff_checkpoints(path_a: str, path_b: str, mapping: str | None = None, varia
             if conv.plan.misshaped:
                 notes.append("B could not be converted whole: " + listing((d for _, d in conv.plan.misshaped), 3, "; "))
         if ignored_b:
-            notes.append(f"{len(ignored_b)} entries of B ignored by the table ({listing(ignored_b, 3)})")
+            notes.append(f"{plural(len(ignored_b), 'entry', 'entries')} of B ignored by the table ({listing(ignored_b, 3)})")
     for path, skipped in ((path_a, skipped_a), (path_b, skipped_b)):
         if skipped:
             notes.append(f"{path}: {describe_skipped(skipped)} left out")

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
 from collections import Counter
+from typing import Any
 
 import numpy as np
 

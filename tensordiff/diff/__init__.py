@@ -17,7 +17,9 @@ Pipeline, one module per step:
 Needs numpy, h5py and pyyaml (ml_dtypes to read BF16/FP8 tensors); imports neither torch nor MindSpore.
 """
 
+from .align import RenameRules
 from .engine import diff
 from .result import DiffOptions, DiffResult, FirstDivergence, Row
+from .tolerance import Tolerances
 
-__all__ = ["DiffOptions", "DiffResult", "FirstDivergence", "Row", "diff"]
+__all__ = ["DiffOptions", "DiffResult", "FirstDivergence", "RenameRules", "Row", "Tolerances", "diff"]

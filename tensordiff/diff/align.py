@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from .._yaml import load_yaml
 from ..errors import MappingError
+from ..mappings import rename_rules
 from ..record import PHASES, Record
 from ..transforms import Op, parse_op
 
@@ -111,9 +112,9 @@ class RenameRules:
 
     @classmethod
     def load(cls, path: str, variables: dict[str, str] | None = None) -> RenameRules:
-        """Load a mapping file, or a built-in mapping by name (see ``builtin_mappings()``)."""
-        if not os.path.exists(path) and path in builtin_mappings():
-            path = builtin_mappings()[path]
+        """Load a mapping file, or a built-in mapping by name (see ``rename_rules()``)."""
+        if not os.path.exists(path) and path in rename_rules():
+            path = rename_rules()[path]
         try:
             with open(path, encoding="utf-8") as fh:
                 text = fh.read()
@@ -197,12 +198,6 @@ class RenameRules:
             description=str(doc.get("description", "")),
             path=path,
         )
-
-
-def builtin_mappings() -> dict[str, str]:
-    """Mappings shipped with tensordiff: name -> file."""
-    folder = os.path.join(os.path.dirname(os.path.dirname(__file__)), "mappings")
-    return {f[:-5]: os.path.join(folder, f) for f in sorted(os.listdir(folder)) if f.endswith(".yaml")}
 
 
 def _strip_wrappers(name: str) -> str:

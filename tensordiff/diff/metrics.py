@@ -109,8 +109,8 @@ def compare_stats(a: Record, b: Record) -> Metrics:
 
 
 def rel_l2(x: np.ndarray, y: np.ndarray) -> float:
-    """||x - y|| / max(||x||, ||y||) in float64: 0 when both are zero; inf when the shapes differ or
-    NaN/Inf do not match (0 when they do and everything else is equal).
+    """||x - y|| / max(||x||, ||y||) in float64 over the finite elements: 0 when both are zero; inf when the shapes
+    differ or NaN/Inf sit in different places (NaN/Inf in the same places, with the same sign, are left out).
 
     The relative error every verdict uses, for arrays that fit in memory (hints, replay);
     ``compare_arrays`` computes the same in chunks for whole captured tensors."""
@@ -118,9 +118,12 @@ def rel_l2(x: np.ndarray, y: np.ndarray) -> float:
     y = np.asarray(y, dtype=np.float64)
     if x.shape != y.shape:
         return math.inf
-    with np.errstate(all="ignore"):
-        diff = float(np.linalg.norm(x - y))
-        scale = max(float(np.linalg.norm(x)), float(np.linalg.norm(y)))
-    if not (math.isfinite(diff) and math.isfinite(scale)):
-        return 0.0 if np.array_equal(x, y, equal_nan=True) else math.inf
+    finite = np.isfinite(x) & np.isfinite(y)
+    if not finite.all():
+        same = (np.isnan(x) & np.isnan(y)) | (x == y)
+        if not (finite | same).all():
+            return math.inf
+        x, y = x[finite], y[finite]
+    diff = float(np.linalg.norm(x - y))
+    scale = max(float(np.linalg.norm(x)), float(np.linalg.norm(y)))
     return diff / scale if scale > 0 else 0.0

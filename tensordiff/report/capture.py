@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 from rich.text import Text
 
-from .._text import times_shape
+from .._text import plural, times_shape
 from ..diff.noise import summary
 from ..explain.replay import ReplayResult
 from ..record import PHASES, Record
@@ -50,22 +51,29 @@ class CaptureListing:
 
 
 class RecordTable:
-    """Records of one step with their statistics (``tensordiff show``)."""
+    """Records of one step with their statistics (``tensordiff show``); min, max and NaN/Inf counts at 110+ columns."""
 
     def __init__(self, title: str, records: list[Record]):
         self.title = title
         self.records = records
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        table = Table(title=self.title, title_justify="left")
-        for col, just in (("#", "right"), ("phase", "left"), ("module · tensor", "left"), ("dtype", "left"),
-                          ("shape", "left"), ("mean", "right"), ("l2", "right"), ("min", "right"), ("max", "right"),
-                          ("nan/inf", "right")):
-            table.add_column(col, justify=just, overflow="fold")  # type: ignore[arg-type]
+        wide = options.max_width >= 110
+        table = Table(title=self.title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
+        table.add_column("#", justify="right", style="tensordiff.dim", no_wrap=True)
+        table.add_column("phase", no_wrap=True)
+        table.add_column("module · tensor", overflow="fold", ratio=1)
+        for col in ("dtype", "shape", "mean", "l2") + (("min", "max", "nan/inf") if wide else ()):
+            table.add_column(col, justify="left" if col in ("dtype", "shape") else "right", no_wrap=True)
         for r in self.records:
-            table.add_row(str(r.seq), r.phase, r.label + (" (link)" if r.same_as >= 0 else ""), r.dtype,
-                          times_shape(r.shape), f"{r.mean:.4g}", f"{r.l2:.4g}", f"{r.min:.4g}", f"{r.max:.4g}",
-                          f"{r.nan}/{r.inf}")
+            name = Text(r.label)
+            if r.same_as >= 0:
+                name.append(" (link)", style="tensordiff.dim")
+            cells: list[Text | str] = [str(r.seq), r.phase, name, r.dtype, times_shape(r.shape), f"{r.mean:.4g}",
+                                       f"{r.l2:.4g}"]
+            if wide:
+                cells += [f"{r.min:.4g}", f"{r.max:.4g}", f"{r.nan}/{r.inf}"]
+            table.add_row(*cells)
         yield table
 
 
@@ -94,6 +102,7 @@ class NoiseSummary:
         self.path, self.noise, self.how = path, noise, how
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        yield Text(f"tensordiff: wrote {self.path}: noise of {len(self.noise)} tensors ({self.how})")
+        yield Text(f"tensordiff: wrote {self.path}: noise of {plural(len(self.noise), 'tensor', 'tensors')} ({self.how})")
         for phase, (median, worst, count) in summary(self.noise).items():
-            yield Text(f"  {phase:<10} {count:4d} tensors  median rel L2 {median:.1e}  max {worst:.1e}")
+            yield Text(f"  {phase:<10} {count:4d} {'tensor ' if count == 1 else 'tensors'}  median rel L2 {median:.1e}  "
+                       f"max {worst:.1e}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 from rich import box
@@ -102,12 +103,12 @@ def _short(dtype: str) -> str:
 
 
 def _wrap_dotted(text: str, width: int, indent: str = "  ") -> str:
-    """Break a long dotted name after dots (not inside words) to fit ``width``."""
+    """Break a long dotted name after dots or commas (not inside words) to fit ``width``."""
     if len(text) <= width:
         return text
     lines, line = [], ""
-    for piece in text.replace(".", ".\0").split("\0"):
-        if line and len(line) + len(piece) > width:
+    for piece in re.split(r"(?<=[.,])", text):
+        if line.strip() and len(line) + len(piece) > width:
             lines.append(line)
             line = indent
         line += piece

@@ -8,11 +8,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from rich import box
-from rich.console import Console, ConsoleOptions, RenderResult
+from rich.console import Console, ConsoleOptions, Group, RenderResult
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from .._text import plural
 from ..diff.result import DiffResult, Row, RowVerdict, phase_rows
 from ..explain.diagnosis import Diagnosis
 from ..record import module_label
@@ -56,7 +57,7 @@ class DiffReport:
         else:
             yield Text("No divergence: every matched pair is within its tolerance.", style="tensordiff.ok")
 
-    def _table(self, step: int, phase: str, rows: list[Row], first_key: Any, width: int) -> Table:
+    def _table(self, step: int, phase: str, rows: list[Row], first_key: Any, width: int) -> Table | Group:
         wide = width >= 110
         table = Table(title=f"step {step} · {phase}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                       show_edge=False, expand=False)
@@ -142,15 +143,15 @@ class DiffReport:
             table.add_row("", Text(f"… {after} more rows after the first divergence ({after_bad} over tolerance: "
                                    "it propagates; --max-rows 0 shows all)", style="tensordiff.dim"),
                           *([""] * (len(table.columns) - 2)))
+        notes: list[Text] = []  # below the table, at full width
         for side, lost in unmatched.items():
             if lost:
                 names = sorted({re.sub(r"\.\d+(?=\.|$)", ".N", module_label((r.pair.a or r.pair.b).module))  # type: ignore[union-attr]
                                 for r in lost})
                 other = "B" if side == "A" else "A"
-                text = Text(f"{side} only, no counterpart in {other}: {len(lost)} records of {', '.join(names)}",
-                            style="tensordiff.unmatched")
-                table.add_row("", text, *([""] * (len(table.columns) - 2)))
-        return table
+                notes.append(Text(f"    {side} only, no counterpart in {other}: {plural(len(lost), 'record', 'records')} "
+                                  f"of {', '.join(names)}", style="tensordiff.unmatched"))
+        return Group(table, *notes) if notes else table
 
     def _hints(self) -> RenderResult:
         res = self.result

@@ -5,7 +5,7 @@
 * ``run``: ``Run``, per-step scalars;
 * ``compare``: ``compare_runs(a, b, threshold, warmup, ...)`` -> ``Comparison`` with its verdict.
 
-Framework-free. The table, plot and HTML page are in ``tensordiff.report.runs``.
+Framework-free. The table is ``tensordiff.report.runs``; the plot and HTML page ``tensordiff.report.runs_plot``.
 """
 
 from .compare import Comparison, compare_runs

@@ -11,7 +11,7 @@ from .format import FORMAT_VERSION
 from .reader import CaptureFile
 from .writer import CaptureWriter
 
-#: The reader's name before 0.2 (``tensordiff.store.Capture``), kept for scripts that use it.
+#: The reader's earlier name (``tensordiff.store.Capture``), kept for scripts that use it.
 Capture = CaptureFile
 
 __all__ = ["FORMAT_VERSION", "Capture", "CaptureFile", "CaptureWriter"]

@@ -119,8 +119,7 @@ class CaptureWriter:
                                                       chunks=(1024,))
         ds = self._scalars
         n = ds.shape[0]
-        rows = np.array([(step, name.encode()[:SCALAR_NAME_LEN], value) for name, value in values.items()],
-                        dtype=SCALAR_DTYPE)
+        rows = np.array([(step, _cut(name), value) for name, value in values.items()], dtype=SCALAR_DTYPE)
         ds.resize((n + len(rows),))
         ds[n:] = rows
         if self._queue is None or self._queue.empty():  # else the job behind it (a step: flushed) is on its way
@@ -147,3 +146,6 @@ class CaptureWriter:
         self._file.flush()
 
 
+def _cut(name: str) -> bytes:
+    """A scalar's name as UTF-8 in at most SCALAR_NAME_LEN bytes, never cut inside a character."""
+    return name.encode()[:SCALAR_NAME_LEN].decode("utf-8", "ignore").encode()

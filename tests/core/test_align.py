@@ -246,8 +246,28 @@ def test_load_reads_a_file_and_names_a_missing_one(tmp_path):
     loaded = RenameRules.load(str(path))
     assert loaded.description == "mine" and loaded.order_fallback is False and loaded.path == str(path)
     missing = str(tmp_path / "nope.yaml")
-    with pytest.raises(MappingError, match="nope.yaml: cannot read the mapping file"):
+    with pytest.raises(MappingError, match=r"nope\.yaml: cannot read the mapping file"):
         RenameRules.load(missing)
+
+
+def test_every_built_in_mapping_loads_by_name():
+    from tensordiff.mappings import rename_rules
+
+    shipped = rename_rules()
+    assert "hf-gpt2-to-mcore" in shipped and "mindformers-to-mcore" in shipped
+    for name, path in shipped.items():
+        loaded = RenameRules.load(name)
+        assert loaded.path == path and loaded.rules, name
+
+
+def test_a_built_in_mappings_default_variable_is_overridden_by_the_caller():
+    # hf-gpt2-to-mcore packs c_attn with qkv_grouped(heads=${heads}); its file sets heads: 12
+    def heads(mapping: RenameRules) -> set[int]:
+        return {dict(o.kwargs)["heads"] for r in mapping.rules for ops in (r.outputs, *r.params.values())
+                for o in ops if o.name == "qkv_grouped"}
+
+    assert heads(RenameRules.load("hf-gpt2-to-mcore")) == {12}
+    assert heads(RenameRules.load("hf-gpt2-to-mcore", {"heads": "4"})) == {4}
 
 
 # ----------------------------------------------------------------------------------------- tensor

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import math
 
-import ml_dtypes
 import numpy as np
 import pytest
+from helpers import ml_dtypes, needs_ml_dtypes
 
 from tensordiff import dtypes
 from tensordiff.diff import metrics
 from tensordiff.diff.metrics import compare_arrays, compare_stats, rel_l2
 from tensordiff.record import Record
-
-BF16 = ml_dtypes.bfloat16
 
 
 def up_ulps(a: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -61,8 +59,6 @@ def test_ulp_agrees_with_numpy_spacing_for_float32_and_float16():
         assert np.array_equal(dtypes.ulp(x.astype(np.float64), name), np.spacing(x).astype(np.float64))
 
 
-@pytest.mark.xfail(strict=True, reason="dtypes.ulp(0.0, name) is 2**-(mantissa+1) (2**-24 for float32): frexp(0) "
-                                       "returns exponent 0, not the subnormal floor; expected the subnormal step 2**-149")
 def test_ulp_of_zero_is_the_subnormal_step():
     assert dtypes.ulp(np.array([0.0]), "float32")[0] == 2.0 ** -149
 
@@ -127,13 +123,19 @@ def test_ulp_share_counts_elements_within_k_float32_ulps():
     assert compare_arrays(a, b, "float32", ulp_k=40).ulp_share == 1.0
 
 
-def test_ulp_share_counts_bfloat16_ulps_and_a_float32_judgement_is_stricter():
-    a = np.array([1.0, 1.0, 1.0, 2.0, 0.5, 0.5], dtype=BF16)
+@pytest.mark.parametrize("carrier", [pytest.param("bfloat16", marks=needs_ml_dtypes), "float64"])
+def test_ulp_share_counts_bfloat16_ulps_and_a_float32_judgement_is_stricter(carrier):
+    base = np.array([1.0, 1.0, 1.0, 2.0, 0.5, 0.5])
     k = np.array([0, 2, 4, 5, 1, 8])
-    b = up_ulps(a, k)
-    assert float(b[1]) == 1.0 + 2 * 2.0 ** -7                  # bf16 ulp at 1 is 2**-7
+    if carrier == "bfloat16":   # real BF16 arrays, moved up by k in their raw bits
+        a = base.astype(ml_dtypes.bfloat16)
+        b = up_ulps(a, k)
+    else:                       # the same values carried in float64, BF16 ulps by hand: 2**-7 in [1, 2)
+        a = base
+        b = base + k * np.array([2.0 ** -7] * 3 + [2.0 ** -6] + [2.0 ** -8] * 2)
+    assert float(b[1]) == 1.0 + 2 * 2.0 ** -7
     assert compare_arrays(a, b, "bfloat16", ulp_k=4).ulp_share == 4 / 6   # k = 0, 2, 4, 1
-    # judged as FP32 the same bf16 steps (>= 2**-8) are far beyond 4 * 2**-23: only the identical element counts
+    # judged as FP32 the same BF16 steps (>= 2**-8) are far beyond 4 * 2**-23: only the identical element counts
     assert compare_arrays(a, b, "float32", ulp_k=4).ulp_share == 1 / 6
 
 
@@ -246,7 +248,14 @@ def test_rel_l2_of_small_arrays():
     assert rel_l2(np.array([3.0, 4.0]), np.array([0.0, 0.0])) == 1.0
     assert rel_l2(np.array([1.0, 2.0, 2.0]), np.array([2.0, 4.0, 4.0])) == pytest.approx(0.5)
     assert rel_l2(np.zeros(3), np.zeros(3)) == 0.0
-    assert rel_l2(np.ones(3, dtype=BF16), np.ones(3, dtype=np.float32)) == 0.0
+
+
+@needs_ml_dtypes
+def test_rel_l2_compares_bfloat16_with_float32_by_value():
+    x = np.array([1.0, -0.5, 3.0])
+    assert rel_l2(x.astype(ml_dtypes.bfloat16), x.astype(np.float32)) == 0.0
+    assert rel_l2(np.array([1.0 + 2.0 ** -7], dtype=ml_dtypes.bfloat16), np.ones(1, np.float32)) == \
+        pytest.approx(2.0 ** -7 / (1 + 2.0 ** -7))
 
 
 def test_rel_l2_of_different_shapes_is_infinite():
@@ -267,8 +276,6 @@ def test_rel_l2_agrees_with_compare_arrays_on_finite_data():
     assert rel_l2(a, b) == pytest.approx(compare_arrays(a, b, "float64").rel_l2, rel=1e-12)
 
 
-@pytest.mark.xfail(strict=True, reason="rel_l2 returns inf when NaNs match but a finite element differs; its docstring "
-                                       "says compare_arrays computes the same, and compare_arrays gives 0.5/|(3, 4.5)|")
 def test_rel_l2_agrees_with_compare_arrays_when_matching_nans_sit_beside_a_difference():
     a = np.array([np.nan, 3.0, 4.0])
     b = np.array([np.nan, 3.0, 4.5])

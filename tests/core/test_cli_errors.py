@@ -1,0 +1,51 @@
+"""The command line's one error handler: bad input is one line and exit 2; so is a bug, with the traceback on request."""
+
+from __future__ import annotations
+
+import pytest
+
+from tensordiff import cli
+from tensordiff.cli import inspect
+
+
+def test_a_missing_capture_is_one_line_naming_the_file(tmp_path, capsys):
+    assert cli.main(["ls", str(tmp_path / "nope.h5")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith(f"tensordiff: error: {tmp_path / 'nope.h5'}: no such file")
+
+
+def test_a_malformed_var_is_one_line_with_an_example(tmp_path, capsys):
+    assert cli.main(["diff", "a.h5", "b.h5", "--var", "heads"]) == 2
+    assert capsys.readouterr().err == "tensordiff: error: --var 'heads': expected NAME=VALUE, e.g. --var heads=12\n"
+
+
+def test_a_bug_is_one_line_and_the_traceback_only_on_request(monkeypatch, capsys):
+    def broken(args):
+        raise RuntimeError("index out of step\nsecond line")
+
+    monkeypatch.setattr(inspect, "run_ls", broken)
+    assert cli.main(["ls", "x.h5"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("tensordiff: internal error in ls: RuntimeError: index out of step; please report it "
+                   "(TENSORDIFF_DEBUG=1 shows the traceback)\n")
+    monkeypatch.setenv("TENSORDIFF_DEBUG", "1")
+    assert cli.main(["ls", "x.h5"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and err.endswith("(TENSORDIFF_DEBUG=1 shows the traceback)\n")
+
+
+def test_every_command_has_a_runner():
+    parser = cli.parser()
+    commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert sorted(commands) == ["batch", "capture", "ckpt", "diff", "ls", "noise", "replay", "runs", "show"]
+    for name, sub in commands.items():
+        assert callable(sub.get_default("run")), name
+
+
+@pytest.mark.parametrize("argv", [["diff", "--help"], ["ckpt", "diff", "--help"], ["runs", "--help"]])
+def test_help_exits_zero(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 0
+    assert "usage: tensordiff" in capsys.readouterr().out

@@ -1,0 +1,225 @@
+"""The first divergence through the real engine (``tensordiff.diff.diff``) on tiny synthetic captures: the first
+row, in execution order, whose error is *introduced* there (more than ``jump`` times what came in), not inherited.
+
+The model, recorded as the capture hooks would record it (module nesting, ``enter``, ``parent``, ``same_as``
+links for a tensor seen again, ``grad_of`` for gradients)::
+
+    Net ('')                      x -> block -> y,   loss = mean(y**2) / 2
+      Block ('block')             h1 = fc1(x);  a = 2 * h1  (code inside block, no module);  y = fc2(a)
+        Linear ('block.fc1')      x @ W1
+        Linear ('block.fc2')      a @ W2
+
+B is either the same model with one fault (B's values then follow from it, backward included), or A's values
+with an error of a chosen relative size put onto chosen tensors (to set up growth exactly)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import T, write_capture
+
+from tensordiff.cli import main
+from tensordiff.diff import DiffOptions, diff
+from tensordiff.errors import UsageError
+
+RNG = np.random.default_rng(0)
+X = RNG.standard_normal((4, 3)).astype(np.float32)
+W1 = RNG.standard_normal((3, 5)).astype(np.float32)
+W2 = RNG.standard_normal((5, 2)).astype(np.float32)
+LR = 0.1
+
+
+def run_model(x=X, w1=W1, w2=W2, between=2.0, fc2_factor=1.0) -> dict[str, np.ndarray]:
+    """Every tensor of one training step (float32), gradients by hand."""
+    f32 = np.float32
+    h1 = (x @ w1).astype(f32)
+    a = (between * h1).astype(f32)
+    y = ((a @ w2) * fc2_factor).astype(f32)
+    loss = np.array(0.5 * np.mean(y.astype(np.float64) ** 2), dtype=f32)
+    dy = (y / y.size).astype(f32)
+    da = (fc2_factor * dy @ w2.T).astype(f32)
+    dh1 = (between * da).astype(f32)
+    return {"W1": w1, "W2": w2, "x": x, "h1": h1, "a": a, "y": y, "loss": loss, "dy": dy, "da": da, "dh1": dh1,
+            "dW1": (x.T @ dh1).astype(f32), "dW2": (fc2_factor * a.T @ dy).astype(f32)}
+
+
+def step_records(v: dict[str, np.ndarray], extra_weight: np.ndarray | None = None) -> list[T]:
+    """One step in the recorder's order; a record that is another's tensor again links to it (``same_as``) and,
+    as the recorder does, carries the source's has_data."""
+    link = {"has_data": 1}
+    weights = [T("weights", "block.fc1", "param", "weight", v["W1"], module_class="Linear"),
+               T("weights", "block.fc2", "param", "weight", v["W2"], module_class="Linear")]
+    if extra_weight is not None:
+        weights.append(T("weights", "block", "param", "unused_bias", extra_weight, module_class="Block"))
+    n = len(weights)  # seq of the first forward record
+    return weights + [
+        T("forward", "", "input", "0", v["x"], enter=n, module_class="Net"),                                    # n
+        T("forward", "block", "input", "0", v["x"], same_as=n, enter=n + 1, module_class="Block", extra=link),  # n+1
+        T("forward", "block.fc1", "input", "0", v["x"], same_as=n, enter=n + 2, parent="block",
+          module_class="Linear", extra=link),                                                                    # n+2
+        T("forward", "block.fc1", "output", "0", v["h1"], enter=n + 2, parent="block", module_class="Linear"),  # n+3
+        T("forward", "block.fc2", "input", "0", v["a"], enter=n + 4, parent="block", module_class="Linear"),    # n+4
+        T("forward", "block.fc2", "output", "0", v["y"], enter=n + 4, parent="block", module_class="Linear"),   # n+5
+        T("forward", "block", "output", "0", v["y"], same_as=n + 5, enter=n + 1, module_class="Block", extra=link),
+        T("forward", "", "output", "0", v["y"], same_as=n + 5, enter=n, module_class="Net", extra=link),
+        T("loss", "", "loss", "value", v["loss"], module_class="Loss"),
+        T("backward", "block.fc2", "grad_output", "0", v["dy"], grad_of=n + 5, enter=n + 4, parent="block",
+          module_class="Linear"),
+        T("backward", "block.fc2", "grad_input", "0", v["da"], grad_of=n + 4, enter=n + 4, parent="block",
+          module_class="Linear"),
+        T("backward", "block.fc1", "grad_output", "0", v["dh1"], grad_of=n + 3, enter=n + 2, parent="block",
+          module_class="Linear"),
+        T("param_grad", "block.fc1", "grad", "weight", v["dW1"], module_class="Linear"),
+        T("param_grad", "block.fc2", "grad", "weight", v["dW2"], module_class="Linear"),
+    ]
+
+
+def off_by(x: np.ndarray, rel: float, seed: int) -> np.ndarray:
+    """``x`` plus random noise of relative L2 size ``rel``."""
+    u = np.random.default_rng(seed).standard_normal(x.shape)
+    return (x + rel * np.linalg.norm(x) * u / np.linalg.norm(u)).astype(x.dtype)
+
+
+def with_errors(v: dict[str, np.ndarray], **rel: float) -> dict[str, np.ndarray]:
+    out = dict(v)
+    for i, (name, r) in enumerate(rel.items()):
+        out[name] = off_by(v[name], r, seed=10 + i)
+    return out
+
+
+def capture_pair(tmp_path, a_steps: list[list[T]], b_steps: list[list[T]]) -> tuple[str, str]:
+    return (write_capture(str(tmp_path / "a.h5"), a_steps), write_capture(str(tmp_path / "b.h5"), b_steps))
+
+
+def first_of(tmp_path, b_values: dict[str, np.ndarray], options: DiffOptions | None = None):
+    a, b = capture_pair(tmp_path, [step_records(run_model())], [step_records(b_values)])
+    result = diff(a, b, options)
+    return result, result.first
+
+
+def row(result, phase: str, module: str, kind: str):
+    (found,) = [r for r in result.rows if r.phase == phase and r.pair.a is not None and r.pair.a.module == module
+                and r.pair.a.kind == kind]
+    return found
+
+
+# --------------------------------------------------------------------------------------------- tests
+def test_a_module_whose_inputs_agree_and_output_differs_is_named_as_introducing(tmp_path):
+    result, first = first_of(tmp_path, run_model(fc2_factor=1.001))
+    assert row(result, "forward", "block.fc2", "input").err == 0.0
+    assert (first.step, first.phase, first.module_a, first.module_b, first.kind, first.slot) == \
+           (0, "forward", "block.fc2", "block.fc2", "output", "0")
+    assert first.introduced is True and first.incoming == 0.0
+    assert first.rel_l2 == pytest.approx(1e-3 / 1.001, rel=1e-3) and first.tolerance == 1e-5
+    assert first.location == "in block.fc2" and first.where == {"module": "block.fc2"}
+    assert "The difference is introduced in block.fc2" in first.explanation
+    assert "The inputs of block.fc2 (Linear) agree and its output does not" in first.explanation
+    # what follows from it also differs, but is not what is named
+    assert row(result, "forward", "", "output").verdict == "diverged"
+    assert row(result, "backward", "block.fc2", "grad_input").verdict == "diverged"
+
+
+def test_an_error_that_came_in_with_the_inputs_is_inherited_and_the_introducing_row_is_named(tmp_path):
+    # x is off by 6e-6 (within FP32's 1e-5); fc1's output by 1.5e-5: over the tolerance, but less than 3x what
+    # came in (inherited); fc2's input likewise; fc2's output by 1e-3, ~70x its input's error: introduced there
+    b = with_errors(run_model(), x=6e-6, h1=1.5e-5, a=1.5e-5, y=1e-3)
+    result, first = first_of(tmp_path, b)
+    fc1_out = row(result, "forward", "block.fc1", "output")
+    assert fc1_out.verdict == "diverged" and fc1_out.err < 3 * row(result, "forward", "block.fc1", "input").err
+    assert row(result, "forward", "", "input").verdict == "ok"
+    assert (first.phase, first.module_a, first.kind, first.introduced) == ("forward", "block.fc2", "output", True)
+    assert first.incoming == pytest.approx(1.5e-5, rel=0.05)
+    assert first.location == "in block.fc2"
+
+
+def test_a_bigger_jump_makes_the_same_growth_inherited_and_the_first_exceedance_is_reported(tmp_path):
+    b = with_errors(run_model(), x=6e-6, h1=1.5e-5, a=1.5e-5, y=1e-3)
+    _, first = first_of(tmp_path, b, DiffOptions(jump=1000.0))  # 1e-3 / 1.5e-5 is under 1000
+    assert (first.module_a, first.kind, first.introduced) == ("block.fc1", "output", False)
+
+
+def test_a_different_model_input_is_named_and_not_the_layers_that_inherit_it(tmp_path):
+    result, first = first_of(tmp_path, run_model(x=off_by(X, 1e-3, seed=1)))
+    assert row(result, "forward", "block.fc1", "output").verdict == "diverged"
+    assert row(result, "forward", "block.fc2", "output").verdict == "diverged"
+    assert (first.phase, first.module_a, first.kind, first.slot) == ("forward", "", "input", "0")
+    assert first.introduced is True and first.location == "the model input"
+    assert "were not fed the same batch" in first.explanation
+
+
+def test_gradual_growth_below_the_jump_is_reported_as_not_introduced(tmp_path):
+    # each tensor less than 3x the error of what came into it: no single place introduces it
+    b = with_errors(run_model(), x=6e-6, h1=1.5e-5, a=3e-5, y=6e-5)
+    result, first = first_of(tmp_path, b)
+    assert [r.verdict for r in result.rows if r.phase == "forward" and r.pair.a.kind == "output"] == ["diverged"] * 4
+    assert (first.phase, first.module_a, first.kind) == ("forward", "block.fc1", "output")  # the first over tolerance
+    assert first.introduced is False
+    assert first.incoming == pytest.approx(6e-6, rel=0.05) and first.rel_l2 == pytest.approx(1.5e-5, rel=0.05)
+    assert "No single place introduces it" in first.explanation and "First exceeded in block.fc1" in first.explanation
+    assert "introduced in" not in first.explanation
+
+
+def test_weights_differing_at_step_0_name_the_checkpoint(tmp_path):
+    result, first = first_of(tmp_path, run_model(w2=(W2 * 1.01).astype(np.float32)))
+    assert row(result, "weights", "block.fc1", "param").verdict == "ok"
+    assert (first.step, first.phase, first.module_a, first.kind, first.slot) == (0, "weights", "block.fc2", "param", "weight")
+    assert first.introduced is True
+    assert first.location == "block.fc2.weight before the first step"
+    assert "did not load the same checkpoint" in first.explanation
+    assert first.where == {"module": "block.fc2", "param": "weight"}
+
+
+def test_an_input_made_by_code_between_modules_is_located_between_the_siblings(tmp_path):
+    result, first = first_of(tmp_path, run_model(between=2.002))   # B's `2 * h1` is off by 1e-3
+    assert row(result, "forward", "block.fc1", "output").verdict == "ok"
+    assert (first.phase, first.module_a, first.kind, first.slot) == ("forward", "block.fc2", "input", "0")
+    assert first.introduced is True and first.incoming == 0.0
+    assert first.location == "inside block between fc1 and fc2"
+    assert first.where == {"module": "block", "between": ["block.fc1", "block.fc2"]}
+    assert "made by code inside block that is not a module of its own" in first.explanation
+
+
+def test_different_optimizer_updates_are_named_after_the_step_with_matching_gradients(tmp_path):
+    v0 = run_model()
+    w1_a = (W1 - LR * v0["dW1"]).astype(np.float32)
+    w1_b = (W1 - 1.5 * LR * v0["dW1"]).astype(np.float32)      # B's learning rate is 1.5x A's for fc1
+    a, b = capture_pair(tmp_path, [step_records(v0), step_records(run_model(w1=w1_a))],
+                        [step_records(v0), step_records(run_model(w1=w1_b))])
+    result = diff(a, b)
+    first = result.first
+    assert result.steps == [0, 1] and not any(r.verdict == "diverged" for r in result.rows if r.step == 0)
+    assert (first.step, first.phase, first.module_a, first.slot, first.introduced) == (1, "weights", "block.fc1", "weight", True)
+    assert first.location == "the optimizer update of block.fc1.weight after step 0"
+    assert first.where == {"module": "block.fc1", "param": "weight", "after_step": 0}
+
+
+def test_weights_that_drift_apart_without_changing_anything_computed_are_drift_not_a_divergence(tmp_path):
+    v = run_model()
+    bias = np.linspace(-1, 1, 5).astype(np.float32)
+    a, b = capture_pair(tmp_path, [step_records(v, bias), step_records(v, bias)],
+                        [step_records(v, bias), step_records(v, bias + 1e-3)])
+    result = diff(a, b)
+    (drifted,) = [r for r in result.rows if r.verdict not in ("ok",)]
+    assert (drifted.step, drifted.pair.a.slot, drifted.verdict) == (1, "unused_bias", "drift")
+    assert drifted.note == "differs, but nothing computed in this step differs"
+    assert result.first is None
+
+
+def test_a_clean_pair_has_no_first_divergence_and_exits_0(tmp_path, capsys):
+    v = run_model()
+    a, b = capture_pair(tmp_path, [step_records(v)], [step_records(v)])
+    result = diff(a, b)
+    assert result.first is None and result.steps == [0]
+    assert {r.verdict for r in result.rows} == {"ok"} and len(result.rows) == 16
+    assert all(r.metrics.rel_l2 == 0.0 for r in result.rows)
+    assert main(["diff", a, b, "--no-hints"]) == 0
+    faulty = write_capture(str(tmp_path / "c.h5"), [step_records(run_model(fc2_factor=1.001))])
+    assert main(["diff", a, faulty, "--no-hints", "--first-divergence"]) == 1
+    assert main(["diff", a, str(tmp_path / "missing.h5"), "--no-hints"]) == 2
+    out = capsys.readouterr()
+    assert "missing.h5: no such file" in out.err
+
+
+def test_a_jump_of_one_or_less_is_refused():
+    with pytest.raises(UsageError, match="jump=1"):
+        DiffOptions(jump=1)
