@@ -103,11 +103,14 @@ def _short(dtype: str) -> str:
 
 
 def _wrap_dotted(text: str, width: int, indent: str = "  ") -> str:
-    """Break a long dotted name after dots or commas (not inside words) to fit ``width``."""
+    """Break a long dotted name after dots (after commas inside a brace group wider than ``width``), never inside a word."""
     if len(text) <= width:
         return text
     lines, line = [], ""
-    for piece in re.split(r"(?<=[.,])", text):
+    pieces = []
+    for piece in re.split(r"(?<=\.)", text):  # after dots; inside a piece wider than the column, after commas
+        pieces += re.split(r"(?<=,)", piece) if len(piece) > width - len(indent) else [piece]
+    for piece in pieces:
         if line.strip() and len(line) + len(piece) > width:
             lines.append(line)
             line = indent
