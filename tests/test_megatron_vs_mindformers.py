@@ -34,8 +34,21 @@ def _run(tmp_path, family, fault="none"):
 @pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "llama-legacy"])
 def test_all_fixes_agree_within_fp32_noise(tmp_path, family):
     code, report, out = _run(tmp_path, family)
-    assert code == 0, out[-3000:]
+    if family == "llama-legacy":
+        # the legacy Llama keeps q/k/v and w1/w3 apart where megatron fuses them (linear_qkv, linear_fc1): its
+        # rename rules cannot map several B modules onto one A module yet, so most of the forward pass is not
+        # compared and the honest outcome is inconclusive (exit 3), not a pass
+        assert code == 3 and report["outcome"] == "inconclusive", out[-3000:]
+        assert report["coverage"]["forward"]["share_a"] < 0.9
+        assert any(r.startswith("forward: only") for r in report["inconclusive_reasons"])
+    else:
+        assert code == 0, out[-3000:]
+        assert report["outcome"] == "agree" and report["coverage"]["forward"]["share_a"] >= 0.9
     assert report["first_divergence"] is None and report["hints"] == []
+    picked = {"gpt2": None, "llama": "mindformers-to-mcore (fc1=deinterleave, kv_repeat=1), picked from the captures",
+              "qwen3": "mindformers-to-mcore (fc1=deinterleave, kv_repeat=2), picked from the captures",
+              "llama-legacy": "mindformers-llama-to-mcore, picked from the captures"}[family]
+    assert picked is None or report["mapping_note"].startswith(picked), report["mapping_note"]
     s = report["summary"]
     assert s["diverged"] == 0 and s["shape_mismatch"] == 0
     assert s["ok"] > (150 if family == "llama-legacy" else 250)  # layers, gradients and weights really were compared

@@ -28,6 +28,7 @@ import numpy as np
 from ..errors import UsageError
 from ..frameworks.mindspore import check_pynative, dtype_name, host_view, to_numpy
 from .backend import TensorBackend
+from .model_config import model_config_attr
 from .options import CaptureOptions, base_attrs, rank_path
 from .recorder import Recorder
 
@@ -138,7 +139,7 @@ class MindSporeCapture(Recorder):
         assert options.path is not None
         path = rank_path(options.path, rank, world)
         attrs = base_attrs("mindspore", ms.__version__, options, rank=rank, world_size=world,
-                           model_class=type(cell).__name__, **(meta or {}))
+                           model_class=type(cell).__name__, model_config=model_config_attr(cell), **(meta or {}))
         params = []
         self._param_ids: dict[int, tuple[str, str]] = {}
         for full, p in cell.parameters_and_names():

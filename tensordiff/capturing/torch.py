@@ -29,6 +29,7 @@ import torch
 
 from ..frameworks.torch import dtype_name, reduce_stats, to_numpy
 from .backend import TensorBackend
+from .model_config import model_config_attr
 from .options import CaptureOptions, base_attrs, rank_path
 from .recorder import Recorder
 
@@ -101,7 +102,7 @@ class TorchCapture(Recorder):
         assert options.path is not None
         path = rank_path(options.path, rank, world)
         attrs = base_attrs("torch", torch.__version__, options, rank=rank, world_size=world,
-                           model_class=type(model).__name__, **(meta or {}))
+                           model_class=type(model).__name__, model_config=model_config_attr(model), **(meta or {}))
         params = []
         for full, p in model.named_parameters():
             mod, _, pname = full.rpartition(".")

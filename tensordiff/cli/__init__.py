@@ -2,7 +2,8 @@
 
 One module per command (argparse, then one call into the library and one renderable); one
 error handler here. Exit codes: 0 no divergence (or success), 1 divergence found, 2 bad input
-or error. Errors print one line, never a traceback (``TENSORDIFF_DEBUG=1`` shows it for a bug).
+or error, 3 inconclusive (``diff``: no divergence, but not everything was compared). Errors print one
+line, never a traceback (``TENSORDIFF_DEBUG=1`` shows it for a bug).
 """
 
 from __future__ import annotations

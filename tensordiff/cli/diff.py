@@ -16,13 +16,18 @@ from ._args import add_output, add_var, console, parse_vars, write_json
 
 def add_parsers(sub: Any) -> None:
     d = sub.add_parser("diff", help="compare two captures and name the first divergence",
-                       description="Compare capture B against capture A. Exit 0: no divergence, 1: divergence, 2: error.",
+                       description="Compare capture B against capture A. Exit 0: no divergence and everything compared, "
+                                   "1: divergence, 2: error, 3: inconclusive (no divergence, but not everything "
+                                   "was compared).",
                        epilog="example: tensordiff diff a.h5 b.h5 --first-divergence --json report.json")
     d.add_argument("a", help="capture A (the reference)")
     d.add_argument("b", help="capture B")
     d.add_argument("--first-divergence", action="store_true", help="show only the table of the phase holding the first "
                                                                    "divergence")
-    d.add_argument("--mapping", help="YAML rename rules from B's names to A's (see docs/mapping.md)")
+    d.add_argument("--mapping", help="YAML rename rules from B's names to A's, or a built-in name (default: the built-in "
+                                     "that fits the captures, see docs/mapping.md)")
+    d.add_argument("--no-auto-mapping", action="store_true",
+                   help="without --mapping, line names up as they are instead of picking a built-in mapping")
     add_var(d)
     d.add_argument("--rtol", type=float, help="one relative-L2 tolerance for every float pair (default: by dtype)")
     d.add_argument("--noise", nargs=2, metavar=("R1", "R2"), help="two captures of the same run: their differences set a "
@@ -35,6 +40,9 @@ def add_parsers(sub: Any) -> None:
     d.add_argument("--noise-file", metavar="FILE", help="per-tensor noise written by tensordiff noise")
     d.add_argument("--noise-factor", type=float, default=3.0, help="allowed multiple of the measured noise (default 3)")
     d.add_argument("--jump", type=float, default=3.0, help="error growth that counts as introduced (default 3x)")
+    d.add_argument("--min-coverage", type=float, default=0.9, metavar="SHARE",
+                   help="no divergence is agreement (exit 0) only if this share of A's forward records was compared; "
+                        "else inconclusive, exit 3 (default 0.9)")
     d.add_argument("--no-order", action="store_true", help="do not match leftovers by execution order and shape")
     d.add_argument("--no-hints", action="store_true", help="do not test likely causes at the first divergence")
     d.add_argument("--phase", action="append", help="show only this phase (repeatable)")
@@ -56,9 +64,10 @@ def run(args: argparse.Namespace) -> int:
     reference_mapping = RenameRules.load(args.reference_mapping, variables) if args.reference_mapping else None
     options = DiffOptions(mapping=mapping, tolerances=tolerances, order_fallback=not args.no_order, jump=args.jump,
                           steps=args.step, reference=args.reference, reference_mapping=reference_mapping,
-                          reference_factor=args.reference_factor)
+                          reference_factor=args.reference_factor, min_coverage=args.min_coverage,
+                          auto_mapping=not args.no_auto_mapping)
     result = diagnose(args.a, args.b, options, hints=not args.no_hints)
     report = DiffReport(result, max_rows=args.max_rows, phases=args.phase, first_only=args.first_divergence)
     console(args).print(report)
     write_json(args.json, report.to_dict())
-    return 1 if result.first is not None else 0
+    return result.exit_code

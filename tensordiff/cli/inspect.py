@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .._text import times_shape
 from ..errors import UsageError
 from ..report.capture import CaptureListing, RecordTable
 from ..store import CaptureFile
@@ -12,8 +13,13 @@ from ._args import add_output, console
 
 
 def add_parsers(sub: Any) -> None:
-    ls = sub.add_parser("ls", help="list the steps and phases of a capture")
+    ls = sub.add_parser("ls", help="list the steps and phases of a capture (--records: every record, one per line)",
+                        epilog="example: tensordiff ls run.h5 --records --phase forward | grep mlp")
     ls.add_argument("file")
+    ls.add_argument("--records", action="store_true",
+                    help="list every record of a step, one per line: phase, name, dtype, shape (for mappings and grep)")
+    ls.add_argument("--step", type=int, default=None, help="with --records: the step (default: the first)")
+    ls.add_argument("--phase", action="append", help="with --records: only this phase (repeatable)")
     ls.set_defaults(run=run_ls)
 
     sh = sub.add_parser("show", help="show the records of a capture, with their statistics")
@@ -27,17 +33,30 @@ def add_parsers(sub: Any) -> None:
 
 def run_ls(args: argparse.Namespace) -> int:
     with CaptureFile(args.file) as cap:
-        console(args).print(CaptureListing(cap))
+        if not args.records:
+            console(args).print(CaptureListing(cap))
+            return 0
+        step = _step(args.file, cap, args.step)
+        for r in cap.records(step):  # one line each, never wrapped: made for grep, diff and mapping files
+            if args.phase and r.phase not in args.phase:
+                continue
+            link = " (link)" if r.same_as >= 0 else ""
+            print(f"{r.phase:<10} {r.label}{link}  {r.dtype} {times_shape(r.shape)}")
     return 0
+
+
+def _step(path: str, cap: CaptureFile, step: int | None) -> int:
+    if not cap.steps:
+        raise UsageError(f"{path}: holds no complete step")
+    chosen = cap.steps[0] if step is None else step
+    if chosen not in cap.steps:
+        raise UsageError(f"{path}: no step {chosen}; steps are {cap.steps}")
+    return chosen
 
 
 def run_show(args: argparse.Namespace) -> int:
     with CaptureFile(args.file) as cap:
-        if not cap.steps:
-            raise UsageError(f"{args.file}: holds no complete step")
-        step = cap.steps[0] if args.step is None else args.step
-        if step not in cap.steps:
-            raise UsageError(f"{args.file}: no step {step}; steps are {cap.steps}")
+        step = _step(args.file, cap, args.step)
         records = [r for r in cap.records(step)
                    if args.pattern in r.module and not (args.phase and r.phase not in args.phase)]
         if not records:

@@ -11,6 +11,8 @@ Pipeline, one module per step:
 3. ``reference`` / ``noise``: the other sources of a tolerance: a three-way diff against an FP32
    reference run, per-tensor noise measured from two runs of one side;
 4. ``divergence``: the first row in execution order whose error is introduced there, not inherited;
+   ``coverage``: what was compared per phase, pairs that are only guesses, and whether no divergence
+   is agreement (exit 0) or inconclusive (exit 3);
 5. ``engine``: ``diff(path_a, path_b, options)`` runs 1-4 step by step and returns a ``DiffResult``
    (``result``: the plain data every later stage reads).
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import dtypes
 from ..record import PHASE_RANK, Record, is_inside, module_label
 from .result import FirstDivergence, Row
 
@@ -47,14 +48,23 @@ class _Step:
         self.ordered = sorted(records, key=lambda r: r.seq)
         self.err: dict[int, float] = {}
         self.verdict: dict[int, str] = {}
+        self.listed: set[int] = set()  # A's records with a row (the rest the mapping ignores on purpose)
         for row in rows:
-            if row.pair.a is not None and row.metrics is not None:
+            if row.pair.a is None:
+                continue
+            self.listed.add(row.pair.a.seq)
+            if row.metrics is not None and row.verdict != "uncertain":
                 self.err[row.pair.a.seq] = row.metrics.rel_l2
                 self.verdict[row.pair.a.seq] = row.verdict
 
     def max_err(self, seqs: list[int]) -> float:
         vals = [self.err[s] for s in seqs if s in self.err]
         return max(vals) if vals else 0.0
+
+    def incoming(self, seqs: list[int]) -> tuple[float, list[Record]]:
+        """The largest error among ``seqs`` that were compared, and those that were not (no counterpart, another
+        shape, a pairing by order only): what came in can only be said to agree where it was compared."""
+        return self.max_err(seqs), [self.recs[s] for s in seqs if s in self.listed and s not in self.err]
 
     def enter_of(self, module: str, before: int) -> int:
         best = -1
@@ -66,41 +76,50 @@ class _Step:
         return best
 
 
-def _incoming(row: Row, st: _Step, prev_step: _Step | None) -> float:
+def _incoming(row: Row, st: _Step, prev_step: _Step | None) -> tuple[float, list[Record]]:
+    """What came into the diverged tensor: the largest error among it, and the records that were not compared."""
     a = row.pair.a
     assert a is not None
     if a.phase == "forward" and a.kind == "output":
         seqs = [r.seq for r in st.ordered if r.phase == "forward" and a.enter <= r.seq < a.seq]
         if seqs:
-            return st.max_err(seqs)
+            return st.incoming(seqs)
     if a.phase == "forward" and a.kind == "input" and a.parent:
         start = st.enter_of(a.parent, a.seq)
         seqs = [r.seq for r in st.ordered if r.phase == "forward" and start <= r.seq < a.seq and r.module != a.module]
         if seqs:
-            return st.max_err(seqs)
+            return st.incoming(seqs)
     if a.phase == "param_grad":
         seqs = [r.seq for r in st.ordered
                 if r.module == a.module and (r.phase == "backward" or (r.phase == "forward" and r.kind == "input"))]
         if seqs:
-            return st.max_err(seqs)
+            return st.incoming(seqs)
     if a.phase == "weights" and prev_step is not None:
         seqs = [r.seq for r in prev_step.ordered if r.phase == "param_grad" and r.module == a.module and r.slot == a.slot]
-        return prev_step.max_err(seqs)
+        return prev_step.incoming(seqs)
     if a.phase == "loss":
         seqs = [r.seq for r in st.ordered if r.phase == "forward" and r.module == "" and r.kind == "output"]
         if seqs:
-            return st.max_err(seqs)
+            return st.incoming(seqs)
     # default: everything that ran before it in this phase
-    return st.max_err([r.seq for r in st.ordered if r.phase == a.phase and r.seq < a.seq])
+    return st.incoming([r.seq for r in st.ordered if r.phase == a.phase and r.seq < a.seq])
 
 
-def _locate(row: Row, st: _Step, prev_step: _Step | None) -> tuple[str, str, dict[str, Any]]:
-    """(location, explanation sentence, structured where) for a diverged row of A."""
+def _locate(row: Row, st: _Step, prev_step: _Step | None, complete: bool = True) -> tuple[str, str, dict[str, Any]]:
+    """(location, explanation sentence, structured where) for a diverged row of A. ``complete``: everything that came
+    in was compared (else "agree" is said only of what was)."""
     a = row.pair.a
     b = row.pair.b
     assert a is not None and b is not None
     mod = module_label(a.module)
     on_b = f" (on B: {module_label(b.module)})" if b.module != a.module else ""
+    agree = "agree" if complete else "agree where they were compared"
+    if a.phase == "forward" and a.kind == "input" and not dtypes.is_float(a.dtype) and not dtypes.is_float(b.dtype):
+        return ("in the inputs the runs were fed",
+                f"The runs were fed different inputs: {a.label} ({a.dtype}) differs from B's {b.label}; integer "
+                "inputs (token ids, labels, positions, masks) come from the batch, not from the model: check that both "
+                "sides load the same batch (tensordiff batch; tensordiff.batch.load).",
+                {"input": a.label, "module": a.module})
     if a.phase == "weights":
         if a.step == 0:
             return (f"{mod}.{a.slot} before the first step",
@@ -116,19 +135,21 @@ def _locate(row: Row, st: _Step, prev_step: _Step | None) -> tuple[str, str, dic
                 "reduction differs (mean vs sum, masking, label shift).", {})
     if a.phase == "param_grad":
         return (f"in the weight gradient of {mod}.{a.slot}",
-                f"The activations and gradients around {mod} agree, but the gradient of its parameter {a.slot} does not{on_b}: "
+                f"The activations and gradients around {mod} {agree}, but the gradient of its parameter {a.slot} does "
+                f"not{on_b}: "
                 "the weight-gradient computation, gradient scaling, accumulation or reduction differs there.",
                 {"module": a.module, "param": a.slot})
     if a.phase == "forward" and a.kind == "output":
         children = [r for r in st.ordered if r.phase == "forward" and r.kind == "output" and a.enter <= r.seq < a.seq
                     and is_inside(r.module, a.module)]
         if not children:
-            return (f"in {mod}", f"The inputs of {mod} ({a.module_class}) agree and its output does not{on_b}: "
+            return (f"in {mod}", f"The inputs of {mod} ({a.module_class}) {agree} and its output does not{on_b}: "
                     "the module itself computes differently.",
                     {"module": a.module})
         last = _child_of(a.module, children[-1].module)
         return (f"inside {mod} after {_rel(last, a.module)}",
-                f"Every submodule of {mod} agrees, the output of {mod} does not{on_b}: the difference comes from code in "
+                f"Every submodule of {mod} {'agrees' if complete else 'agrees where compared'}, the output of {mod} does "
+                f"not{on_b}: the difference comes from code in "
                 f"{mod}'s own "
                 f"forward after {_rel(last, a.module)} (a residual or bias add, a functional op).",
                 {"module": a.module, "after": last})
@@ -148,16 +169,24 @@ def _locate(row: Row, st: _Step, prev_step: _Step | None) -> tuple[str, str, dic
         else:
             loc = f"inside {plabel} before {_rel(a.module, parent)}"
             where = {"module": parent, "before": a.module}
-        return (loc, f"Everything up to this point agrees, but {mod}'s input.{a.slot} does not: it is made by code inside "
+        return (loc, f"Everything up to this point {'agrees' if complete else 'agrees where compared'}, but {mod}'s "
+                f"input.{a.slot} does not: it is made by code inside "
                 f"{plabel} that is not a module of its own (an activation function, a bias add, a reshape or rotary embedding).",
                 where)
     if a.phase == "backward":
         fwd = st.recs.get(a.grad_of)
+        model_output = fwd is not None and fwd.kind == "output" and (
+            fwd.module == "" or any(r.module == "" and r.kind == "output" and r.same_as == fwd.seq for r in st.ordered))
+        if fwd is not None and model_output:
+            return ("in the loss's gradient (its reduction, scaling or labels)",
+                    f"The forward pass and the loss {agree}, but the gradient arriving at the model's output "
+                    f"{fwd.tensor_label} does not: the loss is reduced differently (mean vs sum, over tokens or "
+                    "micro-batches), scaled differently (a loss scale not undone) or masks other labels.",
+                    {"module": "", "loss": True})
         if fwd is not None and fwd.kind == "input":
             return (f"in the backward of {mod}",
-                    f"The gradient arriving at {mod}'s output agrees; the gradient it passes to its input {a.slot} does "
-                    f"not{on_b}: "
-                    f"{mod}'s backward differs.", {"module": a.module})
+                    f"The gradient arriving at {mod}'s output {agree}; the gradient it passes to its input {a.slot} "
+                    f"does not{on_b}: {mod}'s backward differs.", {"module": a.module})
         consumers = [r for r in st.ordered
                      if r.phase == "forward" and r.kind == "input" and fwd is not None and r.same_as == fwd.seq]
         if consumers:
@@ -179,7 +208,7 @@ def _locate(row: Row, st: _Step, prev_step: _Step | None) -> tuple[str, str, dic
             loc = f"in the backward of code inside {plabel} between {_rel(a.module, parent)} and {_rel(nxt, parent)}"
         else:
             loc = f"in the backward of code inside {plabel} after {_rel(a.module, parent)}"
-        return (loc, f"Gradients agree until the gradient of {mod}'s output, which differs: the backward of code between "
+        return (loc, f"Gradients {agree} until the gradient of {mod}'s output, which differs: the backward of code between "
                 "modules (a functional activation, a bias or residual add) differs there.",
                 {"module": parent, "between": [a.module, nxt]})
     return (f"in {mod}", "", {"module": a.module})
@@ -192,7 +221,7 @@ def find_first_divergence(rows: list[Row], records_a: dict[int, list[Record]], j
     for row in rows:
         by_step.setdefault(row.step, []).append(row)
     lookups = {s: _Step(records_a[s], by_step[s]) for s in steps}
-    first_drift: tuple[Row, float, _Step | None, _Step] | None = None
+    first_drift: tuple[Row, tuple[float, list[Record]], _Step | None, _Step] | None = None
     for i, step in enumerate(steps):
         st = lookups[step]
         prev = lookups[steps[i - 1]] if i > 0 else None
@@ -208,7 +237,7 @@ def find_first_divergence(rows: list[Row], records_a: dict[int, list[Record]], j
         candidates.sort(key=lambda r: (PHASE_RANK[r.phase], r.pair.a.seq))  # type: ignore[union-attr]
         for row in candidates:
             came_in = _incoming(row, st, prev)
-            if row.err > jump * came_in:
+            if row.err > jump * came_in[0]:
                 return _make(row, st, prev, came_in, True, (records_b or {}).get(step))
             if first_drift is None:
                 first_drift = (row, came_in, prev, st)
@@ -228,11 +257,12 @@ def _b_source(b: Record, records_b: list[Record] | None) -> Record | None:
     return None
 
 
-def _make(row: Row, st: _Step, prev: _Step | None, came_in: float, introduced: bool,
+def _make(row: Row, st: _Step, prev: _Step | None, incoming: tuple[float, list[Record]], introduced: bool,
           records_b: list[Record] | None = None) -> FirstDivergence:
     a, b = row.pair.a, row.pair.b
     assert a is not None and b is not None
-    location, sentence, where = _locate(row, st, prev)
+    came_in, uncompared = incoming
+    location, sentence, where = _locate(row, st, prev, complete=not uncompared)
     src = _b_source(b, records_b) if a.phase == "forward" and a.kind == "input" else None
     if src is not None:
         sentence += (f" On B this tensor is the output of {module_label(src.module)} ({src.module_class}): "
@@ -246,7 +276,12 @@ def _make(row: Row, st: _Step, prev: _Step | None, came_in: float, introduced: b
     else:
         head = (f"Step {a.step}, {a.phase}: {a.label} differs from B's {b.label} "
                 f"(relative L2 {err:.3g} > tolerance {row.tol:.3g} for {row.judged or a.dtype}) "
-                f"while what came in differed by {came_in:.3g}. ")
+                + (f"while what came in differed by {came_in:.3g}. " if not uncompared else
+                   f"while what came in and was compared differed by {came_in:.3g}. "))
+    if uncompared:
+        names = sorted({r.label for r in uncompared})
+        head += (f"Not compared, so not known to agree: {len(uncompared)} of the records that came in "
+                 f"({', '.join(names[:3])}{' ...' if len(names) > 3 else ''}). ")
     if introduced:
         text = head + f"The difference is introduced {location}. " + sentence
     else:
@@ -255,5 +290,5 @@ def _make(row: Row, st: _Step, prev: _Step | None, came_in: float, introduced: b
     return FirstDivergence(
         step=a.step, phase=a.phase, module_a=a.module, module_b=b.module, kind=a.kind, slot=a.slot, call=a.call,
         label_a=a.label, label_b=b.label, rel_l2=err, tolerance=row.tol, incoming=came_in, introduced=introduced,
-        location=location, explanation=text, where=where,
+        location=location, explanation=text, where=where, uncompared=sorted({r.label for r in uncompared}),
     )

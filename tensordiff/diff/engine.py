@@ -10,6 +10,8 @@ from .. import dtypes
 from ..errors import AlignmentError, UsageError
 from ..store import CaptureFile
 from .align import align_step
+from .autoselect import pick_mapping
+from .coverage import coverage, judge_outcome, mark_uncertain
 from .divergence import find_first_divergence
 from .judge import compare_pair, compute_dtype
 from .reference import judge_against_reference
@@ -36,8 +38,11 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         rows: list[Row] = []
         matched_by_name = 0
         run_dtype = dtypes.coarsest(compute_dtype(ca, common[0]), compute_dtype(cb, common[0]))
+        mapping, mapping_note = options.mapping, ""
+        if mapping is None and options.auto_mapping:
+            mapping, mapping_note = pick_mapping(ca.attrs, cb.attrs, ca.records(common[0]), cb.records(common[0]))
         for step in common:
-            pairs = align_step(ca.records(step), cb.records(step), options.mapping, options.order_fallback)
+            pairs = align_step(ca.records(step), cb.records(step), mapping, options.order_fallback)
             for pair in pairs:
                 rec = pair.a or pair.b
                 assert rec is not None
@@ -60,12 +65,16 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         records_b = {step: cb.records(step) for step in common}
         if options.reference:
             judge_against_reference(rows, ca, cb, common, options)
+        mark_uncertain(rows)
         first = find_first_divergence(rows, records_a, options.jump, records_b)
-        return DiffResult(
+        result = DiffResult(
             path_a=path_a, path_b=path_b, attrs_a=dict(ca.attrs), attrs_b=dict(cb.attrs), rows=rows, steps=common,
             first=first, options=options,
             only_a_steps=sorted(set(ca.steps) - set(cb.steps)), only_b_steps=sorted(set(cb.steps) - set(ca.steps)),
+            coverage=coverage(rows), mapping_note=mapping_note,
         )
+        result.outcome, result.reasons = judge_outcome(result, options.min_coverage)
+        return result
 
 
 def _sample(cap: CaptureFile, step: int) -> str:

@@ -17,9 +17,15 @@ from .align import Pair, RenameRules
 from .metrics import Metrics
 from .tolerance import Tolerances
 
-RowVerdict = Literal["ok", "diverged", "unmatched", "shape", "skipped", "drift"]
+RowVerdict = Literal["ok", "diverged", "unmatched", "shape", "skipped", "drift", "uncertain"]
 #: Every verdict a row can have.
 ROW_VERDICTS: tuple[RowVerdict, ...] = get_args(RowVerdict)
+#: Rows whose two tensors were compared and judged (the rest count against coverage).
+COMPARED: frozenset[str] = frozenset({"ok", "diverged", "drift"})
+
+Outcome = Literal["agree", "diverged", "inconclusive"]
+#: ``tensordiff diff``'s exit code for each outcome (2 is bad input).
+EXIT_CODES: dict[str, int] = {"agree": 0, "diverged": 1, "inconclusive": 3}
 
 
 @dataclass
@@ -44,12 +50,19 @@ class DiffOptions:
     """Rename rules from R's names to A's (default: R is lined up with A by name)."""
     reference_factor: float = 3.0
     """Three-way: B is off when its error against R exceeds this many times A's own error against R."""
+    auto_mapping: bool = True
+    """Without ``mapping``, pick the built-in mapping that fits the two captures (``--no-auto-mapping`` turns it off)."""
+    min_coverage: float = 0.9
+    """No divergence counts as agreement only when at least this share of A's forward records was compared
+    (``--min-coverage``); below it the outcome is 'inconclusive'."""
 
     def __post_init__(self) -> None:
         if self.jump <= 1:
             raise UsageError(f"jump={self.jump}: must be above 1 (an error must grow to count as introduced)")
         if self.ulp_k < 0:
             raise UsageError(f"ulp_k={self.ulp_k}: must be 0 or more")
+        if not 0 <= self.min_coverage <= 1:
+            raise UsageError(f"min_coverage={self.min_coverage}: a share between 0 and 1, e.g. --min-coverage 0.9")
 
 
 @dataclass
@@ -63,8 +76,9 @@ class Row:
     tol: float = 0.0
     verdict: RowVerdict = "unmatched"
     """'ok', 'diverged', 'unmatched' (one side only), 'shape' (shapes differ after transforms),
-    'skipped' (statistics cannot follow a transform) or 'drift' (weights after an optimizer step
-    differ, but nothing computed in that step does)."""
+    'skipped' (statistics cannot follow a transform), 'drift' (weights after an optimizer step
+    differ, but nothing computed in that step does) or 'uncertain' (paired by order and shape only,
+    across modules whose names and classes disagree, and the values differ: never a divergence on its own)."""
     note: str = ""
     judged: str = ""
     """The dtype whose tolerance judged this pair."""
@@ -76,6 +90,38 @@ class Row:
     @property
     def err(self) -> float:
         return self.metrics.rel_l2 if self.metrics is not None else math.nan
+
+
+@dataclass
+class PhaseCoverage:
+    """How much of one phase was compared: records on each side, and those whose two tensors were judged."""
+
+    phase: str
+    recorded_a: int = 0
+    recorded_b: int = 0
+    compared: int = 0
+    """Pairs compared and judged (ok, diverged, drift)."""
+    only_a: int = 0
+    only_b: int = 0
+    shape: int = 0
+    """Pairs found but not compared: their shapes differ once B is in A's layout."""
+    stats_only: int = 0
+    """Pairs found but not compared: only statistics were stored, and they cannot follow the pair's transform."""
+    uncertain: int = 0
+    """Pairs made by order and shape only whose values differ."""
+
+    @property
+    def share_a(self) -> float:
+        return self.compared / self.recorded_a if self.recorded_a else 1.0
+
+    @property
+    def share_b(self) -> float:
+        return self.compared / self.recorded_b if self.recorded_b else 1.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"recorded_a": self.recorded_a, "recorded_b": self.recorded_b, "compared": self.compared,
+                "share_a": round(self.share_a, 6), "share_b": round(self.share_b, 6), "only_a": self.only_a,
+                "only_b": self.only_b, "shape": self.shape, "stats_only": self.stats_only, "uncertain": self.uncertain}
 
 
 @dataclass
@@ -92,6 +138,19 @@ class DiffResult:
     options: DiffOptions
     only_a_steps: list[int] = field(default_factory=list)
     only_b_steps: list[int] = field(default_factory=list)
+    coverage: dict[str, PhaseCoverage] = field(default_factory=dict)
+    """Per phase (in execution order): what was recorded and what was compared."""
+    outcome: Outcome = "agree"
+    """'diverged' (a first divergence), 'agree' (every recorded tensor compared or accounted for, all within
+    tolerance) or 'inconclusive' (no divergence found, but too much was not compared to call it agreement)."""
+    reasons: list[str] = field(default_factory=list)
+    """Why the outcome is 'inconclusive', one sentence each."""
+    mapping_note: str = ""
+    """Which mapping lined the captures up, when it was picked automatically (or why none was)."""
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.outcome]
 
     def count(self, verdict: RowVerdict) -> int:
         return sum(1 for r in self.rows if r.verdict == verdict)
@@ -120,6 +179,8 @@ class FirstDivergence:
     location: str
     explanation: str
     where: dict[str, Any] = field(default_factory=dict)
+    uncompared: list[str] = field(default_factory=list)
+    """Records that came into the diverged tensor but were not compared (unmatched, other shape, uncertain pair)."""
 
     def as_dict(self) -> dict[str, Any]:
         def num(v: float) -> float | None:
@@ -130,7 +191,7 @@ class FirstDivergence:
             "kind": self.kind, "slot": self.slot, "call": self.call, "tensor_a": self.label_a, "tensor_b": self.label_b,
             "rel_l2": num(self.rel_l2), "tolerance": self.tolerance, "incoming_rel_l2": num(self.incoming),
             "introduced": self.introduced, "location": self.location, "explanation": self.explanation,
-            "where": self.where,
+            "where": self.where, "uncompared_incoming": self.uncompared,
         }
 
 

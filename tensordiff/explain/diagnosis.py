@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from ..diff.engine import diff
 from ..diff.result import DiffOptions, DiffResult
-from .hints import CHECKED, Hint, find_hints
+from .hints import CheckStatus, Hint, find_hints
 
 
 @dataclass
@@ -18,15 +18,26 @@ class Diagnosis(DiffResult):
     """Likely causes at the first divergence, best first."""
     hints_note: str = ""
     """Why no hint could be tested (e.g. statistics only), or ''."""
-    checked: tuple[str, ...] = ()
-    """The causes tested (empty when hints were turned off)."""
+    checks: list[CheckStatus] = field(default_factory=list)
+    """Every cause, whether it could be tested at the first divergence and if not why (empty when hints were
+    turned off or nothing diverged)."""
+
+    @property
+    def checked(self) -> tuple[str, ...]:
+        """The causes actually tested (empty when hints were turned off)."""
+        return tuple(c.cause for c in self.checks if c.ran)
+
+    @property
+    def not_checked(self) -> list[CheckStatus]:
+        """The causes that could not be tested here, each with its reason."""
+        return [c for c in self.checks if not c.ran]
 
 
 def explain(result: DiffResult) -> Diagnosis:
     """Test the likely causes at ``result``'s first divergence (reads both captures again)."""
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(DiffResult)}
-    hints, note = find_hints(result)
-    return Diagnosis(**fields, hints=hints, hints_note=note, checked=CHECKED)
+    hints, note, checks = find_hints(result)
+    return Diagnosis(**fields, hints=hints, hints_note=note, checks=checks)
 
 
 def diagnose(path_a: str, path_b: str, options: DiffOptions | None = None, hints: bool = True) -> Diagnosis:

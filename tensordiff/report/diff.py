@@ -16,11 +16,12 @@ from rich.text import Text
 from .._text import plural
 from ..diff.result import DiffResult, Row, RowVerdict, phase_rows
 from ..explain.diagnosis import Diagnosis
+from ..explain.hints import CHECKED, CheckStatus
 from ..record import module_label
 from .theme import collapse, fmt, fmt_cos
 
 VERDICT_TEXT: dict[RowVerdict, str] = {"ok": "ok", "diverged": "DIVERGED", "unmatched": "unmatched", "shape": "SHAPE",
-                                      "drift": "drift", "skipped": "skipped"}
+                                      "drift": "drift", "skipped": "skipped", "uncertain": "UNCERTAIN"}
 JSON_VERSION = 1
 
 
@@ -38,6 +39,8 @@ class DiffReport:
         res = self.result
         yield Text.assemble(("A ", "tensordiff.title"), f"{res.path_a} ({_who(res.attrs_a)})")
         yield Text.assemble(("B ", "tensordiff.title"), f"{res.path_b} ({_who(res.attrs_b)})")
+        if res.mapping_note:
+            yield Text.assemble(("mapping ", "tensordiff.title"), (res.mapping_note, "tensordiff.dim"))
         first = res.first
         first_key = (first.step, first.phase, first.label_a) if first else None
         for step, phase, rows in phase_rows(res):
@@ -54,8 +57,14 @@ class DiffReport:
             yield Panel(body, title=title, title_align="left", border_style=style,
                         box=box.ASCII if console.legacy_windows else box.ROUNDED)
             yield from self._hints()
+        elif res.outcome == "inconclusive":
+            yield Text("Inconclusive: no divergence among the pairs compared, but not everything was compared "
+                       "(exit code 3):", style="tensordiff.inconclusive")
+            for reason in res.reasons:
+                yield Text(f"  - {reason}", style="tensordiff.unmatched")
         else:
-            yield Text("No divergence: every matched pair is within its tolerance.", style="tensordiff.ok")
+            yield Text("No divergence: every recorded tensor was compared or accounted for, and every pair is within "
+                       "its tolerance.", style="tensordiff.ok")
 
     def _table(self, step: int, phase: str, rows: list[Row], first_key: Any, width: int) -> Table | Group:
         wide = width >= 110
@@ -172,11 +181,17 @@ class DiffReport:
                 grid.add_row(f"{i}.", Text(f"{hint.explained:.1%}", style="tensordiff.ok" if hint.explained > 0.9 else ""),
                              text)
             yield grid
+            if res.hints[0].explained < 0.9 and res.not_checked:  # a partial answer: say what else was not tested
+                yield Text(f"Not tested here: {_not_tested(res.not_checked)}.", style="tensordiff.dim")
         elif res.hints_note:
             yield Text(res.hints_note, style="tensordiff.dim")
         elif res.first is not None and res.checked:
-            yield Text(f"No known cause explains this divergence (checked: {', '.join(res.checked)}). "
-                       "See docs/hints.md.", style="tensordiff.dim")
+            yield Text(f"No known cause explains this divergence (tested: {', '.join(res.checked)}).",
+                       style="tensordiff.dim")
+            yield Text((f"Not tested here: {_not_tested(res.not_checked)}. " if res.not_checked else "")
+                       + "See docs/hints.md.", style="tensordiff.dim")
+        elif res.first is not None and res.checks:
+            yield Text(f"No cause could be tested here: {_not_tested(res.not_checked)}.", style="tensordiff.dim")
 
     def _summary(self) -> Text:
         res = self.result
@@ -194,8 +209,16 @@ class DiffReport:
             text.append(f", {res.count('shape')} with different shapes", style="tensordiff.shape")
         if res.count("skipped"):
             text.append(f", {res.count('skipped')} not comparable from statistics", style="tensordiff.skipped")
+        if res.count("uncertain"):
+            text.append(f", {res.count('uncertain')} uncertain pairs", style="tensordiff.unmatched")
         if res.only_a_steps or res.only_b_steps:
             text.append(f"; steps only in A: {res.only_a_steps}, only in B: {res.only_b_steps}", style="tensordiff.unmatched")
+        if res.coverage:
+            text.append("\ncompared (A · B): ")
+            parts = []
+            for phase, cov in res.coverage.items():
+                parts.append(f"{phase} {_share(cov.compared, cov.recorded_a)} · {_share(cov.compared, cov.recorded_b)}")
+            text.append(", ".join(parts), style="tensordiff.dim")
         return text
 
     # ------------------------------------------------------------------ JSON
@@ -203,6 +226,7 @@ class DiffReport:
         res = self.result
         hints = res.hints if isinstance(res, Diagnosis) else []
         hints_note = res.hints_note if isinstance(res, Diagnosis) else ""
+        checks = res.checks if isinstance(res, Diagnosis) else []
         rows = []
         for row in res.rows:
             a, b = row.pair.a, row.pair.b
@@ -221,14 +245,38 @@ class DiffReport:
             "b": _side(res.path_b, res.attrs_b),
             "steps": res.steps,
             "hints": [h.as_dict() for h in hints], "hints_note": hints_note or None,
+            "checks": [c.as_dict() for c in checks],
             "summary": {"ok": res.count("ok"), "diverged": res.count("diverged"), "drift": res.count("drift"),
                         "only_a": len(res.unmatched("a")), "only_b": len(res.unmatched("b")),
                         "shape_mismatch": res.count("shape"), "skipped": res.count("skipped"),
-                        "steps_only_a": res.only_a_steps, "steps_only_b": res.only_b_steps},
+                        "steps_only_a": res.only_a_steps, "steps_only_b": res.only_b_steps,
+                        "uncertain": res.count("uncertain")},
             "first_divergence": res.first.as_dict() if res.first else None,
+            "outcome": res.outcome, "exit_code": res.exit_code, "inconclusive_reasons": res.reasons,
+            "mapping_note": res.mapping_note or None,
+            "coverage": {phase: cov.as_dict() for phase, cov in res.coverage.items()},
             "rows": rows,
         }
 
+
+
+def _share(part: int, whole: int) -> str:
+    """'100%', '97%', '-' (nothing recorded); never rounds a gap up to 100%."""
+    if not whole:
+        return "-"
+    share = part / whole
+    return "100%" if part == whole else f"{min(share, 0.99):.0%}"
+
+
+def _not_tested(statuses: list[CheckStatus]) -> str:
+    """'RoPE (needs a 4-D tensor, this one is 2-D); norm epsilon, bias (not for a forward input)': causes that share
+    a reason are named together; the reason alone when every cause shares it."""
+    by_reason: dict[str, list[str]] = {}
+    for c in statuses:
+        by_reason.setdefault(c.reason, []).append(c.cause)
+    if len(by_reason) == 1 and len(statuses) == len(CHECKED):
+        return next(iter(by_reason))
+    return "; ".join(f"{', '.join(causes)} ({reason})" for reason, causes in by_reason.items())
 
 
 def _side(path: str, attrs: dict) -> dict[str, Any]:

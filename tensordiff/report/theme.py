@@ -21,6 +21,8 @@ THEME = Theme(
         "tensordiff.shape": "magenta",
         "tensordiff.drift": "yellow",
         "tensordiff.skipped": "dim",
+        "tensordiff.uncertain": "yellow",
+        "tensordiff.inconclusive": "bold yellow",
         "tensordiff.dim": "dim",
         "tensordiff.title": "bold",
     }

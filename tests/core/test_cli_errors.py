@@ -49,3 +49,24 @@ def test_help_exits_zero(argv, capsys):
         cli.main(argv)
     assert exc.value.code == 0
     assert "usage: tensordiff" in capsys.readouterr().out
+
+
+def test_ls_records_lists_one_record_per_line_for_grep(tmp_path, capsys):
+    import numpy as np
+    from helpers import T, write_capture
+
+    x = np.ones((2, 3), dtype=np.float32)
+    path = write_capture(str(tmp_path / "r.h5"), [[
+        T("weights", "decoder.layers.0.mlp.linear_fc1", "param", "weight", x, module_class="Linear"),
+        T("forward", "decoder.layers.0.mlp.linear_fc1", "input", "0", x, enter=1),
+        T("forward", "decoder.layers.0.mlp.linear_fc1", "output", "0", x, enter=1)]])
+    assert cli.main(["ls", path, "--records"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "weights    decoder.layers.0.mlp.linear_fc1 weight  float32 2×3",
+        "forward    decoder.layers.0.mlp.linear_fc1 input.0  float32 2×3",
+        "forward    decoder.layers.0.mlp.linear_fc1 output.0  float32 2×3",
+    ]
+    assert cli.main(["ls", path, "--records", "--phase", "forward", "--step", "0"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    assert cli.main(["ls", path, "--records", "--step", "4"]) == 2
+    assert capsys.readouterr().err == f"tensordiff: error: {path}: no step 4; steps are [0]\n"

@@ -92,14 +92,15 @@ def _f32(x: np.ndarray) -> np.ndarray:
 
 def toy_step(params: dict[tuple[str, str], np.ndarray], x: np.ndarray, *, gelu_tanh: bool = False, store: bool = True,
              dropout: bool = False, pad_vocab: int = 0, act_module: bool = False, fc1_repeat: int = 1,
-             fc2_grad_scale: float = 1.0, extra: dict[tuple[str, str], np.ndarray] | None = None,
+             fc2_grad_scale: float = 1.0, fc2_error: float = 0.0, extra: dict[tuple[str, str], np.ndarray] | None = None,
              ) -> tuple[list[T], dict[tuple[str, str], np.ndarray], float]:
     """One training step of the toy MLP as records, its parameter gradients, and the loss.
 
     Knobs for side B: ``gelu_tanh`` (the tanh GELU), ``pad_vocab`` (head rows padded with zeros: other shapes),
     ``act_module`` (the GELU is a module of its own: records A lacks), ``fc1_repeat`` (linear_fc1's weight stored
     with every row repeated, its gradient split between the copies), ``fc2_grad_scale`` (a factor on one
-    parameter gradient). For A: ``dropout`` (a Dropout module, p=0, between mlp and head,
+    parameter gradient), ``fc2_error`` (linear_fc2's output off by this relative amount in a pattern no known
+    cause makes: a kernel bug). For A: ``dropout`` (a Dropout module, p=0, between mlp and head,
     that B does not have; its gradient is not recorded, to keep the toy short). ``extra``: parameters no
     computation uses, recorded with the weights."""
     recs: list[T] = []
@@ -124,6 +125,8 @@ def toy_step(params: dict[tuple[str, str], np.ndarray], x: np.ndarray, *, gelu_t
     h = x @ w1.T + b1
     g = _gelu(h, gelu_tanh)
     y = g @ w2.T + b2
+    if fc2_error:
+        y = y + fc2_error * np.abs(y).mean() * np.sin(np.arange(y.size) ** 2).reshape(y.shape)
     logits = y @ w3_b.T
     loss = 0.5 * float(np.sum(logits ** 2)) / BATCH
 
@@ -229,8 +232,11 @@ def test_diff_report_first_only(gelu_pair):
 
 def test_diff_report_json_keys(gelu_pair):
     report = DiffReport(gelu_pair).to_dict()
-    assert set(report) == {"tensordiff_report", "a", "b", "steps", "hints", "hints_note", "summary",
-                           "first_divergence", "rows"}
+    # the keys documented since format 1 stay; coverage and the outcome were added with the inconclusive verdict
+    assert set(report) >= {"tensordiff_report", "a", "b", "steps", "hints", "hints_note", "summary",
+                           "first_divergence", "rows", "outcome", "exit_code", "inconclusive_reasons", "coverage"}
+    assert (report["outcome"], report["exit_code"], report["inconclusive_reasons"]) == ("diverged", 1, [])
+    assert set(report["coverage"]) == {"weights", "forward", "loss", "backward", "param_grad"}
     assert set(report["a"]) == {"path", "framework", "framework_version"}
     assert set(report["summary"]) >= {"ok", "diverged", "drift", "only_a", "only_b", "shape_mismatch"}
     assert set(report["rows"][0]) >= {"step", "phase", "verdict", "a", "b", "metrics"}
@@ -265,6 +271,35 @@ def test_diff_report_every_verdict():
     assert res.first is not None and res.first.phase == "param_grad" and res.first.step == 0
     assert res.hints and res.hints[0].cause == "factor"
     golden("diff_report_verdicts.txt", DiffReport(res))
+
+
+def test_diff_report_activation_module():
+    """Both sides have the GELU as a module of its own (mlp.act); B's is the tanh GELU: its output diverges while
+    its input agrees, and the hint rebuilds both from the module's own input."""
+    a = toy_run("a.h5", act_module=True)
+    b = toy_run("b.h5", framework="mindspore", version="2.9.0", act_module=True, gelu_tanh=True)
+    res = diagnose(a, b)
+    assert (res.first.module_a, res.first.kind) == ("mlp.act", "output")
+    assert res.hints[0].cause == "activation" and res.hints[0].details["input"] == "mlp.act input.0"
+    golden("diff_report_activation_module.txt", DiffReport(res, first_only=True))
+
+
+def test_diff_report_no_known_cause():
+    """B's linear_fc2 computes its output slightly off in a pattern no check reproduces: the report names the
+    causes tested and those that could not be, with the reason; the JSON has every check's status."""
+    a = toy_run("a.h5")
+    b = toy_run("b.h5", framework="mindspore", version="2.9.0", fc2_error=1e-3)
+    res = diagnose(a, b)
+    assert (res.first.module_a, res.first.kind) == ("mlp.linear_fc2", "output") and res.hints == []
+    # activation: tested (a SwiGLU of the 8-wide input would be 4 wide); a norm keeps the shape: not tested
+    assert res.checked == ("activation", "dtype", "layout", "bias", "constant factor", "checkpoint")
+    assert [(c.cause, c.reason) for c in res.not_checked] == [
+        ("norm epsilon", "no input of a fitting shape"), ("RoPE", "needs a 4-D tensor, this one is 2-D")]
+    checks = DiffReport(res).to_dict()["checks"]
+    assert [c["cause"] for c in checks] == ["activation", "norm epsilon", "RoPE", "dtype", "layout", "bias",
+                                            "constant factor", "checkpoint"]
+    assert checks[1] == {"cause": "norm epsilon", "ran": False, "reason": "no input of a fitting shape"}
+    golden("diff_report_no_cause.txt", DiffReport(res, first_only=True))
 
 
 def test_diff_report_drift():

@@ -7,10 +7,12 @@ factor, ...) and measures how much of the A-vs-B gap that explains:
     explained = 1 - rel_l2(hypothesis, B) / rel_l2(A, B)
 
 A check that cannot first reproduce A itself from the same inputs says nothing (its
-reconstruction would be guesswork). Hints are ranked by ``explained``; only those that
+reconstruction would be guesswork); one with nothing to test on at this site (no 4-D q/k for
+RoPE, no stored input, no bias) raises ``NotApplicable(reason)``, and ``run_checks`` returns a
+``CheckStatus`` per cause: tested, or not and why. Hints are ranked by ``explained``; only those that
 explain at least half of the gap are reported. One module per cause, one page each in
 docs/hints/: ``activation``, ``norm``, ``rope``, ``dtype``, ``layout``, ``factor``,
-``checkpoint``; ``base`` holds the site and the fit they share. Framework-free: numpy on
+``checkpoint``; ``base`` holds the site, the fit they share and ``NotApplicable``. Framework-free: numpy on
 captured arrays.
 """
 
@@ -22,63 +24,101 @@ import numpy as np
 
 from ...diff.result import DiffResult, Row
 from ...store import CaptureFile
-from .activation import check_activation, check_activation_backward
-from .base import MIN_EXPLAINED, Hint, Site
+from .activation import check_activation
+from .base import MIN_EXPLAINED, CheckStatus, Hint, NotApplicable, Site
 from .checkpoint import check_checkpoint
 from .dtype import check_dtype
 from .factor import check_factor
-from .layout import check_layout
+from .layout import check_layout, check_missing_bias
 from .norm import check_norm_epsilon
-from .rope import check_rope, check_rope_table
+from .rope import check_rope
 
-__all__ = ["CHECKED", "CHECKS", "MIN_EXPLAINED", "Hint", "find_hints", "hints_for_row"]
+__all__ = ["CHECKED", "CHECKS", "MIN_EXPLAINED", "CheckStatus", "Hint", "NotApplicable", "find_hints",
+           "hints_for_row", "run_checks"]
 
 
-#: The checks run at a diverged pair, most specific first (a tie in ``explained`` keeps this order).
-#: A new cause is a new module here, an entry in CHECKS and a page in docs/hints/.
-CHECKS: tuple[Callable[[Site], Iterator[Hint]], ...] = (
-    check_rope_table, check_activation, check_activation_backward, check_norm_epsilon, check_rope, check_dtype,
-    check_layout, check_factor,
+#: The checks run at a diverged pair, most specific first (a tie in ``explained`` keeps this order), each with
+#: the cause it tests in words. A check raises ``NotApplicable(reason)`` when it has nothing to test on here.
+#: A new cause is a new module here, an entry in CHECKS and CHECKED, and a page in docs/hints/.
+CHECKS: tuple[tuple[str, Callable[[Site], Iterator[Hint]]], ...] = (
+    ("RoPE", check_rope), ("activation", check_activation), ("norm epsilon", check_norm_epsilon),
+    ("dtype", check_dtype), ("layout", check_layout), ("bias", check_missing_bias), ("constant factor", check_factor),
 )
-#: What the checks test, in words (reports name them when none fires); ``check_checkpoint`` runs first.
+#: Every cause tested, in words, in the order reports name them; ``check_checkpoint`` (it needs the whole diff
+#: result) runs first.
 CHECKED = ("activation", "norm epsilon", "RoPE", "dtype", "layout", "bias", "constant factor", "checkpoint")
+
+
+def _none_ran(reason: str) -> list[CheckStatus]:
+    return [CheckStatus(cause, False, reason) for cause in CHECKED]
+
+
+def _site_problem(site: Site) -> str:
+    """Why no check can run at this pair at all, or ''."""
+    if not site.ready:
+        if site.ca.array(site.a) is None or site.cb.array(site.b) is None:
+            return "the tensors are not stored"
+        return "A's and B's tensors have other shapes"
+    if not site.before > 0:
+        return "A and B are equal" if site.before == 0 else "their distance is not finite"
+    if not np.all(np.isfinite(site.xa)) or not np.all(np.isfinite(site.xb)):
+        return "NaN or Inf in A or B"
+    return ""
+
+
+def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
+               result: DiffResult | None = None) -> tuple[list[Hint], list[CheckStatus]]:
+    """Every check at one pair: the hints explaining at least MIN_EXPLAINED of the gap, ranked, and whether each
+    cause could be tested (in CHECKED order; without ``result`` the checkpoint is not tested)."""
+    if row.pair.a is None or row.pair.b is None:
+        return [], _none_ran("only one side has this tensor")
+    site = Site(row, ca, cb)
+    problem = _site_problem(site)
+    if problem:
+        return [], _none_ran(problem)
+    found: list[Hint] = []
+    status: dict[str, CheckStatus] = {}
+    checks: list[tuple[str, Callable[[Site], Iterator[Hint]]]] = list(CHECKS)
+    if result is not None:
+        checks.insert(0, ("checkpoint", lambda s: check_checkpoint(s, result)))
+    else:
+        status["checkpoint"] = CheckStatus("checkpoint", False, "needs the whole diff")
+    for cause, check in checks:
+        try:
+            found.extend(h for h in list(check(site)) if h.explained >= MIN_EXPLAINED)
+            status[cause] = CheckStatus(cause, True)
+        except NotApplicable as why:
+            status[cause] = CheckStatus(cause, False, why.reason)
+        except (ValueError, FloatingPointError, MemoryError) as err:  # a check that fails here says nothing
+            status[cause] = CheckStatus(cause, False, f"it failed here ({type(err).__name__})")
+    found.sort(key=lambda h: -round(h.explained, 3))  # ties: the more specific check (CHECKS order) first
+    if found:  # a hint far behind the best one is a side effect of the same cause
+        found = [h for h in found if h.explained >= found[0].explained - 0.2]
+    return found, [status[c] for c in CHECKED]
 
 
 def hints_for_row(row: Row, ca: CaptureFile, cb: CaptureFile, result: DiffResult | None = None) -> list[Hint]:
     """Every check at one pair, ranked; only hints explaining at least MIN_EXPLAINED of the gap."""
-    if row.pair.a is None or row.pair.b is None:
-        return []
-    site = Site(row, ca, cb)
-    if not site.ready or not site.before > 0 or not np.all(np.isfinite(site.xa)) or not np.all(np.isfinite(site.xb)):
-        return []
-    found: list[Hint] = []
-    if result is not None:
-        found.extend(check_checkpoint(site, result))
-    for check in CHECKS:
-        try:
-            found.extend(h for h in check(site) if h.explained >= MIN_EXPLAINED)
-        except (ValueError, FloatingPointError, MemoryError):
-            continue  # a check that cannot run on this tensor says nothing
-    found.sort(key=lambda h: -round(h.explained, 3))  # ties: the more specific check (CHECKS order) first
-    if found:  # a hint far behind the best one is a side effect of the same cause
-        found = [h for h in found if h.explained >= found[0].explained - 0.2]
-    return found
+    return run_checks(row, ca, cb, result)[0]
 
 
-def find_hints(result: DiffResult, ca: CaptureFile | None = None, cb: CaptureFile | None = None) -> tuple[list[Hint], str]:
-    """Hints at the first divergence, and a note when they cannot run (tensors not stored)."""
+def find_hints(result: DiffResult, ca: CaptureFile | None = None,
+               cb: CaptureFile | None = None) -> tuple[list[Hint], str, list[CheckStatus]]:
+    """Hints at the first divergence, a note when they cannot run (tensors not stored), and whether each cause
+    could be tested there (empty without a first divergence)."""
     first = result.first
     if first is None:
-        return [], ""
+        return [], "", []
     row = next((r for r in result.rows if r.pair.a is not None and r.step == first.step and r.phase == first.phase
                 and r.pair.a.label == first.label_a), None)
     if row is None or row.pair.b is None:
-        return [], ""
+        return [], "", _none_ran("no matched pair at the first divergence")
     if not (row.pair.a.has_data and row.pair.b.has_data):  # type: ignore[union-attr]
         return [], (f"no hints: step {first.step} holds statistics only; capture with --tensors all "
-                    "to test the likely causes there")
+                    "to test the likely causes there"), _none_ran("statistics only")
     if ca is None or cb is None:
         with CaptureFile(result.path_a) as ca, CaptureFile(result.path_b) as cb:
             return find_hints(result, ca, cb)
     with np.errstate(all="ignore"):
-        return hints_for_row(row, ca, cb, result), ""
+        hints, checks = run_checks(row, ca, cb, result)
+        return hints, "", checks

@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from .base import Hint, Site, fit_sides, make_hint, rel_l2
+from ...record import Record
+from .base import Hint, NotApplicable, Site, describe, fit_sides, make_hint, rel_l2
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])  # numpy has no erf; math.erf is exact in float64
 
@@ -71,55 +72,100 @@ DERIVATIVES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 
 
 def check_activation(site: Site) -> Iterator[Hint]:
-    """B applies another activation (GELU tanh vs erf, SwiGLU halves swapped or interleaved) to the same input."""
+    """B applies another activation to the same input (a forward tensor), or its backward multiplies by another
+    activation's derivative (a gradient)."""
+    a = site.a
+    if a.phase == "forward":
+        yield from check_activation_forward(site)
+    elif a.phase == "backward":
+        yield from check_activation_backward(site)
+    else:
+        raise NotApplicable(f"not for {describe(a)}")
+
+
+def _pre_activations(site: Site) -> Iterator[tuple[str, np.ndarray]]:
+    """What the diverged tensor may be an activation of, most direct first: the module's own inputs (the activation
+    is a module: torch.nn.GELU, mindspore.nn.GELU, HF's GELUActivation, ...), then A's outputs just before it in the
+    same parent call (the activation is a function between modules, as in megatron-core's MLP), each also with
+    its module's bias (megatron's ``skip_bias_add`` linears return it apart)."""
+    a = site.a
+    if a.kind == "output":
+        for rec, own in site.input_records(a.module, a.call):
+            yield f"{a.module} {rec.tensor_label}", own
     for src in site.earlier_outputs():
         x = site.array(src)
         if x is None:
             continue
-        candidates = [(f"{src.module} {src.tensor_label}", x)]
+        yield f"{src.module} {src.tensor_label}", x
         bias = site.weights(src.module).get("bias")
         if bias is not None and bias.shape == x.shape[-1:]:
-            candidates.append((f"{src.module} {src.tensor_label} + its bias", x + bias))
-        for label, pre in candidates:
-            outs = {}
-            for name, fn in ACTIVATIONS.items():
-                try:
-                    y = np.asarray(fn(pre), dtype=np.float64)
-                except (ValueError, IndexError):
-                    continue
-                if y.shape == site.xa.shape:
-                    outs[name] = y
-            fit = fit_sides(site, outs)
-            if fit is None:
+            yield f"{src.module} {src.tensor_label} + its bias", x + bias
+
+
+def check_activation_forward(site: Site) -> Iterator[Hint]:
+    """B applies another activation (GELU tanh vs erf, SwiGLU halves swapped or interleaved) to the same input."""
+    stored = fitting = False
+    for label, pre in _pre_activations(site):
+        stored = True
+        outs = {}
+        for name, fn in ACTIVATIONS.items():
+            try:
+                y = np.asarray(fn(pre), dtype=np.float64)
+            except (ValueError, IndexError):
                 continue
-            name_a, name_b, after = fit
-            yield make_hint("activation", f"B computes {name_b} where A computes {name_a}", site, after,
-                        f"input: A's {label}; A = {name_a} of it (rel L2 {rel_l2(outs[name_a], site.xa):.1e}), "
-                        f"B = {name_b} of it (rel L2 {after:.1e})", a=name_a, b=name_b, input=label)
-            return
+            if y.shape == site.xa.shape:
+                outs[name] = y
+        fitting = fitting or bool(outs)
+        fit = fit_sides(site, outs)
+        if fit is None:
+            continue
+        name_a, name_b, after = fit
+        yield make_hint("activation", f"B computes {name_b} where A computes {name_a}", site, after,
+                    f"input: A's {label}; A = {name_a} of it (rel L2 {rel_l2(outs[name_a], site.xa):.1e}), "
+                    f"B = {name_b} of it (rel L2 {after:.1e})", a=name_a, b=name_b, input=label)
+        return
+    if not fitting:
+        raise NotApplicable("no input of a fitting shape" if stored else "no input or earlier output stored")
+
+
+def _upstream(site: Site, fwd: Record, shape: tuple[int, ...]) -> list[Record]:
+    """The gradients that may have arrived from above ``fwd``, most likely first: the output gradient of the module
+    that takes ``fwd`` as its input (an activation module: torch.nn.GELU, mindspore.nn.GELU, ...), then the latest
+    earlier gradients of the same shape in this backward."""
+    a = site.a
+    linked = {fwd.seq} | {r.seq for r in site.recs_a if r.same_as == fwd.seq}
+    users = {(r.module, r.call) for r in site.recs_a
+             if r.seq in linked and r.phase == "forward" and r.kind == "input"}
+    earlier = [r for r in site.recs_a if r.phase == "backward" and r.seq < a.seq and tuple(r.shape) == shape]
+    own = [r for r in earlier if r.kind == "grad_output" and (r.module, r.call) in users]
+    rest = [r for r in sorted(earlier, key=lambda r: -r.seq) if r not in own]
+    return own + rest[:3]
 
 
 def check_activation_backward(site: Site) -> Iterator[Hint]:
-    """B's backward uses another activation derivative (e.g. the tanh GELU's) than A's forward implies."""
+    """B's backward uses another activation derivative (e.g. the tanh GELU's) than A's forward implies: the gradient
+    of a pre-activation (an output of the layer before, or an activation module's own input) is the gradient
+    from above times the activation's derivative at it."""
     a = site.a
     if a.phase != "backward" or a.grad_of < 0:
-        return
+        raise NotApplicable("no forward tensor linked to this gradient")
     fwd = site.by_seq.get(a.grad_of)
-    if fwd is None or fwd.kind != "output":
-        return
+    if fwd is None or fwd.kind not in ("output", "input"):
+        raise NotApplicable("no forward tensor linked to this gradient")
     x = site.array(fwd)
     if x is None or x.shape != site.xa.shape:
-        return
+        raise NotApplicable("its forward tensor is not stored" if x is None else
+                            "its forward tensor has another shape")
     pres = [("", x)]
-    bias = site.weights(fwd.module).get("bias")
+    bias = site.weights(fwd.module).get("bias") if fwd.kind == "output" else None
     if bias is not None and bias.shape == x.shape[-1:]:
         pres.append((" + its bias", x + bias))
-    # the gradient that arrived from above: the latest earlier gradient of the same shape in this backward
-    upstream = [r for r in site.recs_a if r.phase == "backward" and r.seq < a.seq and tuple(r.shape) == tuple(x.shape)]
-    for up in sorted(upstream, key=lambda r: -r.seq)[:3]:
+    tried = False
+    for up in _upstream(site, fwd, tuple(x.shape)):
         g = site.array(up)
         if g is None:
             continue
+        tried = True
         for suffix, pre in pres:
             fit = fit_sides(site, {name: g * d(pre) for name, d in DERIVATIVES.items()})
             if fit is None:
@@ -130,3 +176,5 @@ def check_activation_backward(site: Site) -> Iterator[Hint]:
                         f"A's {up.module} {up.tensor_label} × {name_b}'({fwd.module} {fwd.tensor_label}{suffix}) "
                         f"reproduces B to rel L2 {after:.1e}", a=name_a, b=name_b)
             return
+    if not tried:
+        raise NotApplicable("no gradient from above of its shape stored")

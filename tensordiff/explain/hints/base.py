@@ -1,8 +1,12 @@
-"""What every check shares: the hint, the diverged site with A's tensors around it, the fit of both sides.
+"""What every check shares: the hint, the diverged site with A's tensors around it, the fit of both sides, and
+how a check says it could not run here.
 
     explained = 1 - rel_l2(hypothesis, B) / rel_l2(A, B)
 
-A check that cannot first reproduce A itself from the same inputs says nothing (``fit_sides``).
+A check that cannot first reproduce A itself from the same inputs says nothing (``fit_sides``): it ran, and its
+cause does not fit. A check that has nothing to test on at this site (no 4-D q/k for RoPE, no input stored, no
+bias) raises ``NotApplicable(reason)`` before it yields anything; the report lists it as not tested, with the
+reason.
 """
 
 from __future__ import annotations
@@ -23,6 +27,31 @@ from ...transforms import apply
 #: A hint must explain at least this share of the gap to be reported.
 MIN_EXPLAINED = 0.5
 
+
+class NotApplicable(Exception):
+    """Raised by a check that cannot test its cause at this site; ``reason`` is a short phrase ("needs a 4-D
+    tensor, this one is 2-D") that the report prints after the cause's name."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class CheckStatus:
+    """Whether one cause was tested at the first divergence, and if not, why."""
+
+    cause: str
+    """The cause in words, as the report names it: activation, norm epsilon, RoPE, ... (``CHECKED``)."""
+    ran: bool
+    """The check ran on the captured tensors (whether or not its cause fit)."""
+    reason: str = ""
+    """Why it could not run ('' when it ran)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"cause": self.cause, "ran": self.ran, "reason": self.reason or None}
+
+
 @dataclass
 class Hint:
     cause: str
@@ -42,6 +71,12 @@ class Hint:
         return {"cause": self.cause, "title": self.title, "explained": round(self.explained, 6),
                 "rel_l2_before": self.before, "rel_l2_after": self.after, "evidence": self.evidence,
                 "details": self.details}
+
+
+def describe(rec: Record) -> str:
+    """What kind of tensor ``rec`` is, for a reason: "a parameter", "a gradient", "a forward input", ..."""
+    return {"weights": "a parameter", "param_grad": "a parameter gradient", "loss": "the loss",
+            "backward": "a gradient"}.get(rec.phase, f"a {rec.phase} {rec.kind}")
 
 
 def explained_share(before: float, after: float) -> float:
@@ -70,7 +105,7 @@ class Site:
         self.xb: np.ndarray = np.asarray(xb if xb is not None else (), dtype=np.float64)
         self.before = rel_l2(self.xa, self.xb) if self.ready else math.nan
         self._weights: dict[str, dict[str, np.ndarray]] = {}
-        self._inputs: dict[tuple[str, int], list[np.ndarray]] = {}
+        self._inputs: dict[tuple[str, int], list[tuple[Record, np.ndarray]]] = {}
 
     def array(self, rec: Record) -> np.ndarray | None:
         x = self.ca.array(rec)
@@ -85,9 +120,13 @@ class Site:
 
     def inputs(self, module: str, call: int) -> list[np.ndarray]:
         """A's floating-point inputs of that call, in record order (read once)."""
+        return [x for _, x in self.input_records(module, call)]
+
+    def input_records(self, module: str, call: int) -> list[tuple[Record, np.ndarray]]:
+        """A's floating-point inputs of that call with their records, in record order (read once)."""
         if (module, call) not in self._inputs:
             self._inputs[(module, call)] = [
-                x for r in self.recs_a
+                (r, x) for r in self.recs_a
                 if r.phase == "forward" and r.kind == "input" and r.module == module and r.call == call
                 for x in [self.array(r)] if x is not None and np.issubdtype(x.dtype, np.floating)]
         return self._inputs[(module, call)]

@@ -7,12 +7,16 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from ...diff.result import DiffResult
-from .base import Hint, Site
+from .base import Hint, NotApplicable, Site
 
 
 def check_checkpoint(site: Site, result: DiffResult) -> Iterator[Hint]:
-    """Weights already differ before the first step: name every parameter that differs."""
-    if site.a.phase != "weights" or site.a.step != result.steps[0]:
+    """Weights already differ before the first step: name every parameter that differs. A first divergence after
+    them means they were compared and agree (the cause is tested and ruled out), unless none were captured."""
+    first = result.steps[0]
+    if site.a.phase != "weights" or site.a.step != first:
+        if not any(r.step == first and r.phase == "weights" and r.metrics is not None for r in result.rows):
+            raise NotApplicable(f"no weights compared at step {first}")
         return
     bad = [r for r in result.rows if r.step == site.a.step and r.phase == "weights" and r.verdict == "diverged"
            and r.pair.a is not None]

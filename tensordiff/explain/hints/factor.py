@@ -8,14 +8,14 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .base import MIN_EXPLAINED, Hint, Site, explained_share, make_hint, rel_l2
+from .base import MIN_EXPLAINED, Hint, NotApplicable, Site, explained_share, make_hint, rel_l2
 
 
 def check_factor(site: Site) -> Iterator[Hint]:
     """B = c * A: a loss reduction (sum vs mean), DP averaging, gradient accumulation, a loss scale."""
     aa = float(np.vdot(site.xa, site.xa))
     if aa == 0:
-        return
+        raise NotApplicable("A is all zeros")
     c = float(np.vdot(site.xa, site.xb)) / aa
     after = rel_l2(c * site.xa, site.xb)
     if abs(c - 1.0) < 1e-6 or explained_share(site.before, after) < MIN_EXPLAINED:

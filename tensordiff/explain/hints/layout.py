@@ -11,7 +11,7 @@ from functools import partial
 import numpy as np
 
 from ...transforms import OPS
-from .base import MIN_EXPLAINED, Hint, Site, explained_share, make_hint, rel_l2
+from .base import MIN_EXPLAINED, Hint, NotApplicable, Site, describe, explained_share, make_hint, rel_l2
 
 
 def _swap_halves(x: np.ndarray, d: int) -> np.ndarray:
@@ -37,9 +37,12 @@ def _layout_ops(shape: tuple[int, ...]) -> Iterator[tuple[str, Callable[[np.ndar
 
 
 def check_layout(site: Site) -> Iterator[Hint]:
-    """B holds the same numbers in another order (interleaved gate/up, per-group QKV, a transpose), or lacks a bias."""
+    """B holds the same numbers in another order (interleaved gate/up, per-group QKV, a transpose)."""
+    ops = list(_layout_ops(site.xb.shape))
+    if not ops:
+        raise NotApplicable(f"no other order for shape {tuple(site.xb.shape)}")
     best = None
-    for label, op in _layout_ops(site.xb.shape):
+    for label, op in ops:
         try:
             moved = np.asarray(op(site.xa), dtype=np.float64)
         except (ValueError, IndexError):
@@ -52,13 +55,22 @@ def check_layout(site: Site) -> Iterator[Hint]:
                 if site.row.pair.ops else "")
         yield make_hint("layout", f"B holds A's values in another order: B = {best[0]} of A", site, best[1],
                     f"the permutation {best[0]} of A's tensor reproduces B{seen} to rel L2 {best[1]:.1e}", op=best[0])
+
+
+def check_missing_bias(site: Site) -> Iterator[Hint]:
+    """B adds the module's bias to its output where A leaves it out (megatron's ``skip_bias_add``), or the reverse."""
     a = site.a
-    if a.phase == "forward" and a.kind == "output":
-        bias = site.weights(a.module).get("bias")
-        if bias is not None and bias.shape == site.xa.shape[-1:]:
-            for sign, text in ((1.0, "adds"), (-1.0, "leaves out")):
-                after = rel_l2(site.xa + sign * bias, site.xb)
-                if explained_share(site.before, after) >= MIN_EXPLAINED:
-                    yield make_hint("missing-bias", f"B {text} the bias of {a.module} that A "
-                                f"{'leaves out' if sign > 0 else 'adds'} here", site, after,
-                                f"A {'+' if sign > 0 else '-'} {a.module}.bias reproduces B to rel L2 {after:.1e}")
+    if a.phase != "forward" or a.kind != "output":
+        raise NotApplicable(f"not for {describe(a)}")
+    bias = site.weights(a.module).get("bias")
+    if bias is None:
+        stored = any(r.phase == "weights" and r.module == a.module and r.slot == "bias" for r in site.recs_a)
+        raise NotApplicable("the module's bias is not stored" if stored else "the module has no bias")
+    if bias.shape != site.xa.shape[-1:]:
+        raise NotApplicable("the module's bias does not fit its output")
+    for sign, text in ((1.0, "adds"), (-1.0, "leaves out")):
+        after = rel_l2(site.xa + sign * bias, site.xb)
+        if explained_share(site.before, after) >= MIN_EXPLAINED:
+            yield make_hint("missing-bias", f"B {text} the bias of {a.module} that A "
+                        f"{'leaves out' if sign > 0 else 'adds'} here", site, after,
+                        f"A {'+' if sign > 0 else '-'} {a.module}.bias reproduces B to rel L2 {after:.1e}")

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .base import MIN_EXPLAINED, Hint, Site, explained_share, make_hint, rel_l2
+from .base import MIN_EXPLAINED, Hint, NotApplicable, Site, describe, explained_share, make_hint, rel_l2
 
 #: Known epsilons and who uses them by default.
 EPSILONS = {
@@ -63,10 +63,12 @@ def check_norm_epsilon(site: Site) -> Iterator[Hint]:
     """B normalises with another epsilon (or LayerNorm vs RMSNorm): solve for B's epsilon."""
     a = site.a
     if a.phase != "forward" or a.kind != "output":
-        return
+        raise NotApplicable(f"not for {describe(a)}")
     ins = site.inputs(a.module, a.call)
-    if not ins or ins[0].shape != site.xa.shape:
-        return
+    if not ins:
+        raise NotApplicable("the module's input is not stored")
+    if ins[0].shape != site.xa.shape:
+        raise NotApplicable("no input of a fitting shape")
     x = ins[0]
     w = site.weights(a.module)
     gamma = next((w[k] for k in ("weight", "gamma") if k in w and w[k].shape == x.shape[-1:]), None)

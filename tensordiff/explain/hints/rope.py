@@ -8,7 +8,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from .base import Hint, Site, fit_sides, make_hint
+from ...record import Record
+from .base import Hint, NotApplicable, Site, fit_sides, make_hint
 
 
 def _rope(x: np.ndarray, base: float, interleaved: bool, offset: int, seq_axis: int) -> np.ndarray:
@@ -37,10 +38,25 @@ def _rope_name(k: tuple) -> str:
 
 
 def check_rope(site: Site) -> Iterator[Hint]:
-    """B rotates q/k with another RoPE convention, base or position offset."""
-    if site.xa.ndim != 4:
-        return
-    for src in site.earlier_outputs(limit=6):
+    """B's RoPE differs: its rotary angle table (a rotary module's output), or q/k rotated another way."""
+    x = site.xa
+    if x.ndim != 4:
+        raise NotApplicable(f"needs a 4-D tensor, this one is {x.ndim}-D")
+    table = x.shape[1] == 1 and x.shape[2] == 1 and "rotary" in (site.a.module + site.a.module_class).lower()
+    if table:
+        hints = list(check_rope_table(site))
+        if hints:
+            yield from hints
+            return
+    sources = [src for src in site.earlier_outputs(limit=6) if tuple(src.shape) == x.shape and src.has_data]
+    if not sources and not table:
+        raise NotApplicable("no earlier output of its shape to rotate")
+    yield from check_rope_qk(site, sources)
+
+
+def check_rope_qk(site: Site, sources: list[Record]) -> Iterator[Hint]:
+    """B rotates q/k with another RoPE convention, base or position offset (``sources``: A's tensors it may rotate)."""
+    for src in sources:
         x = site.array(src)
         if x is None or x.shape != site.xa.shape:
             continue

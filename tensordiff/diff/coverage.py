@@ -1,0 +1,86 @@
+"""Honest coverage: what was compared, which pairs are only guesses, and whether "no divergence" means agreement.
+
+A diff can only vouch for what it compared. Three rules keep it from passing silently:
+
+* a pair made by order and shape alone, across modules whose names and classes both disagree, is a guess:
+  when its values differ it becomes an *uncertain* row (with its evidence), never a divergence on its own;
+* coverage is counted per phase: records on each side, and the pairs whose two tensors were judged;
+* no divergence is called agreement (exit 0) only when the pairs that were found could all be compared,
+  every phase both sides recorded had something compared, and at least ``min_coverage`` of A's forward
+  records were compared. Otherwise the outcome is *inconclusive* (exit 3) and each reason is named.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..record import PHASES, Record, module_label
+from .result import COMPARED, DiffResult, Outcome, PhaseCoverage, Row
+
+_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
+def _leaf(rec: Record) -> str:
+    """The last word of a module name, numbers dropped: 'decoder.layers.3.mlp' -> 'mlp'."""
+    name = _INDEX.sub("", rec.module)
+    return name.rsplit(".", 1)[-1]
+
+
+def mark_uncertain(rows: list[Row]) -> None:
+    """Diverged pairs matched by order and shape only, whose module names and classes both disagree: 'uncertain'."""
+    for row in rows:
+        a, b = row.pair.a, row.pair.b
+        if row.verdict != "diverged" or row.pair.how != "order" or a is None or b is None:
+            continue
+        same_class = bool(a.module_class) and a.module_class == b.module_class
+        if same_class or _leaf(a) == _leaf(b):
+            continue
+        row.verdict = "uncertain"
+        evidence = (f"paired by order and shape only: A's {module_label(a.module)} ({a.module_class or '?'}) "
+                    f"vs B's {module_label(b.module)} ({b.module_class or '?'}); names and classes differ")
+        row.note = evidence if not row.note else f"{row.note}; {evidence}"
+
+
+def coverage(rows: list[Row]) -> dict[str, PhaseCoverage]:
+    """Per phase, in execution order: records on each side and how many pairs were compared."""
+    out = {phase: PhaseCoverage(phase) for phase in PHASES}
+    for row in rows:
+        cov = out[row.phase]
+        cov.recorded_a += row.pair.a is not None
+        cov.recorded_b += row.pair.b is not None
+        if row.verdict in COMPARED:
+            cov.compared += 1
+        elif row.verdict == "unmatched":
+            cov.only_a += row.pair.a is not None
+            cov.only_b += row.pair.b is not None
+        elif row.verdict == "uncertain":
+            cov.uncertain += 1
+        elif row.verdict == "shape":
+            cov.shape += 1
+        else:
+            cov.stats_only += 1
+    return {phase: cov for phase, cov in out.items() if cov.recorded_a or cov.recorded_b}
+
+
+def judge_outcome(result: DiffResult, min_coverage: float) -> tuple[Outcome, list[str]]:
+    """'diverged' when a first divergence was named; else 'agree' or 'inconclusive' with every reason."""
+    if result.first is not None:
+        return "diverged", []
+    reasons = []
+    for phase, cov in result.coverage.items():
+        if cov.shape:
+            reasons.append(f"{phase}: {cov.shape} pair(s) found but not compared: their shapes differ (a mapping or "
+                           "layout transform is missing or wrong; see the SHAPE rows)")
+        if cov.stats_only:
+            reasons.append(f"{phase}: {cov.stats_only} pair(s) not compared: statistics cannot follow their layout "
+                           "transform; capture with --tensors all to compare them")
+        if cov.uncertain:
+            reasons.append(f"{phase}: {cov.uncertain} pair(s) matched by order only differ (see the 'uncertain' rows)")
+        if cov.recorded_a and not cov.compared:
+            reasons.append(f"{phase}: A recorded {cov.recorded_a} record(s), B {cov.recorded_b}, and no pair was compared"
+                           + ("" if cov.recorded_b else " (B did not record this phase)"))
+    fwd = result.coverage.get("forward")
+    if fwd is not None and fwd.recorded_a and fwd.share_a < min_coverage:
+        reasons.append(f"forward: only {fwd.compared} of A's {fwd.recorded_a} records were compared "
+                       f"({fwd.share_a:.0%} < {min_coverage:.0%}); give a mapping (--mapping) or lower --min-coverage")
+    return ("inconclusive", reasons) if reasons else ("agree", [])

@@ -1,0 +1,143 @@
+"""Never a silent pass: coverage per phase, uncertain pairs, and the inconclusive outcome (exit 3).
+
+Synthetic captures of a two-layer model, recorded as the capture hooks record it::
+
+    Net ('')        ids -> emb -> fc -> y,  loss = mean(y**2) / 2
+      Embedding ('emb')   int64 ids -> rows of E
+      Linear ('fc')       h @ W
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from helpers import T, write_capture
+
+from tensordiff.cli import main
+from tensordiff.diff import DiffOptions, diff
+
+RNG = np.random.default_rng(1)
+IDS = np.array([[1, 3, 2, 0]], dtype=np.int64)
+E = RNG.standard_normal((4, 6)).astype(np.float32)
+W = RNG.standard_normal((6, 3)).astype(np.float32)
+LINK = {"has_data": 1}
+
+
+def values(ids=IDS, emb=E, w=W, loss_scale=1.0):
+    h = emb[ids]
+    y = (h @ w).astype(np.float32)
+    loss = np.array(0.5 * np.mean(y.astype(np.float64) ** 2), dtype=np.float32)
+    dy = (loss_scale * y / y.size).astype(np.float32)
+    dh = (dy @ w.T).astype(np.float32)
+    return {"ids": ids, "E": emb, "W": w, "h": h, "y": y, "loss": loss, "dy": dy, "dh": dh,
+            "dW": (h.reshape(-1, 6).T @ dy.reshape(-1, 3)).astype(np.float32)}
+
+
+def records(v, fc_name="fc", fc_class="Linear", y_shape=None, backward=True):
+    y = v["y"] if y_shape is None else np.zeros(y_shape, dtype=np.float32)
+    recs = [T("weights", "emb", "param", "weight", v["E"], module_class="Embedding"),
+            T("weights", fc_name, "param", "weight", v["W"], module_class=fc_class),
+            T("forward", "", "input", "0", v["ids"], enter=2, module_class="Net"),                          # 2
+            T("forward", "emb", "input", "0", v["ids"], same_as=2, enter=3, module_class="Embedding", extra=LINK),
+            T("forward", "emb", "output", "0", v["h"], enter=3, module_class="Embedding"),                  # 4
+            T("forward", fc_name, "input", "0", v["h"], same_as=4, enter=5, module_class=fc_class, extra=LINK),
+            T("forward", fc_name, "output", "0", y, enter=5, module_class=fc_class),                        # 6
+            T("forward", "", "output", "0", y, same_as=6, enter=2, module_class="Net", extra=LINK),
+            T("loss", "loss", "loss", "value", v["loss"], module_class="Loss")]
+    if backward:
+        recs += [T("backward", fc_name, "grad_output", "0", v["dy"], grad_of=6, enter=5, module_class=fc_class),
+                 T("backward", fc_name, "grad_input", "0", v["dh"], grad_of=5, enter=5, module_class=fc_class),
+                 T("param_grad", fc_name, "grad", "weight", v["dW"], module_class=fc_class)]
+    return recs
+
+
+def capture(tmp_path, name, recs, framework="torch"):
+    return write_capture(str(tmp_path / f"{name}.h5"), [recs], framework=framework)
+
+
+def test_a_clean_pair_agrees_with_every_phase_fully_compared(tmp_path):
+    a = capture(tmp_path, "a", records(values()))
+    b = capture(tmp_path, "b", records(values()))
+    res = diff(a, b)
+    assert (res.outcome, res.exit_code, res.reasons) == ("agree", 0, [])
+    assert list(res.coverage) == ["weights", "forward", "loss", "backward", "param_grad"]
+    fwd = res.coverage["forward"]
+    assert (fwd.recorded_a, fwd.recorded_b, fwd.compared, fwd.share_a) == (6, 6, 6, 1.0)
+
+
+def test_a_shape_skipped_pair_is_inconclusive_not_a_pass(tmp_path, capsys):
+    a = capture(tmp_path, "a", records(values()))
+    b = capture(tmp_path, "b", records(values(), y_shape=(1, 4, 5)))  # B's fc output has another shape
+    res = diff(a, b)
+    assert res.first is None and res.outcome == "inconclusive" and res.exit_code == 3
+    assert any(r.startswith("forward: 2 pair(s) found but not compared") for r in res.reasons), res.reasons
+    assert main(["diff", a, b, "--width", "80"]) == 3
+    out = capsys.readouterr().out
+    assert "Inconclusive: no divergence among the pairs compared" in out and "No divergence:" not in out
+
+
+def test_low_forward_coverage_is_inconclusive_and_min_coverage_is_honoured(tmp_path):
+    a = capture(tmp_path, "a", records(values()))
+    b = capture(tmp_path, "b", records(values(), fc_name="proj", fc_class="Dense"))  # another name, no mapping
+    res = diff(a, b, DiffOptions(order_fallback=False))
+    fwd = res.coverage["forward"]
+    assert fwd.compared == 4 and fwd.recorded_a == 6 and fwd.only_a == 2
+    assert res.outcome == "inconclusive"
+    assert any("only 4 of A's 6 records were compared (67% < 90%)" in r for r in res.reasons), res.reasons
+    res = diff(a, b, DiffOptions(order_fallback=False, min_coverage=0.5))
+    assert not any(r.startswith("forward: only") for r in res.reasons)
+
+
+def test_a_pair_made_only_by_order_across_other_names_and_classes_is_uncertain_not_the_divergence(tmp_path):
+    a = capture(tmp_path, "a", records(values()))
+    other = values(w=W * 1.5)  # B's last layer differs, and B names and types it differently
+    b = capture(tmp_path, "b", records(other, fc_name="proj", fc_class="Dense"))
+    res = diff(a, b)
+    by_label = {(r.pair.a.label if r.pair.a else None): r for r in res.rows}
+    row = by_label["fc output.0"]
+    assert row.pair.how == "order" and row.verdict == "uncertain"
+    assert "paired by order and shape only: A's fc (Linear) vs B's proj (Dense)" in row.note
+    assert res.first is None or res.first.module_a != "fc"
+    assert res.outcome != "agree"
+
+
+def test_integer_inputs_that_differ_are_a_batch_problem(tmp_path):
+    a = capture(tmp_path, "a", records(values()))
+    b = capture(tmp_path, "b", records(values(ids=np.array([[1, 3, 2, 1]], dtype=np.int64))))
+    first = diff(a, b).first
+    assert (first.phase, first.kind, first.module_a) == ("forward", "input", "")
+    assert first.location == "in the inputs the runs were fed"
+    assert "The runs were fed different inputs: <model> input.0 (int64) differs" in first.explanation
+
+
+def test_a_loss_reduced_differently_is_named_the_loss(tmp_path):
+    a = capture(tmp_path, "a", records(values()))
+    b = capture(tmp_path, "b", records(values(loss_scale=12.0)))  # sum instead of mean over 12 elements
+    first = diff(a, b).first
+    assert (first.phase, first.module_a, first.kind) == ("backward", "fc", "grad_output")
+    assert first.location == "in the loss's gradient (its reduction, scaling or labels)"
+    assert "the loss is reduced differently (mean vs sum" in first.explanation
+
+
+def test_an_input_that_was_never_compared_is_not_called_agreeing(tmp_path):
+    v = values()
+    a_recs = records(v)
+    b_recs = records(v, backward=False)
+    # B's fc input has another shape (never compared) and its output differs
+    b_recs[5] = T("forward", "fc", "input", "0", np.zeros((1, 4, 7), dtype=np.float32), enter=5, module_class="Linear")
+    b_recs[6] = T("forward", "fc", "output", "0", v["y"] * 1.5, enter=5, module_class="Linear")
+    a = capture(tmp_path, "a", a_recs)
+    b = capture(tmp_path, "b", b_recs)
+    first = diff(a, b).first
+    assert first.module_a == "fc" and first.kind == "output"
+    assert first.uncompared == ["fc input.0"]
+    assert "Not compared, so not known to agree: 1 of the records that came in (fc input.0)" in first.explanation
+    assert "agree where they were compared" in first.explanation
+    assert "The inputs of fc (Linear) agree and" not in first.explanation
+
+
+def test_a_phase_one_side_did_not_record_is_inconclusive(tmp_path):
+    a = capture(tmp_path, "a", records(values()))
+    b = capture(tmp_path, "b", records(values(), backward=False))
+    res = diff(a, b)
+    assert res.outcome == "inconclusive"
+    assert "backward: A recorded 2 record(s), B 0, and no pair was compared (B did not record this phase)" in res.reasons

@@ -1,0 +1,62 @@
+"""Whether each cause could be tested at the first divergence: a check with nothing to test on says why, in the
+``Diagnosis``, the report and the JSON (synthetic captures; numpy, h5py and rich only)."""
+
+from __future__ import annotations
+
+import numpy as np
+from helpers import T, render, write_capture
+
+from tensordiff.explain import diagnose
+from tensordiff.explain.hints import CHECKED
+from tensordiff.report.diff import DiffReport
+
+
+def _pair(tmp_path, b_out: np.ndarray, x: np.ndarray, a_out: np.ndarray):
+    def steps(out):
+        return [[T("forward", "m", "input", "0", x, module_class="Tanh"),
+                 T("forward", "m", "output", "0", out, module_class="Tanh", enter=0)]]
+    return (write_capture(str(tmp_path / "a.h5"), steps(a_out)),
+            write_capture(str(tmp_path / "b.h5"), steps(b_out), framework="mindspore"))
+
+
+def test_no_check_can_run_on_nan(tmp_path):
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    b = np.tanh(x)
+    b[1, 2] = np.nan
+    res = diagnose(*_pair(tmp_path, b, x, np.tanh(x)))
+    assert res.first is not None and res.first.module_a == "m"
+    assert res.hints == [] and res.checked == ()
+    assert [c.cause for c in res.checks] == list(CHECKED)
+    assert {c.reason for c in res.checks} == {"NaN or Inf in A or B"}
+    text = render(DiffReport(res, first_only=True))
+    assert text.rstrip().endswith("No cause could be tested here: NaN or Inf in A or B.")
+    assert "No known cause" not in text
+    report = DiffReport(res).to_dict()
+    assert report["checks"][0] == {"cause": "activation", "ran": False, "reason": "NaN or Inf in A or B"}
+
+
+def test_no_first_divergence_no_checks(tmp_path):
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    res = diagnose(*_pair(tmp_path, np.tanh(x), x, np.tanh(x)))
+    assert res.first is None and res.checks == [] and res.checked == ()
+    assert DiffReport(res).to_dict()["checks"] == []
+
+
+def test_hints_off_no_checks(tmp_path):
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    res = diagnose(*_pair(tmp_path, np.tanh(x) * 1.5, x, np.tanh(x)), hints=False)
+    assert res.first is not None and res.checks == [] and res.checked == ()
+    assert "No known cause" not in render(DiffReport(res))
+
+
+def test_partial_hint_names_what_was_not_tested(tmp_path):
+    """A hint that explains part of the gap only (here B = 1.5 × A plus noise) is followed by the causes that
+    could not be tested."""
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    a = np.tanh(x)
+    b = (1.5 * a + 0.1 * np.cos(np.arange(12) ** 2).reshape(3, 4)).astype(np.float32)
+    res = diagnose(*_pair(tmp_path, b, x, a))
+    assert res.hints and res.hints[0].cause == "factor" and res.hints[0].explained < 0.9
+    text = " ".join(render(DiffReport(res, first_only=True)).split())
+    assert ("Not tested here: RoPE (needs a 4-D tensor, this one is 2-D); bias (the module has no bias); checkpoint "
+            "(no weights compared at step 0).") in text
