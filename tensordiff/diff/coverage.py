@@ -41,18 +41,36 @@ def mark_uncertain(rows: list[Row]) -> None:
         row.note = evidence if not row.note else f"{row.note}; {evidence}"
 
 
+def _tensor(rec: Record) -> tuple[int, int]:
+    """(step, seq of the record that first held this tensor): a link and its source are one tensor."""
+    return rec.step, rec.same_as if rec.same_as >= 0 else rec.seq
+
+
 def coverage(rows: list[Row]) -> dict[str, PhaseCoverage]:
-    """Per phase, in execution order: records on each side and how many pairs were compared."""
+    """Per phase, in execution order: records on each side and how many were compared. A record with no
+    counterpart of its own counts as compared when its tensor was compared under another record of the same
+    side (a cell's output that is the next module's input: recorded twice, compared once)."""
+    seen_a = {_tensor(r.pair.a) for r in rows if r.verdict in COMPARED and r.pair.a is not None}
+    seen_b = {_tensor(r.pair.b) for r in rows if r.verdict in COMPARED and r.pair.b is not None}
     out = {phase: PhaseCoverage(phase) for phase in PHASES}
     for row in rows:
         cov = out[row.phase]
-        cov.recorded_a += row.pair.a is not None
-        cov.recorded_b += row.pair.b is not None
+        a, b = row.pair.a, row.pair.b
+        cov.recorded_a += a is not None
+        cov.recorded_b += b is not None
         if row.verdict in COMPARED:
-            cov.compared += 1
+            cov.compared_a += 1
+            cov.compared_b += 1
         elif row.verdict == "unmatched":
-            cov.only_a += row.pair.a is not None
-            cov.only_b += row.pair.b is not None
+            if a is not None and _tensor(a) in seen_a:
+                cov.compared_a += 1
+                cov.linked_a += 1
+            elif b is not None and _tensor(b) in seen_b:
+                cov.compared_b += 1
+                cov.linked_b += 1
+            else:
+                cov.only_a += a is not None
+                cov.only_b += b is not None
         elif row.verdict == "uncertain":
             cov.uncertain += 1
         elif row.verdict == "shape":
@@ -81,6 +99,6 @@ def judge_outcome(result: DiffResult, min_coverage: float) -> tuple[Outcome, lis
                            + ("" if cov.recorded_b else " (B did not record this phase)"))
     fwd = result.coverage.get("forward")
     if fwd is not None and fwd.recorded_a and fwd.share_a < min_coverage:
-        reasons.append(f"forward: only {fwd.compared} of A's {fwd.recorded_a} records were compared "
+        reasons.append(f"forward: only {fwd.compared_a} of A's {fwd.recorded_a} records were compared "
                        f"({fwd.share_a:.0%} < {min_coverage:.0%}); give a mapping (--mapping) or lower --min-coverage")
     return ("inconclusive", reasons) if reasons else ("agree", [])

@@ -99,9 +99,14 @@ class PhaseCoverage:
     phase: str
     recorded_a: int = 0
     recorded_b: int = 0
-    compared: int = 0
-    """Pairs compared and judged (ok, diverged, drift)."""
+    compared_a: int = 0
+    """A's records whose tensor was compared: in a pair judged ok, diverged or drift, or under another record
+    of A holding the same tensor (``linked_a``)."""
+    compared_b: int = 0
+    linked_a: int = 0
+    linked_b: int = 0
     only_a: int = 0
+    """A's records with no counterpart whose tensor was not compared anywhere."""
     only_b: int = 0
     shape: int = 0
     """Pairs found but not compared: their shapes differ once B is in A's layout."""
@@ -111,15 +116,22 @@ class PhaseCoverage:
     """Pairs made by order and shape only whose values differ."""
 
     @property
+    def compared(self) -> int:
+        """Pairs compared and judged."""
+        return self.compared_a - self.linked_a
+
+    @property
     def share_a(self) -> float:
-        return self.compared / self.recorded_a if self.recorded_a else 1.0
+        return self.compared_a / self.recorded_a if self.recorded_a else 1.0
 
     @property
     def share_b(self) -> float:
-        return self.compared / self.recorded_b if self.recorded_b else 1.0
+        return self.compared_b / self.recorded_b if self.recorded_b else 1.0
 
     def as_dict(self) -> dict[str, Any]:
         return {"recorded_a": self.recorded_a, "recorded_b": self.recorded_b, "compared": self.compared,
+                "compared_a": self.compared_a, "compared_b": self.compared_b, "linked_a": self.linked_a,
+                "linked_b": self.linked_b,
                 "share_a": round(self.share_a, 6), "share_b": round(self.share_b, 6), "only_a": self.only_a,
                 "only_b": self.only_b, "shape": self.shape, "stats_only": self.stats_only, "uncertain": self.uncertain}
 

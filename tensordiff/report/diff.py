@@ -63,8 +63,8 @@ class DiffReport:
             for reason in res.reasons:
                 yield Text(f"  - {reason}", style="tensordiff.unmatched")
         else:
-            yield Text("No divergence: every recorded tensor was compared or accounted for, and every pair is within "
-                       "its tolerance.", style="tensordiff.ok")
+            yield Text("No divergence: every pair compared is within its tolerance" + _agree_detail(res) + ".",
+                       style="tensordiff.ok")
 
     def _table(self, step: int, phase: str, rows: list[Row], first_key: Any, width: int) -> Table | Group:
         wide = width >= 110
@@ -201,8 +201,12 @@ class DiffReport:
         text.append(", ")
         text.append(f"{res.count('diverged')} diverged", style="tensordiff.diverged" if res.count("diverged") else "")
         text.append(", ")
-        text.append(f"{len(res.unmatched('a'))} only in A, {len(res.unmatched('b'))} only in B",
-                    style="tensordiff.unmatched" if res.count("unmatched") else "")
+        only_a = sum(c.only_a for c in res.coverage.values()) if res.coverage else len(res.unmatched("a"))
+        only_b = sum(c.only_b for c in res.coverage.values()) if res.coverage else len(res.unmatched("b"))
+        text.append(f"{only_a} only in A, {only_b} only in B", style="tensordiff.unmatched" if only_a or only_b else "")
+        linked = sum(c.linked_a + c.linked_b for c in res.coverage.values())
+        if linked:
+            text.append(f" ({linked} more recorded again under another name, compared there)", style="tensordiff.dim")
         if res.count("drift"):
             text.append(f", {res.count('drift')} drifted without effect", style="tensordiff.drift")
         if res.count("shape"):
@@ -217,7 +221,8 @@ class DiffReport:
             text.append("\ncompared (A · B): ")
             parts = []
             for phase, cov in res.coverage.items():
-                parts.append(f"{phase} {_share(cov.compared, cov.recorded_a)} · {_share(cov.compared, cov.recorded_b)}")
+                parts.append(f"{phase} {_share(cov.compared_a, cov.recorded_a)} · "
+                             f"{_share(cov.compared_b, cov.recorded_b)}")
             text.append(", ".join(parts), style="tensordiff.dim")
         return text
 
@@ -258,6 +263,19 @@ class DiffReport:
             "rows": rows,
         }
 
+
+
+def _agree_detail(res: DiffResult) -> str:
+    """What 'no divergence' covers: A's and B's forward records compared, and what has no counterpart."""
+    fwd = res.coverage.get("forward")
+    if fwd is None:
+        return ""
+    text = (f"; the forward pass is compared for {_share(fwd.compared_a, fwd.recorded_a)} of A's records and "
+            f"{_share(fwd.compared_b, fwd.recorded_b)} of B's")
+    only = sum(c.only_a for c in res.coverage.values()), sum(c.only_b for c in res.coverage.values())
+    if any(only):
+        text += f"; {only[0]} of A's and {only[1]} of B's records have no counterpart (the 'only in' lines)"
+    return text
 
 
 def _share(part: int, whole: int) -> str:

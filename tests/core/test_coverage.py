@@ -76,15 +76,29 @@ def test_a_shape_skipped_pair_is_inconclusive_not_a_pass(tmp_path, capsys):
 
 
 def test_low_forward_coverage_is_inconclusive_and_min_coverage_is_honoured(tmp_path):
+    v = values()
+    extra = [T("forward", "post", "input", "0", v["y"], same_as=6, enter=9, module_class="Tanh", extra=LINK),
+             T("forward", "post", "output", "0", np.tanh(v["y"]), enter=9, module_class="Tanh")]
+    a_recs = records(v)
+    a = capture(tmp_path, "a", a_recs[:9] + extra + a_recs[9:])  # A has a module B does not
+    b = capture(tmp_path, "b", records(v))
+    res = diff(a, b)
+    fwd = res.coverage["forward"]
+    # post's input is fc's output again (compared there); its output has no counterpart anywhere
+    assert (fwd.recorded_a, fwd.compared_a, fwd.linked_a, fwd.only_a) == (8, 7, 1, 1)
+    assert res.outcome == "inconclusive"
+    assert any("only 7 of A's 8 records were compared (88% < 90%)" in r for r in res.reasons), res.reasons
+    res = diff(a, b, DiffOptions(min_coverage=0.5))
+    assert res.outcome == "agree" and res.exit_code == 0
+
+
+def test_a_tensor_recorded_twice_counts_as_compared_where_it_was(tmp_path):
     a = capture(tmp_path, "a", records(values()))
     b = capture(tmp_path, "b", records(values(), fc_name="proj", fc_class="Dense"))  # another name, no mapping
     res = diff(a, b, DiffOptions(order_fallback=False))
     fwd = res.coverage["forward"]
-    assert fwd.compared == 4 and fwd.recorded_a == 6 and fwd.only_a == 2
-    assert res.outcome == "inconclusive"
-    assert any("only 4 of A's 6 records were compared (67% < 90%)" in r for r in res.reasons), res.reasons
-    res = diff(a, b, DiffOptions(order_fallback=False, min_coverage=0.5))
-    assert not any(r.startswith("forward: only") for r in res.reasons)
+    # fc's input is emb's output, fc's output is the model's output: both compared under those names
+    assert (fwd.compared, fwd.compared_a, fwd.linked_a, fwd.only_a) == (4, 6, 2, 0)
 
 
 def test_a_pair_made_only_by_order_across_other_names_and_classes_is_uncertain_not_the_divergence(tmp_path):
