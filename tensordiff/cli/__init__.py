@@ -47,6 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tensordiff: interrupted", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (tensordiff ls --records | head): stop quietly
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+        return 0
     except Exception as err:  # a bug in tensordiff, not bad input: one line, the traceback on request
         if os.environ.get("TENSORDIFF_DEBUG"):
             traceback.print_exc()

@@ -70,3 +70,20 @@ def test_ls_records_lists_one_record_per_line_for_grep(tmp_path, capsys):
     assert len(capsys.readouterr().out.splitlines()) == 2
     assert cli.main(["ls", path, "--records", "--step", "4"]) == 2
     assert capsys.readouterr().err == f"tensordiff: error: {path}: no step 4; steps are [0]\n"
+
+
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+    from helpers import T, write_capture
+
+    x = np.ones(3, dtype=np.float32)
+    path = write_capture(str(tmp_path / "p.h5"), [[T("forward", f"m{i}", "output", "0", x) for i in range(5000)]])
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(f"{sys.executable} -m tensordiff ls {path} --records | head -1", shell=True,
+                          capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=root))
+    assert proc.stdout == "forward    m0 output.0  float32 3\n"
+    assert proc.stderr == ""
