@@ -10,7 +10,9 @@
 * ``backend``: ``TensorBackend``, the contract an adapter fulfils (read, copy, hook a tensor);
 * ``torch``, ``mindspore``: the adapters (``TorchCapture``, ``MindSporeCapture``): hooks installed
   and removed, a backend each;
-* ``auto``: capture of a PyTorch program that does not call tensordiff (``hooks/torch_autocapture.py``).
+* ``auto``: capture of a PyTorch program that does not call tensordiff, training steps only;
+  ``auto_main``: its entry point (``python -m tensordiff.capturing.auto_main SCRIPT``, what
+  ``tensordiff capture --auto`` runs).
 
 Records go to ``tensordiff.store.CaptureWriter``.
 """

@@ -22,6 +22,9 @@ ENV_PERTURB = "TENSORDIFF_PERTURB"
 
 TENSOR_MODES = ("first", "all", "none")
 
+#: The entry point ``tensordiff capture --auto`` runs a PyTorch program through (``capturing/auto_main.py``).
+AUTO_MODULE = "tensordiff.capturing.auto_main"
+
 
 @dataclass
 class CaptureOptions:

@@ -28,6 +28,11 @@ from .options import CaptureOptions, report_status
 STAT_KEYS = ("min", "max", "mean", "l2", "nan", "inf")
 
 
+def open_recorders() -> list[Recorder]:
+    """The recorders of this process still recording (``--auto`` steps aside when the program has its own)."""
+    return [r for r in list(_OPEN) if not r._closed and r.active]
+
+
 class Recorder:
     """Records the first ``options.steps`` training steps. Subclasses install hooks that call
     ``_on_call`` / ``_on_return`` / ``_grad_hook`` / ``_param_grads`` and read tensors through ``backend``."""
@@ -40,6 +45,7 @@ class Recorder:
         self.options = options
         self.path = path
         self._writer = CaptureWriter(path, attrs, background=options.background)
+        _OPEN.add(self)
         self._params = list(params)  # (module, attribute, parameter)
         self._classes = classes
         self._handles: list[Any] = []
@@ -142,12 +148,13 @@ class Recorder:
         if not self._failed:
             text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
             report_status(f"capture stopped: {type(err).__name__}: {text}")
-            warnings.warn(
-                f"tensordiff: capture stopped ({type(err).__name__}: {text}); hooks removed, training goes on; "
-                f"completed steps are in {self.path}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            with contextlib.suppress(Exception):  # warnings turned into errors (-W error) must not reach the model
+                warnings.warn(
+                    f"tensordiff: capture stopped ({type(err).__name__}: {text}); hooks removed, training goes on; "
+                    f"completed steps are in {self.path}",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         self._failed = True
         self._in_step = False
         self._remove_hooks()
@@ -317,6 +324,9 @@ class Recorder:
         if self._step >= self.options.steps:
             self._done = True
             self._remove_hooks()
+
+
+_OPEN: weakref.WeakSet[Recorder] = weakref.WeakSet()
 
 
 class NullCapture:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
+import subprocess
 import sys
 import tempfile
 from typing import Any
 
-from ..capturing.options import ENV_OUTPUT, ENV_PERTURB, ENV_STATUS, ENV_STEPS, ENV_TENSORS, TENSOR_MODES
+from ..capturing.options import AUTO_MODULE, ENV_OUTPUT, ENV_PERTURB, ENV_STATUS, ENV_STEPS, ENV_TENSORS, TENSOR_MODES
 from ..diff import noise as noises
 from ..errors import UsageError
 from ..report.capture import NoiseSummary
@@ -18,10 +21,15 @@ from ._args import command_after_dashes, console, program_failed, run_program
 
 def add_parsers(sub: Any) -> None:
     c = sub.add_parser("capture", help="run a training command with capture on",
-                       description="Run COMMAND with capture turned on. The program must call tensordiff.capture(model, ...) "
-                                   "or run through a hooks/ entry point; -o, --steps and --tensors override its arguments.",
-                       epilog="example: tensordiff capture -o run.h5 --steps 2 -- python train.py --lr 1e-4")
+                       description="Run COMMAND with capture turned on. The program calls tensordiff.capture(model, ...) "
+                                   "(-o, --steps and --tensors override its arguments), or, with --auto, is any PyTorch "
+                                   "script: its model and training steps are found through torch's global hooks.",
+                       epilog="examples: tensordiff capture -o run.h5 --steps 2 -- python train.py --lr 1e-4; "
+                              "tensordiff capture --auto -o run.h5 --steps 2 -- python plain_train.py --lr 1e-4")
     c.add_argument("-o", "--output", required=True, help="HDF5 file to write ('{rank}' is replaced by the rank)")
+    c.add_argument("--auto", action="store_true",
+                   help="PyTorch script that does not call tensordiff: run `python SCRIPT ...` / `python -m MODULE ...` "
+                        "through tensordiff's entry point; training steps only (evaluation is skipped)")
     c.add_argument("--steps", type=int, default=1, help="training steps to capture (default 1)")
     c.add_argument("--tensors", choices=TENSOR_MODES, default="first",
                    help="store full tensors for the first step (default), all steps, or none")
@@ -47,6 +55,10 @@ def run_capture(args: argparse.Namespace) -> int:
         raise UsageError("no training command given; put it after '--', e.g. tensordiff capture -o run.h5 -- python train.py")
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: capture at least 1 step")
+    script = next((part for part in cmd if part.endswith(".py")), cmd[0])
+    if args.auto:
+        cmd = auto_command(cmd)
+        _check_auto_importable(cmd[0])
     out = os.path.abspath(args.output)
     if os.path.exists(out):
         os.remove(out)
@@ -62,20 +74,74 @@ def run_capture(args: argparse.Namespace) -> int:
             problems = [line.strip() for line in f if line.strip()]
         os.remove(status)
     if problems and not os.path.exists(out):
-        script = next((part for part in cmd if part.endswith(".py")), cmd[0])
         raise UsageError(f"{script}: {problems[0]}")
     for line in problems:
         print(f"tensordiff: warning: {line}", file=sys.stderr)
     if code != 0:
         return program_failed(code)
     if not os.path.exists(out) and "{rank}" not in out:
-        raise UsageError(f"{cmd[0]} ran but wrote no capture to {out}: the program must call tensordiff.capture(model, ...) "
-                         "or be started through a hooks/ entry point (see docs/guide.md)")
+        raise UsageError(f"{cmd[0]} ran but wrote no capture to {out}: the program must call tensordiff.capture(model, ...), "
+                         "or run it with --auto (see docs/guide.md)")
     if os.path.exists(out):
         with CaptureFile(out) as cap:
             print(f"tensordiff: wrote {out}: {len(cap.steps)} step(s), {sum(len(cap.records(s)) for s in cap.steps)} "
                   f"records, {cap.nbytes() / 1e6:.1f} MB")
     return 0
+
+
+_PYTHON = re.compile(r"python[0-9.]*(\.exe)?")
+
+
+def auto_command(cmd: list[str]) -> list[str]:
+    """``python [OPTIONS] SCRIPT ARGS`` or ``python [OPTIONS] -m MODULE ARGS``, run through the packaged entry point
+    (``python [OPTIONS] -m tensordiff.capturing.auto_main SCRIPT ARGS``); anything else is a UsageError."""
+    if not cmd or not _PYTHON.fullmatch(os.path.basename(cmd[0])):
+        raise UsageError(f"--auto: {shlex.join(cmd[:1]) or 'nothing'} is not a python command; write the command as "
+                         "`python train.py ARGS` or `python -m package.module ARGS`")
+    i = 1
+    while i < len(cmd):
+        arg = cmd[i]
+        if arg == "-" or not arg.startswith("-"):
+            break
+        if arg.startswith("--"):
+            if arg != "--check-hash-based-pycs":
+                raise UsageError(f"--auto: `{shlex.join(cmd[:i + 1])}` runs no script; write the command as "
+                                 "`python train.py ARGS` or `python -m package.module ARGS`")
+            i += 2
+            continue
+        for j, flag in enumerate(arg[1:], 2):  # short options, possibly combined (-u, -uB, -Wignore, -mpkg.mod)
+            if flag not in "mcWX":
+                continue
+            value, used = (arg[j:], 1) if arg[j:] else (cmd[i + 1] if i + 1 < len(cmd) else "", 2)
+            if flag == "c":
+                raise UsageError("--auto: `python -c CODE` has no script to run through the capture; save the code in a "
+                                 "file and run `python FILE`")
+            if flag == "m":
+                if not value:
+                    raise UsageError("--auto: `python -m` names no module; write `python -m package.module ARGS`")
+                options = cmd[1:i] + ([arg[:j - 1]] if j > 2 else [])
+                return [cmd[0], *options, "-m", AUTO_MODULE, "-m", value, *cmd[i + used:]]
+            i += used - 1
+            break
+        i += 1
+    if i >= len(cmd) or cmd[i] == "-":
+        raise UsageError(f"--auto: `{shlex.join(cmd)}` names no script; write the command as `python train.py ARGS` or "
+                         "`python -m package.module ARGS`")
+    return [cmd[0], *cmd[1:i], "-m", AUTO_MODULE, *cmd[i:]]
+
+
+def _check_auto_importable(python: str) -> None:
+    """The program's python must import tensordiff (it runs the entry point): one line if it cannot."""
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({AUTO_MODULE!r}) is None)"
+    try:
+        code = subprocess.call([python, "-c", probe], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise UsageError(f"cannot run {python!r}: no such program; check the command after '--'") from None
+    except OSError as err:
+        raise UsageError(f"cannot run {python!r}: {err.strerror}; check the command after '--'") from None
+    if code != 0:
+        raise UsageError(f"--auto: {python} cannot import {AUTO_MODULE}; install this tensordiff into that python's "
+                         f"environment, or start the command with {sys.executable}")
 
 
 def run_noise(args: argparse.Namespace) -> int:
