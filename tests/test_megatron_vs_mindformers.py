@@ -31,7 +31,7 @@ def _run(tmp_path, family, fault="none"):
         return proc.returncode, json.load(f), proc.stdout
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3", "llama-legacy"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "llama-stacked", "qwen3", "llama-legacy"])
 def test_all_fixes_agree_within_fp32_noise(tmp_path, family):
     code, report, out = _run(tmp_path, family)
     if family == "llama-legacy":
@@ -46,6 +46,8 @@ def test_all_fixes_agree_within_fp32_noise(tmp_path, family):
         assert report["outcome"] == "agree" and report["coverage"]["forward"]["share_a"] >= 0.9
     assert report["first_divergence"] is None and report["hints"] == []
     picked = {"gpt2": None, "llama": "mindformers-to-mcore (fc1=deinterleave, kv_repeat=1), picked from the captures",
+              # stacked fc1, keyword calls, no --mapping given: the layout is read from B's MLP class
+              "llama-stacked": "mindformers-to-mcore (fc1=identity, kv_repeat=1), picked from the captures",
               "qwen3": "mindformers-to-mcore (fc1=deinterleave, kv_repeat=2), picked from the captures",
               "llama-legacy": "mindformers-llama-to-mcore, picked from the captures"}[family]
     assert picked is None or report["mapping_note"].startswith(picked), report["mapping_note"]

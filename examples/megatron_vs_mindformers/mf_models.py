@@ -29,8 +29,11 @@ def _parallel_core_gpt(spec: Any, position_embedding_type: str, share_embeddings
         num_attention_heads=spec.num_attention_heads, num_query_groups=spec.num_query_groups,
         kv_channels=spec.head_dim, seq_length=spec.seq_length, vocab_size=spec.vocab_size,
         position_embedding_type=position_embedding_type, layernorm_epsilon=spec.layernorm_epsilon,
-        use_flash_attention=False, hidden_dropout=0.0, attention_dropout=0.0, **config, **FP32)
-    return GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=spec.vocab_size,
+        use_flash_attention=False, hidden_dropout=0.0, attention_dropout=0.0,
+        use_interleaved_weight_layout_mlp=spec.family != "llama-stacked", **config, **FP32)
+    stacked = spec.family == "llama-stacked"  # MLP with [gate; up] rows instead of the default MLPInterleaved
+    layer_spec = get_gpt_layer_local_spec(use_interleaved_weight_layout_mlp=not stacked)
+    return GPTModel(config=cfg, transformer_layer_spec=layer_spec, vocab_size=spec.vocab_size,
                     max_sequence_length=spec.seq_length, position_embedding_type=position_embedding_type,
                     share_embeddings_and_output_weights=share_embeddings, rotary_base=spec.rotary_base)
 
@@ -85,7 +88,8 @@ def load_state(model: Any, state: dict[str, np.ndarray]) -> None:
 
 
 def build_mindformers(spec: Any, state: dict[str, np.ndarray]) -> tuple[Any, Callable[[dict], Any]]:
-    """(model, loss_fn(batch)) for the ``llama`` (parallel_core GPTModel), ``qwen3`` or ``llama-legacy`` family."""
+    """(model, loss_fn(batch)) for the ``llama`` / ``llama-stacked`` (parallel_core GPTModel), ``qwen3`` or
+    ``llama-legacy`` family."""
     if spec.family == "llama-legacy":
         model = _legacy_llama(spec)
         model.set_train(True)

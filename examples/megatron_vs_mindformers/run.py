@@ -28,6 +28,7 @@ from examples.megatron_vs_mindformers.spec import FAMILIES  # noqa: E402
 SETUP: dict[str, tuple[str, list[str], str | None, list[str]]] = {
     "gpt2": (os.path.join(HERE, "ms_gpt_ckpt.yaml"), [], os.path.join(HERE, "ms_gpt_mapping.yaml"), []),
     "llama": ("mcore-to-mindformers", ["heads=4", "groups=4"], None, []),
+    "llama-stacked": ("mcore-to-mindformers", ["heads=4", "groups=4", "fc1_layout=stacked"], None, []),
     "llama-legacy": ("mcore-to-mindformers-llama", ["heads=4", "groups=4"], None, []),
     "qwen3": ("mcore-to-mindformers", ["heads=4", "groups=2"], None, []),
 }

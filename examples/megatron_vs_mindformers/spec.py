@@ -7,6 +7,8 @@
   ``GPTModel`` (the Megatron-style model of MindFormers 1.x).
 * ``llama-legacy``: the ``llama`` model; MindSpore side: the legacy MindFormers ``LlamaForCausalLM``
   (``tok_embeddings``, ``attention.wq/wk/wv``, ``feed_forward.w1/w2/w3``; activations ``[B, S, H]``).
+* ``llama-stacked``: the ``llama`` model; MindSpore side: the same ``parallel_core`` ``GPTModel`` built with
+  ``use_interleaved_weight_layout_mlp=False`` (``linear_fc1`` rows stacked [gate; up], as Megatron's).
 * ``qwen3``: ``llama`` with grouped-query attention (4 heads, 2 groups) and RMSNorm on q and k.
   MindSpore side: ``TrainingQwen3ForCausalLM``.
 """
@@ -42,6 +44,7 @@ class Spec:
 FAMILIES = {
     "gpt2": Spec(),
     "llama": Spec(family="llama", ffn_hidden_size=128, num_query_groups=4, layernorm_epsilon=1e-6),
+    "llama-stacked": Spec(family="llama-stacked", ffn_hidden_size=128, num_query_groups=4, layernorm_epsilon=1e-6),
     "llama-legacy": Spec(family="llama-legacy", ffn_hidden_size=128, num_query_groups=4, layernorm_epsilon=1e-6),
     "qwen3": Spec(family="qwen3", ffn_hidden_size=128, num_query_groups=2, layernorm_epsilon=1e-6, qk_layernorm=True),
 }

@@ -27,17 +27,24 @@ def _leaf(rec: Record) -> str:
 
 
 def mark_uncertain(rows: list[Row]) -> None:
-    """Diverged pairs matched by order and shape only, whose module names and classes both disagree: 'uncertain'."""
+    """Diverged pairs matched by order and shape only are 'uncertain' when the evidence against them is as strong
+    as for them: their module names and classes both disagree, or they are arguments of other names (an argument
+    is paired by its name, never by its position alone)."""
     for row in rows:
         a, b = row.pair.a, row.pair.b
         if row.verdict != "diverged" or row.pair.how != "order" or a is None or b is None:
             continue
         same_class = bool(a.module_class) and a.module_class == b.module_class
-        if same_class or _leaf(a) == _leaf(b):
+        other_argument = a.kind in ("input", "grad_input") and a.slot != b.slot
+        if (same_class or _leaf(a) == _leaf(b)) and not other_argument:
             continue
         row.verdict = "uncertain"
-        evidence = (f"paired by order and shape only: A's {module_label(a.module)} ({a.module_class or '?'}) "
-                    f"vs B's {module_label(b.module)} ({b.module_class or '?'}); names and classes differ")
+        if other_argument:
+            evidence = (f"paired by order and shape only: A's argument {a.tensor_label} of {module_label(a.module)} "
+                        f"vs B's {b.tensor_label} of {module_label(b.module)}")
+        else:
+            evidence = (f"paired by order and shape only: A's {module_label(a.module)} ({a.module_class or '?'}) "
+                        f"vs B's {module_label(b.module)} ({b.module_class or '?'}); names and classes differ")
         row.note = evidence if not row.note else f"{row.note}; {evidence}"
 
 

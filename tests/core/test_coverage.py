@@ -155,3 +155,23 @@ def test_a_phase_one_side_did_not_record_is_inconclusive(tmp_path):
     res = diff(a, b)
     assert res.outcome == "inconclusive"
     assert "backward: A recorded 2 record(s), B 0, and no pair was compared (B did not record this phase)" in res.reasons
+
+
+def test_arguments_of_other_names_paired_by_order_are_uncertain(tmp_path):
+    v = values()
+    positions = np.arange(4, dtype=np.int64).reshape(1, 4)
+    a_recs = records(v)
+    b_recs = records(v)
+    # A's model also takes position ids, B's takes labels instead: same kind and shape, other values
+    a_recs.insert(3, T("forward", "", "input", "position_ids", positions, enter=2, module_class="Net"))
+    b_recs.insert(3, T("forward", "", "input", "labels", IDS[:, ::-1].copy(), enter=2, module_class="Net"))
+    for recs in (a_recs, b_recs):  # the links after the insertion point move by one
+        for t in recs[4:]:
+            t.same_as += 1 if t.same_as >= 3 else 0
+            t.grad_of += 1 if t.grad_of >= 3 else 0
+            t.enter += 1 if t.enter >= 3 else 0
+    res = diff(capture(tmp_path, "a", a_recs), capture(tmp_path, "b", b_recs))
+    row = next(r for r in res.rows if r.pair.a is not None and r.pair.a.slot == "position_ids")
+    assert row.pair.how == "order" and row.pair.b.slot == "labels" and row.verdict == "uncertain"
+    assert "A's argument input.position_ids of <model> vs B's input.labels of <model>" in row.note
+    assert res.first is None and res.outcome == "inconclusive"
