@@ -40,9 +40,6 @@ def add_parsers(sub: Any) -> None:
     d.add_argument("--noise-file", metavar="FILE", help="per-tensor noise written by tensordiff noise")
     d.add_argument("--noise-factor", type=float, default=3.0, help="allowed multiple of the measured noise (default 3)")
     d.add_argument("--jump", type=float, default=3.0, help="error growth that counts as introduced (default 3x)")
-    d.add_argument("--min-coverage", type=float, default=0.9, metavar="SHARE",
-                   help="no divergence is agreement (exit 0) only if this share of A's forward records was compared; "
-                        "else inconclusive, exit 3 (default 0.9)")
     d.add_argument("--no-order", action="store_true", help="do not match leftovers by execution order and shape")
     d.add_argument("--no-hints", action="store_true", help="do not test likely causes at the first divergence")
     d.add_argument("--phase", action="append", help="show only this phase (repeatable)")
@@ -64,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     reference_mapping = RenameRules.load(args.reference_mapping, variables) if args.reference_mapping else None
     options = DiffOptions(mapping=mapping, tolerances=tolerances, order_fallback=not args.no_order, jump=args.jump,
                           steps=args.step, reference=args.reference, reference_mapping=reference_mapping,
-                          reference_factor=args.reference_factor, min_coverage=args.min_coverage,
+                          reference_factor=args.reference_factor,
                           auto_mapping=not args.no_auto_mapping)
     result = diagnose(args.a, args.b, options, hints=not args.no_hints)
     report = DiffReport(result, max_rows=args.max_rows, phases=args.phase, first_only=args.first_divergence)

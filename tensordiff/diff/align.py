@@ -91,8 +91,9 @@ class Ignore:
     kinds: frozenset[str] | None = None
     slots: frozenset[str] | None = None
 
-    def hits(self, rec: Record) -> bool:
-        return (self.module.fullmatch(rec.module) is not None
+    def hits(self, rec: Record, module: str | None = None) -> bool:
+        """``module``: the record's module name as the rules see it (B's with the mapping's prefixes stripped)."""
+        return (self.module.fullmatch(rec.module if module is None else module) is not None
                 and (self.kinds is None or rec.kind in self.kinds)
                 and (self.slots is None or rec.slot in self.slots))
 
@@ -249,8 +250,16 @@ def align_step(recs_a: list[Record], recs_b: list[Record], mapping: RenameRules 
                order_fallback: bool = True) -> list[Pair]:
     """Pairs for one step, in A's order; unmatched B records appended per phase."""
     mapping = mapping or RenameRules()
+    def b_name(r: Record) -> str:
+        for prefix in mapping.strip_b:
+            if r.module.startswith(prefix):
+                return r.module[len(prefix):]
+            if r.module == prefix.rstrip("."):
+                return ""
+        return r.module
+
     ignored_a = {r.seq for r in recs_a if any(i.hits(r) for i in mapping.ignore_a)}
-    ignored_b = {r.seq for r in recs_b if any(i.hits(r) for i in mapping.ignore_b)}
+    ignored_b = {r.seq for r in recs_b if any(i.hits(r, b_name(r)) for i in mapping.ignore_b)}
     a_list = [r for r in recs_a if r.seq not in ignored_a]
     b_list = [r for r in recs_b if r.seq not in ignored_b]
     partner: dict[int, tuple[Record, MatchHow, tuple[Op, ...]]] = {}  # a.seq -> (b, how, ops)
@@ -271,14 +280,6 @@ def align_step(recs_a: list[Record], recs_b: list[Record], mapping: RenameRules 
                     partner[hit_a.seq] = (rb, how, ops)
                     taken_b.add(rb.seq)
                     break
-
-    def b_name(r: Record) -> str:
-        for prefix in mapping.strip_b:
-            if r.module.startswith(prefix):
-                return r.module[len(prefix):]
-            if r.module == prefix.rstrip("."):
-                return ""
-        return r.module
 
     def by_rules(rb: Record) -> list[tuple[tuple, tuple[Op, ...]]]:
         out = []

@@ -5,9 +5,9 @@ A diff can only vouch for what it compared. Three rules keep it from passing sil
 * a pair made by order and shape alone, across modules whose names and classes both disagree, is a guess:
   when its values differ it becomes an *uncertain* row (with its evidence), never a divergence on its own;
 * coverage is counted per phase: records on each side, and the pairs whose two tensors were judged;
-* no divergence is called agreement (exit 0) only when the pairs that were found could all be compared,
-  every phase both sides recorded had something compared, and at least ``min_coverage`` of A's forward
-  records were compared. Otherwise the outcome is *inconclusive* (exit 3) and each reason is named.
+* no divergence is called agreement (exit 0) only when every record on both sides was compared (as a pair,
+  or as the same tensor under another record of its side) or is ignored on purpose by the mapping, and every
+  phase A recorded had pairs compared. Otherwise the outcome is *inconclusive* (exit 3), each reason named.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def coverage(rows: list[Row]) -> dict[str, PhaseCoverage]:
     return {phase: cov for phase, cov in out.items() if cov.recorded_a or cov.recorded_b}
 
 
-def judge_outcome(result: DiffResult, min_coverage: float) -> tuple[Outcome, list[str]]:
+def judge_outcome(result: DiffResult) -> tuple[Outcome, list[str]]:
     """'diverged' when a first divergence was named; else 'agree' or 'inconclusive' with every reason."""
     if result.first is not None:
         return "diverged", []
@@ -104,8 +104,9 @@ def judge_outcome(result: DiffResult, min_coverage: float) -> tuple[Outcome, lis
         if cov.recorded_a and not cov.compared:
             reasons.append(f"{phase}: A recorded {cov.recorded_a} record(s), B {cov.recorded_b}, and no pair was compared"
                            + ("" if cov.recorded_b else " (B did not record this phase)"))
-    fwd = result.coverage.get("forward")
-    if fwd is not None and fwd.recorded_a and fwd.share_a < min_coverage:
-        reasons.append(f"forward: only {fwd.compared_a} of A's {fwd.recorded_a} records were compared "
-                       f"({fwd.share_a:.0%} < {min_coverage:.0%}); give a mapping (--mapping) or lower --min-coverage")
+    only_a = sum(c.only_a for c in result.coverage.values())
+    only_b = sum(c.only_b for c in result.coverage.values())
+    if only_a or only_b:
+        reasons.append(f"{only_a} of A's and {only_b} of B's records have no counterpart and are not accounted for "
+                       "(the 'only in' lines); a mapping gives them one, or ignores them on purpose (ignore_a, ignore_b)")
     return ("inconclusive", reasons) if reasons else ("agree", [])

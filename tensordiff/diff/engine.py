@@ -73,7 +73,7 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
             only_a_steps=sorted(set(ca.steps) - set(cb.steps)), only_b_steps=sorted(set(cb.steps) - set(ca.steps)),
             coverage=coverage(rows), mapping_note=mapping_note,
         )
-        result.outcome, result.reasons = judge_outcome(result, options.min_coverage)
+        result.outcome, result.reasons = judge_outcome(result)
         return result
 
 

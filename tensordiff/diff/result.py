@@ -52,17 +52,12 @@ class DiffOptions:
     """Three-way: B is off when its error against R exceeds this many times A's own error against R."""
     auto_mapping: bool = True
     """Without ``mapping``, pick the built-in mapping that fits the two captures (``--no-auto-mapping`` turns it off)."""
-    min_coverage: float = 0.9
-    """No divergence counts as agreement only when at least this share of A's forward records was compared
-    (``--min-coverage``); below it the outcome is 'inconclusive'."""
 
     def __post_init__(self) -> None:
         if self.jump <= 1:
             raise UsageError(f"jump={self.jump}: must be above 1 (an error must grow to count as introduced)")
         if self.ulp_k < 0:
             raise UsageError(f"ulp_k={self.ulp_k}: must be 0 or more")
-        if not 0 <= self.min_coverage <= 1:
-            raise UsageError(f"min_coverage={self.min_coverage}: a share between 0 and 1, e.g. --min-coverage 0.9")
 
 
 @dataclass
@@ -153,8 +148,8 @@ class DiffResult:
     coverage: dict[str, PhaseCoverage] = field(default_factory=dict)
     """Per phase (in execution order): what was recorded and what was compared."""
     outcome: Outcome = "agree"
-    """'diverged' (a first divergence), 'agree' (every recorded tensor compared or accounted for, all within
-    tolerance) or 'inconclusive' (no divergence found, but too much was not compared to call it agreement)."""
+    """'diverged' (a first divergence), 'agree' (every recorded tensor compared or ignored on purpose by the
+    mapping, all within tolerance) or 'inconclusive' (no divergence found, but not everything was compared)."""
     reasons: list[str] = field(default_factory=list)
     """Why the outcome is 'inconclusive', one sentence each."""
     mapping_note: str = ""

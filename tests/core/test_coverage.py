@@ -13,7 +13,7 @@ import numpy as np
 from helpers import T, write_capture
 
 from tensordiff.cli import main
-from tensordiff.diff import DiffOptions, diff
+from tensordiff.diff import DiffOptions, RenameRules, diff
 
 RNG = np.random.default_rng(1)
 IDS = np.array([[1, 3, 2, 0]], dtype=np.int64)
@@ -75,7 +75,7 @@ def test_a_shape_skipped_pair_is_inconclusive_not_a_pass(tmp_path, capsys):
     assert "Inconclusive: no divergence among the pairs compared" in out and "No divergence:" not in out
 
 
-def test_low_forward_coverage_is_inconclusive_and_min_coverage_is_honoured(tmp_path):
+def test_a_record_with_no_counterpart_makes_it_inconclusive(tmp_path):
     v = values()
     extra = [T("forward", "post", "input", "0", v["y"], same_as=6, enter=9, module_class="Tanh", extra=LINK),
              T("forward", "post", "output", "0", np.tanh(v["y"]), enter=9, module_class="Tanh")]
@@ -86,9 +86,11 @@ def test_low_forward_coverage_is_inconclusive_and_min_coverage_is_honoured(tmp_p
     fwd = res.coverage["forward"]
     # post's input is fc's output again (compared there); its output has no counterpart anywhere
     assert (fwd.recorded_a, fwd.compared_a, fwd.linked_a, fwd.only_a) == (8, 7, 1, 1)
-    assert res.outcome == "inconclusive"
-    assert any("only 7 of A's 8 records were compared (88% < 90%)" in r for r in res.reasons), res.reasons
-    res = diff(a, b, DiffOptions(min_coverage=0.5))
+    assert res.outcome == "inconclusive" and res.exit_code == 3
+    assert res.reasons == ["1 of A's and 0 of B's records have no counterpart and are not accounted for (the 'only "
+                           "in' lines); a mapping gives them one, or ignores them on purpose (ignore_a, ignore_b)"]
+    ignore = RenameRules.from_text("rules: []\nignore_a: ['post']\n")
+    res = diff(a, b, DiffOptions(mapping=ignore))  # ignored on purpose: accounted for
     assert res.outcome == "agree" and res.exit_code == 0
 
 
