@@ -35,3 +35,14 @@ def times_shape(shape: Iterable[int] | None) -> str:
     if shape is None:
         return "-"
     return "×".join(map(str, shape)) or "scalar"
+
+
+def first_line(err: BaseException | str, limit: int = 200, default: str | None = None) -> str:
+    """The first non-empty line of an error's message, cut to ``limit`` characters (one-line messages);
+    ``default`` when there is none (None: the exception's type name)."""
+    line = next((part.strip() for part in str(err).splitlines() if part.strip()), "")
+    if line:
+        return line[:limit]
+    if default is None:
+        return type(err).__name__ if isinstance(err, BaseException) else ""
+    return default

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .._text import first_line
 from ..record import flatten
 from ..store.format import shape_text
 from ..store.writer import CaptureWriter
@@ -146,7 +147,7 @@ class Recorder:
 
     def _fail(self, err: BaseException) -> None:
         if not self._failed:
-            text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+            text = first_line(err, limit=10_000, default="")
             report_status(f"capture stopped: {type(err).__name__}: {text}")
             with contextlib.suppress(Exception):  # warnings turned into errors (-W error) must not reach the model
                 warnings.warn(

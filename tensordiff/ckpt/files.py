@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes, frameworks
-from .._text import listing, plural
+from .._text import first_line, listing, plural
 from ..errors import CheckpointError
 from ..transforms import contiguous
 from .plan import Checkpoint
@@ -103,11 +103,6 @@ def describe_skipped(skipped: dict[str, str]) -> str:
     return plural(len(skipped), "non-tensor entry", "non-tensor entries") + f" ({shown}{', ...' if len(groups) > 3 else ''})"
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:200] if text else type(err).__name__
-
-
 # ----------------------------------------------------------------------------------- safetensors
 def _load_safetensors(path: str) -> tuple[Checkpoint, dict[str, str]]:
     import safetensors
@@ -116,7 +111,7 @@ def _load_safetensors(path: str) -> tuple[Checkpoint, dict[str, str]]:
         with open(path, "rb") as fh:
             items = safetensors.deserialize(fh.read())
     except Exception as err:  # safetensors raises its own error types for a bad header
-        raise CheckpointError(f"{path}: not a readable safetensors file ({_first_line(err)}); is it truncated?") from None
+        raise CheckpointError(f"{path}: not a readable safetensors file ({first_line(err)}); is it truncated?") from None
     out: Checkpoint = {}
     for name, info in sorted(items, key=lambda item: _natural(item[0])):  # the file keeps no order of its own
         dtype = _ST_DTYPES.get(info["dtype"])

@@ -14,6 +14,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from .._text import first_line
 from .._version import __version__
 from ..errors import TensordiffError
 from . import batch, capture, ckpt, diff, inspect, replay, runs
@@ -54,8 +55,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as err:  # a bug in tensordiff, not bad input: one line, the traceback on request
         if os.environ.get("TENSORDIFF_DEBUG"):
             traceback.print_exc()
-        line = next((s.strip() for s in str(err).splitlines() if s.strip()), "")
-        print(f"tensordiff: internal error in {args.command}: {type(err).__name__}: {line[:300]}; please report it "
+        line = first_line(err, 300, default="")
+        print(f"tensordiff: internal error in {args.command}: {type(err).__name__}: {line}; please report it "
               "(TENSORDIFF_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
 

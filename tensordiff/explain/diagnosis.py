@@ -33,16 +33,16 @@ class Diagnosis(DiffResult):
         return [c for c in self.checks if not c.ran]
 
 
-def explain(result: DiffResult) -> Diagnosis:
-    """Test the likely causes at ``result``'s first divergence (reads both captures again)."""
+def explain(result: DiffResult, hints: bool = True) -> Diagnosis:
+    """``result`` as a ``Diagnosis``: with ``hints``, the likely causes tested at its first divergence (reads both
+    captures again)."""
     fields = {f.name: getattr(result, f.name) for f in dataclasses.fields(DiffResult)}
-    hints, note, checks = find_hints(result)
-    return Diagnosis(**fields, hints=hints, hints_note=note, checks=checks)
+    if not hints:
+        return Diagnosis(**fields)
+    found, note, checks = find_hints(result)
+    return Diagnosis(**fields, hints=found, hints_note=note, checks=checks)
 
 
 def diagnose(path_a: str, path_b: str, options: DiffOptions | None = None, hints: bool = True) -> Diagnosis:
     """``diff`` two captures, then (``hints``) test the likely causes at the first divergence."""
-    result = diff(path_a, path_b, options)
-    if not hints:
-        return Diagnosis(**{f.name: getattr(result, f.name) for f in dataclasses.fields(DiffResult)})
-    return explain(result)
+    return explain(diff(path_a, path_b, options), hints)

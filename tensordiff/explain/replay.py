@@ -25,6 +25,7 @@ from typing import Any, Literal
 import numpy as np
 
 from .. import frameworks
+from .._text import first_line
 from ..diff.align import RenameRules, align_step
 from ..diff.metrics import rel_l2
 from ..errors import ReplayError, TensordiffError, UsageError
@@ -156,9 +157,9 @@ def replay(path_a: str, path_b: str, module: str, factory: Callable[[], Any], st
     except TensordiffError:
         raise
     except Exception as err:  # the model's own code: a module it lacks, inputs it does not take
-        text = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+        text = first_line(err, default="")
         raise ReplayError(f"--module {module}: calling it in the model built by the factory failed ({type(err).__name__}: "
-                          f"{text[:200]}); check that --model builds side A's model and --module names one of its "
+                          f"{text}); check that --model builds side A's model and --module names one of its "
                           "modules") from None
 
     ab, ra, rb, rba = rel_l2(y_a, y_b), rel_l2(y_aa, y_a), rel_l2(y_ab, y_b), rel_l2(y_ab, y_a)

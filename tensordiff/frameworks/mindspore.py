@@ -11,7 +11,7 @@ import mindspore as ms
 import ml_dtypes
 import numpy as np
 
-from .._text import listing
+from .._text import first_line, listing
 from ..errors import CheckpointError, UsageError
 from ..record import flatten
 
@@ -56,17 +56,12 @@ CKPT_DTYPES = {np.dtype(t) for t in (np.float64, np.float32, np.float16, ml_dtyp
                                      np.int16, np.int8, np.uint64, np.uint32, np.uint16, np.uint8, np.bool_)}
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:200] if text else type(err).__name__
-
-
 def load_checkpoint(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(tensors, skipped entries) of a ``.ckpt`` file (``mindspore.load_checkpoint``)."""
     try:
         params = ms.load_checkpoint(path)
     except (ValueError, RuntimeError, OSError, TypeError) as err:
-        raise CheckpointError(f"{path}: not a readable MindSpore checkpoint ({_first_line(err)})") from None
+        raise CheckpointError(f"{path}: not a readable MindSpore checkpoint ({first_line(err)})") from None
     out: dict[str, np.ndarray] = {}
     for name, param in params.items():
         array = np.array(param.asnumpy(), copy=True)
@@ -89,7 +84,7 @@ def save_checkpoint(tensors: dict[str, np.ndarray], path: str, shown_as: str = "
     try:
         ms.save_checkpoint([{"name": k, "data": ms.Tensor(v)} for k, v in tensors.items()], path)
     except (TypeError, ValueError, RuntimeError) as err:
-        raise CheckpointError(f"{where}: MindSpore cannot write it ({_first_line(err)})") from None
+        raise CheckpointError(f"{where}: MindSpore cannot write it ({first_line(err)})") from None
 
 
 # ----------------------------------------------------------------------------------------- replay

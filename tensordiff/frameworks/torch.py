@@ -16,7 +16,7 @@ import ml_dtypes
 import numpy as np
 import torch
 
-from .._text import listing
+from .._text import first_line, listing
 from ..errors import CheckpointError
 from ..record import flatten
 
@@ -98,11 +98,6 @@ def reduce_stats(t: torch.Tensor) -> torch.Tensor:
 _UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0][:200] if text else type(err).__name__
-
-
 def load_checkpoint(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(tensors, skipped non-tensor entries: name -> type) of a ``.pt`` state dict (flat, or Megatron's ``{'model': ...}``)."""
     try:
@@ -117,7 +112,7 @@ def load_checkpoint(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
                 "torch.save(c['model'], 'model.pt')\"") from None
         raise CheckpointError(f"{path}: not a readable torch checkpoint (corrupt, or not written by torch.save)") from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: not a readable torch checkpoint ({_first_line(err)}); is it truncated?") from None
+        raise CheckpointError(f"{path}: not a readable torch checkpoint ({first_line(err)}); is it truncated?") from None
     out: dict[str, np.ndarray] = {}
     skipped: dict[str, str] = {}
     for name, value in _state_dict(obj, path).items():
