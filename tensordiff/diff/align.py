@@ -12,27 +12,38 @@
 5. order: what is left, per phase, matched in execution order where kind and shape agree
    (off with ``order_fallback: false`` in the mapping, or ``--no-order``).
 
+A rule whose ``b:`` is a list of regexes is a *join* (many B modules onto one A module):
+q_proj, k_proj, v_proj onto Megatron's ``linear_qkv``, gate_proj and up_proj onto ``linear_fc1``.
+B's outputs, their gradients, parameters and parameter gradients are joined in list order
+with the rule's ``join:`` split (``qkv_groups(...)``, ``chunk(n=2)``; parameters along dim 0,
+activations along the last dim unless the split names its ``dim``), then compared with A's
+as one tensor. Inputs pair with the first part's (the parts read the same input).
+
 Whatever is still unmatched is reported as unmatched, never as passing.
 """
 
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
+
+import numpy as np
 
 from .._yaml import load_yaml
 from ..errors import MappingError
 from ..mappings import rename_rules
 from ..record import PHASES, Record
-from ..transforms import Op, parse_op
+from ..transforms import Op, Split, apply, apply_stats, parse_op, parse_split
 
 _WRAPPERS = ("module.", "_orig_mod.")
 MatchHow = Literal["exact", "prefix", "rule", "tensor", "order", ""]
 _PARAM_KINDS = ("param", "grad")
+_INPUT_KINDS = ("input", "grad_input")
 
 
 @dataclass(frozen=True)
@@ -45,10 +56,41 @@ class Pair:
     """Which pass matched it: 'exact', 'prefix', 'rule', 'tensor', 'order', or '' for unmatched."""
     ops: tuple[Op, ...] = ()
     """transforms that bring B's tensor into A's layout."""
+    parts: tuple[Record, ...] = ()
+    """a join: B's records whose tensors, joined with ``join``, are B's tensor (``b`` then describes the joined tensor)."""
+    join: Split | None = None
 
     @property
     def matched(self) -> bool:
         return self.a is not None and self.b is not None
+
+    @property
+    def b_records(self) -> tuple[Record, ...]:
+        """B's real records in this pair: the parts of a join, else ``b`` (or none)."""
+        return self.parts or ((self.b,) if self.b is not None else ())
+
+    def b_tensor(self, read: Callable[[Record], np.ndarray | None]) -> np.ndarray | None:
+        """B's tensor in A's layout (parts joined, then ``ops``), or None where B stored statistics only.
+
+        Raises ValueError (and whatever a transform raises) when the transforms do not fit the tensor."""
+        if self.join is not None:
+            xs = [read(r) for r in self.parts]
+            if any(x is None for x in xs):
+                return None
+            x = self.join.join(xs)  # type: ignore[arg-type]
+        else:
+            assert self.b is not None
+            one = read(self.b)
+            if one is None:
+                return None
+            x = one
+        return apply(self.ops, x) if self.ops else x
+
+    def b_stats(self) -> tuple | None:
+        """(numel, min, max, mean, l2) of B's tensor in A's layout, or None when statistics cannot follow."""
+        assert self.b is not None
+        st = (self.b.numel, self.b.min, self.b.max, self.b.mean, self.b.l2)
+        return apply_stats(self.ops, st) if self.ops else st
 
 
 @dataclass
@@ -62,6 +104,23 @@ class Rule:
     inputs: tuple[Op, ...] = ()
     outputs: tuple[Op, ...] = ()
     params: dict[str, tuple[Op, ...]] = field(default_factory=dict)
+    parts: tuple[re.Pattern, ...] = ()
+    """a join: B's modules (``b`` is the first), joined in this order."""
+    join: str = ""
+    """the join's split, e.g. ``qkv_groups(heads=4, groups=2)``; see ``split_for``."""
+
+    def split_for(self, kind: str) -> Split:
+        """The join's split for a record kind: parameters join along dim 0, activations along the last dim,
+        unless the split names its dim."""
+        text = self.join.strip()
+        if "dim=" not in text.replace(" ", ""):
+            dim = "0" if kind in _PARAM_KINDS else "-1"
+            if text.endswith(")") and "(" in text:
+                head, inner = text[:text.index("(")], text[text.index("(") + 1:-1].strip()
+                text = f"{head}({inner + ', ' if inner else ''}dim={dim})"
+            else:
+                text = f"{text}(dim={dim})"
+        return parse_split(text, "join")
 
     def target(self, rec: Record, module: str | None = None) -> tuple[tuple, tuple[Op, ...]] | None:
         """Where B's record goes in A (and B's transforms), or None; ``module``: B's name with the mapping's prefixes stripped."""
@@ -71,6 +130,8 @@ class Rule:
             return None
         if self.only_slots is not None and rec.kind not in _PARAM_KINDS and rec.slot not in self.only_slots:
             return None
+        if self.parts and rec.kind not in _INPUT_KINDS:
+            return None  # a join's outputs, gradients and parameters are paired by ``join_target``
         m = self.b.fullmatch(rec.module if module is None else module)
         if not m:
             return None
@@ -81,6 +142,48 @@ class Rule:
         else:
             ops = self.inputs if rec.kind in ("input", "grad_input") else self.outputs
         return (rec.phase, name, rec.call, rec.kind, slot), ops
+
+    def join_target(self, rec: Record, module: str) -> tuple[tuple, int] | None:
+        """For a join: (A's key, which part) of B's output, gradient or parameter record, or None."""
+        if not self.parts or rec.kind in _INPUT_KINDS:
+            return None
+        if self.phases is not None and rec.phase not in self.phases:
+            return None
+        if self.kinds is not None and rec.kind not in self.kinds:
+            return None
+        if self.only_slots is not None and rec.kind not in _PARAM_KINDS and rec.slot not in self.only_slots:
+            return None
+        for i, pattern in enumerate(self.parts):
+            m = pattern.fullmatch(module)
+            if m:
+                return (rec.phase, m.expand(self.a), rec.call, rec.kind, self.slots.get(rec.slot, rec.slot)), i
+        return None
+
+    def ops_for(self, rec: Record) -> tuple[Op, ...]:
+        if rec.kind in _PARAM_KINDS:
+            return self.params.get(rec.slot, ())
+        return self.inputs if rec.kind in _INPUT_KINDS else self.outputs
+
+
+def joined_record(parts: tuple[Record, ...], split: Split) -> Record:
+    """A record describing B's joined tensor: the parts' names in one label, the joined shape, the statistics
+    combined (a join only reorders the parts' elements)."""
+    names = [p.module for p in parts]
+    prefix = names[0].rsplit(".", 1)[0] + "." if "." in names[0] else ""
+    if all(n.startswith(prefix) for n in names) and prefix:
+        label = prefix + "+".join(n[len(prefix):] for n in names)
+    else:
+        label = "+".join(names)
+    try:
+        shape = split.joined_shape([p.shape for p in parts])
+    except ValueError:
+        shape = parts[0].shape
+    numel = sum(p.numel for p in parts)
+    mean = sum(p.mean * p.numel for p in parts) / numel if numel else 0.0
+    l2 = math.sqrt(sum(p.l2 ** 2 for p in parts))
+    return replace(parts[0], module=label, shape=tuple(shape), numel=numel, mean=mean, l2=l2,
+                   min=min(p.min for p in parts), max=max(p.max for p in parts), nan=sum(p.nan for p in parts),
+                   inf=sum(p.inf for p in parts), has_data=all(p.has_data for p in parts), same_as=-1)
 
 
 @dataclass(frozen=True)
@@ -168,10 +271,23 @@ class RenameRules:
             where = f"rule {i + 1}"
             if not isinstance(raw, dict) or "a" not in raw or "b" not in raw:
                 raise MappingError(f"{path}: {where} needs both 'a:' (A's module name) and 'b:' (a regex on B's module name)")
-            try:
-                pattern = re.compile(subst(raw["b"], where))
-            except re.error as err:
-                raise MappingError(f"{path}: {where}: bad regular expression {raw['b']!r} ({err})") from None
+            sources = raw["b"] if isinstance(raw["b"], list) else [raw["b"]]
+            compiled_list = []
+            for source in sources:
+                try:
+                    compiled_list.append(re.compile(subst(source, where)))
+                except re.error as err:
+                    raise MappingError(f"{path}: {where}: bad regular expression {source!r} ({err})") from None
+            compiled = tuple(compiled_list)
+            if not compiled:
+                raise MappingError(f"{path}: {where}: 'b:' is an empty list; give a regex, or a list of them with 'join:'")
+            pattern = compiled[0]
+            join = subst(raw.get("join", ""), where) if raw.get("join") is not None else ""
+            if len(compiled) > 1 and not join:
+                raise MappingError(f"{path}: {where}: 'b:' lists {len(compiled)} modules; say how they join into A's "
+                                   "one with 'join:', e.g. join: 'qkv_groups(heads=32, groups=8)' or join: 'chunk(n=2)'")
+            if join and len(compiled) < 2:
+                raise MappingError(f"{path}: {where}: 'join:' needs 'b:' to list the modules joined, in order")
             phases = raw.get("phases")
             if phases is not None:
                 unknown = set(phases) - set(PHASES)
@@ -188,8 +304,16 @@ class RenameRules:
                     inputs=ops(raw.get("inputs", raw.get("activations")), where),
                     outputs=ops(raw.get("outputs", raw.get("activations")), where),
                     params={str(k): ops(v, where) for k, v in (raw.get("params") or {}).items()},
+                    parts=compiled if join else (),
+                    join=join,
                 )
             )
+            if join:
+                for kind in ("param", "output"):
+                    try:
+                        rules[-1].split_for(kind)
+                    except MappingError as err:
+                        raise MappingError(f"{path}: {where}: {err}") from None
         return cls(
             rules=rules,
             order_fallback=bool(doc.get("order_fallback", True)),
@@ -246,6 +370,17 @@ def _pair_gradients_by_tensor(a_list: list[Record], b_list: list[Record],
                 break
 
 
+def _follow(ignored: set[int], recs: list[Record], paired: set[int]) -> set[int]:
+    """Ignoring a tensor ignores the records of it that found no counterpart: links to an ignored record
+    (``same_as``) and gradients of ignored forward tensors (``grad_of``); a link that was paired is compared."""
+    out = set(ignored)
+    for r in recs:  # records come in seq order: a link or a gradient follows its source
+        if r.seq not in out and r.seq not in paired and ((r.same_as >= 0 and r.same_as in out)
+                                                        or (r.grad_of >= 0 and r.grad_of in out)):
+            out.add(r.seq)
+    return out
+
+
 def align_step(recs_a: list[Record], recs_b: list[Record], mapping: RenameRules | None = None,
                order_fallback: bool = True) -> list[Pair]:
     """Pairs for one step, in A's order; unmatched B records appended per phase."""
@@ -293,7 +428,32 @@ def align_step(recs_a: list[Record], recs_b: list[Record], mapping: RenameRules 
     def stripped(r: Record, name: str) -> tuple:
         return (r.phase, _strip_wrappers(name), r.call, r.kind, r.slot)
 
-    # rules first: a rule may give a tensor of the same name a layout transform (interleaved fc1)
+    # joins first: several B records make one tensor of A's
+    joins: dict[int, tuple[Record, tuple[Record, ...], Split, tuple[Op, ...]]] = {}  # a.seq -> (joined, parts, ...)
+    if any(rule.parts for rule in mapping.rules):
+        index_a = {stripped(r, r.module): r for r in reversed(a_list)}
+        groups: dict[tuple[int, tuple], dict[int, Record]] = {}
+        for rb in b_list:
+            for ri, rule in enumerate(mapping.rules):
+                found_part = rule.join_target(rb, b_name(rb))
+                if found_part is not None:
+                    (phase, name, call, kind, slot), part = found_part
+                    groups.setdefault((ri, (phase, _strip_wrappers(name), call, kind, slot)), {}).setdefault(part, rb)
+                    break
+        for (ri, key), found in groups.items():
+            rule = mapping.rules[ri]
+            ra = index_a.get(key)
+            if ra is None or ra.seq in partner or len(found) != len(rule.parts):
+                continue
+            parts = tuple(found[i] for i in range(len(rule.parts)))
+            if any(p.seq in taken_b for p in parts):
+                continue
+            split = rule.split_for(parts[0].kind)
+            joins[ra.seq] = (joined_record(parts, split), parts, split, rule.ops_for(parts[0]))
+            partner[ra.seq] = (joins[ra.seq][0], "rule", joins[ra.seq][3])
+            taken_b.update(p.seq for p in parts)
+
+    # rules next: a rule may give a tensor of the same name a layout transform (interleaved fc1)
     if mapping.rules:
         run_pass(lambda r: stripped(r, r.module), by_rules, "rule")
     run_pass(lambda r: r.key, lambda r: [((r.phase, b_name(r), r.call, r.kind, r.slot), ())], "exact")
@@ -316,13 +476,18 @@ def align_step(recs_a: list[Record], recs_b: list[Record], mapping: RenameRules 
                     partner[ra.seq] = (rb, "order", ())
                     taken_b.add(rb.seq)
 
+    ignored_a = _follow(ignored_a, recs_a, set(partner))
+    ignored_b = _follow(ignored_b, recs_b, taken_b)
     pairs: list[Pair] = []
     for phase in PHASES:
         for ra in recs_a:
             if ra.phase != phase:
                 continue
             hit = partner.get(ra.seq)
-            if hit:
+            if hit and ra.seq in joins:
+                joined, parts, split, ops = joins[ra.seq]
+                pairs.append(Pair(ra, joined, "rule", ops, parts, split))
+            elif hit:
                 pairs.append(Pair(ra, hit[0], hit[1], hit[2]))
             elif ra.seq not in ignored_a:
                 pairs.append(Pair(ra, None))

@@ -37,6 +37,16 @@ def _is_mcore(attrs: dict[str, Any], records: Iterable[Record]) -> bool:
         _LAYERS.match(r.module) for r in records)
 
 
+_HF_LLAMA = (re.compile(r"^(module\.|_orig_mod\.)*model\.layers\.\d+\.self_attn\.q_proj$"),
+             re.compile(r"^(module\.|_orig_mod\.)*model\.layers\.\d+\.mlp\.gate_proj$"))
+
+
+def _is_hf_llama(records: Iterable[Record]) -> bool:
+    """transformers' Llama layout (Llama, Mistral, Qwen2, ...): decoder layers with q_proj and a gated MLP."""
+    names = {r.module for r in records if r.phase == "weights"}
+    return all(any(p.match(n) for n in names) for p in _HF_LLAMA)
+
+
 def pick_mapping(attrs_a: dict[str, Any], attrs_b: dict[str, Any], records_a: list[Record],
                  records_b: list[Record]) -> tuple[RenameRules | None, str]:
     """(the built-in mapping with its variables, or None to line names up as they are; one sentence saying why)."""
@@ -63,6 +73,13 @@ def pick_mapping(attrs_a: dict[str, Any], attrs_b: dict[str, Any], records_a: li
         if heads and groups and int(heads) % int(groups) == 0:
             variables["kv_repeat"] = str(int(heads) // int(groups))
             why += f"; {heads} heads in {groups} query groups"
+    elif fw_b == "torch" and _is_hf_llama(records_b):
+        name = "hf-llama-to-mcore"
+        why = f"B is Hugging Face {cls_b} (Llama layout: self_attn.q_proj/k_proj/v_proj, mlp.gate_proj/up_proj)"
+        if heads:
+            variables["heads"] = str(heads)
+            variables["groups"] = str(groups or heads)
+            why += f"; {heads} heads in {groups or heads} query groups"
     elif fw_b == "torch" and (cls_b.startswith("GPT2") or _first(cfg_b, "model_type") == "gpt2"):
         name = "hf-gpt2-to-mcore"
         why = f"B is Hugging Face {cls_b}"

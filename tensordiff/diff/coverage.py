@@ -58,23 +58,25 @@ def coverage(rows: list[Row]) -> dict[str, PhaseCoverage]:
     counterpart of its own counts as compared when its tensor was compared under another record of the same
     side (a cell's output that is the next module's input: recorded twice, compared once)."""
     seen_a = {_tensor(r.pair.a) for r in rows if r.verdict in COMPARED and r.pair.a is not None}
-    seen_b = {_tensor(r.pair.b) for r in rows if r.verdict in COMPARED and r.pair.b is not None}
+    seen_b = {_tensor(x) for r in rows if r.verdict in COMPARED for x in r.pair.b_records}
     out = {phase: PhaseCoverage(phase) for phase in PHASES}
     for row in rows:
         cov = out[row.phase]
         a, b = row.pair.a, row.pair.b
         cov.recorded_a += a is not None
-        cov.recorded_b += b is not None
+        cov.recorded_b += len(row.pair.b_records)  # a join's parts are records of B's each
         if row.verdict in COMPARED:
             cov.compared_a += 1
-            cov.compared_b += 1
+            cov.compared_b += len(row.pair.b_records)
         elif row.verdict == "unmatched":
             if a is not None and _tensor(a) in seen_a:
                 cov.compared_a += 1
                 cov.linked_a += 1
+                row.linked = True
             elif b is not None and _tensor(b) in seen_b:
                 cov.compared_b += 1
                 cov.linked_b += 1
+                row.linked = True
             else:
                 cov.only_a += a is not None
                 cov.only_b += b is not None

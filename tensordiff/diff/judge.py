@@ -11,7 +11,6 @@ import dataclasses
 
 from .. import dtypes
 from ..store import CaptureFile
-from ..transforms import apply, apply_stats
 from .align import Pair
 from .metrics import Metrics, compare_arrays, compare_stats
 from .result import RowVerdict
@@ -35,15 +34,14 @@ def compare_pair(ca: CaptureFile, cb: CaptureFile, pair: Pair, tolerances: Toler
     tol = tolerances.limit(a.dtype, b.dtype, a.key, run_dtype)
     judged = dtypes.coarsest(a.dtype, b.dtype)
     xa = ca.array(a) if a.has_data else None
-    xb = cb.array(b) if b.has_data else None
+    try:
+        xb = pair.b_tensor(cb.array) if b.has_data else None
+    except Exception as err:  # a join or transform that does not fit this tensor
+        how = " then ".join(([str(pair.join)] if pair.join is not None else []) + [str(op) for op in pair.ops])
+        return None, tol, "shape", f"{how} failed on B {b.shape}: {err}"
     if xa is not None and xb is not None:
-        if pair.ops:
-            try:
-                xb = apply(pair.ops, xb)
-            except Exception as err:  # a transform that does not fit this tensor
-                return None, tol, "shape", f"transform {' '.join(map(str, pair.ops))} failed on B {b.shape}: {err}"
         if xa.shape != xb.shape:
-            if xa.size == xb.size and not pair.ops and pair.how != "order":
+            if xa.size == xb.size and not pair.ops and pair.join is None and pair.how != "order":
                 note = f"shapes {a.shape} vs {xb.shape}: compared flat"
                 xb = xb.reshape(xa.shape)
             else:
@@ -52,12 +50,11 @@ def compare_pair(ca: CaptureFile, cb: CaptureFile, pair: Pair, tolerances: Toler
             note = ""
         metrics = compare_arrays(xa, xb, judged, ulp_k)
     else:
-        if pair.ops:
-            st = apply_stats(pair.ops, (b.numel, b.min, b.max, b.mean, b.l2))
-            if st is None:
-                return None, tol, "skipped", (f"statistics cannot follow {' '.join(map(str, pair.ops))}; "
-                                              "store tensors (--tensors all) to compare this step")
-            b = dataclasses.replace(b, numel=st[0], min=st[1], max=st[2], mean=st[3], l2=st[4])
+        st = pair.b_stats()
+        if st is None:
+            return None, tol, "skipped", (f"statistics cannot follow {' '.join(map(str, pair.ops))}; "
+                                          "store tensors (--tensors all) to compare this step")
+        b = dataclasses.replace(b, numel=st[0], min=st[1], max=st[2], mean=st[3], l2=st[4])
         if a.numel != b.numel:
             return None, tol, "shape", f"{a.numel} vs {b.numel} elements"
         metrics = compare_stats(a, b)

@@ -8,29 +8,26 @@ from __future__ import annotations
 
 from .. import dtypes
 from ..errors import AlignmentError
-from ..record import Record
 from ..store import CaptureFile
-from ..transforms import apply
-from .align import align_step
+from .align import Pair, align_step
 from .metrics import Metrics, compare_arrays, compare_stats
 from .result import DiffOptions, Row
 
 
-def _reference_metrics(cap_x: CaptureFile, x: Record, ops_x: tuple, cr: CaptureFile, r: Record, ops_r: tuple,
-                       ulp_k: int) -> Metrics | None:
-    """One side against the reference, both brought into A's layout."""
-    xx = cap_x.array(x) if x.has_data else None
-    xr = cr.array(r) if r.has_data else None
+def _reference_metrics(cap_x: CaptureFile, px: Pair, cr: CaptureFile, pr: Pair, ulp_k: int) -> Metrics | None:
+    """One side (``px.b``) against the reference (``pr.b``), both brought into A's layout."""
+    x, r = px.b, pr.b
+    assert x is not None and r is not None
+    try:
+        xx = px.b_tensor(cap_x.array) if x.has_data else None
+        xr = pr.b_tensor(cr.array) if r.has_data else None
+    except Exception:
+        return None
     if xx is not None and xr is not None:
-        try:
-            xx = apply(ops_x, xx) if ops_x else xx
-            xr = apply(ops_r, xr) if ops_r else xr
-        except Exception:
-            return None
         if xx.shape != xr.shape:
             return None
         return compare_arrays(xx, xr, dtypes.coarsest(x.dtype, r.dtype), ulp_k)
-    if ops_x or ops_r or x.numel != r.numel:
+    if px.ops or pr.ops or px.join is not None or pr.join is not None or x.numel != r.numel:
         return None
     return compare_stats(x, r)
 
@@ -48,10 +45,10 @@ def judge_against_reference(rows: list[Row], ca: CaptureFile, cb: CaptureFile, c
             raise AlignmentError(f"{options.reference}: the reference has steps {cr.steps}, not {missing}; capture "
                                  "it for the same steps")
         for step in common:
-            partner: dict[int, tuple[Record, tuple]] = {}
+            partner: dict[int, Pair] = {}
             for pair in align_step(ca.records(step), cr.records(step), options.reference_mapping, order_fallback=False):
                 if pair.a is not None and pair.b is not None:
-                    partner[pair.a.seq] = (pair.b, pair.ops)
+                    partner[pair.a.seq] = pair
             for row in rows:
                 if row.step != step or not row.pair.matched:
                     continue
@@ -61,9 +58,10 @@ def judge_against_reference(rows: list[Row], ca: CaptureFile, cb: CaptureFile, c
                 if hit is None:
                     row.note = (row.note + "; " if row.note else "") + "not in the reference"
                     continue
-                r, ops_r = hit
-                m_a = _reference_metrics(ca, a, (), cr, r, ops_r, options.ulp_k)
-                m_b = _reference_metrics(cb, b, row.pair.ops, cr, r, ops_r, options.ulp_k)
+                r = hit.b
+                assert r is not None
+                m_a = _reference_metrics(ca, Pair(None, a), cr, hit, options.ulp_k)
+                m_b = _reference_metrics(cb, row.pair, cr, hit, options.ulp_k)
                 if m_a is None or m_b is None:
                     continue
                 floor = options.tolerances.limit(r.dtype, r.dtype, a.key)

@@ -81,6 +81,8 @@ class Row:
     """Three-way mode: A vs B (``metrics`` then holds B vs the reference)."""
     ref_a: float = math.nan
     """Three-way mode: relative L2 of A against the reference."""
+    linked: bool = False
+    """An unmatched record whose tensor was compared under another record of its side (set by ``coverage``)."""
 
     @property
     def err(self) -> float:

@@ -31,7 +31,6 @@ from ..diff.metrics import rel_l2
 from ..errors import ReplayError, TensordiffError, UsageError
 from ..record import Record
 from ..store import CaptureFile
-from ..transforms import apply
 
 ReplayVerdict = Literal["introduced", "inherited", "unfaithful"]
 
@@ -118,8 +117,7 @@ def replay(path_a: str, path_b: str, module: str, factory: Callable[[], Any], st
             pair = partner.get(rec.seq)
             if pair is None:
                 return None
-            x = cb.array(pair.b)  # type: ignore[arg-type]
-            return None if x is None else (apply(pair.ops, x) if pair.ops else x)
+            return pair.b_tensor(cb.array)
 
         x_a: list[tuple[str, np.ndarray]] = []
         x_b: list[tuple[str, np.ndarray]] = []

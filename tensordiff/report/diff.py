@@ -93,9 +93,12 @@ class DiffReport:
                              "capture with --tensors all to store them)")
             table.caption_justify = "left"
         unmatched: dict[str, list[Row]] = {"A": [], "B": []}
+        linked: list[Row] = []
         if self.max_rows > 0:  # one line per side for the records with no counterpart (--max-rows 0 lists them)
             for row in rows:
-                if row.verdict == "unmatched":
+                if row.verdict == "unmatched" and row.linked:
+                    linked.append(row)
+                elif row.verdict == "unmatched":
                     unmatched["A" if row.pair.a is not None else "B"].append(row)
             rows = [r for r in rows if r.verdict != "unmatched"]
         after = after_bad = 0
@@ -160,6 +163,9 @@ class DiffReport:
                 other = "B" if side == "A" else "A"
                 notes.append(Text(f"    {side} only, no counterpart in {other}: {plural(len(lost), 'record', 'records')} "
                                   f"of {', '.join(names)}", style="tensordiff.unmatched"))
+        if linked:
+            notes.append(Text(f"    {plural(len(linked), 'record', 'records')} recorded again under another name, compared "
+                              "there (--max-rows 0 lists them)", style="tensordiff.dim"))
         return Group(table, *notes) if notes else table
 
     def _hints(self) -> RenderResult:

@@ -22,7 +22,6 @@ from ...diff.metrics import rel_l2
 from ...diff.result import Row
 from ...record import Record, is_inside
 from ...store import CaptureFile
-from ...transforms import apply
 
 #: A hint must explain at least this share of the gap to be reported.
 MIN_EXPLAINED = 0.5
@@ -96,9 +95,11 @@ class Site:
         self.ca, self.cb = ca, cb
         self.recs_a = ca.records(self.a.step)
         self.by_seq = {r.seq: r for r in self.recs_a}
-        xa, xb = ca.array(self.a), cb.array(self.b)
-        if xb is not None and row.pair.ops:
-            xb = apply(row.pair.ops, xb)
+        xa = ca.array(self.a)
+        try:
+            xb = row.pair.b_tensor(cb.array)
+        except Exception:
+            xb = None
         #: both tensors were stored, and have one shape once B is in A's layout
         self.ready = xa is not None and xb is not None and xa.shape == xb.shape
         self.xa: np.ndarray = np.asarray(xa if xa is not None else (), dtype=np.float64)
