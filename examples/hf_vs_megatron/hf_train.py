@@ -25,13 +25,14 @@ def main():
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--rms-eps", type=float, default=1e-6)
     p.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"])
+    p.add_argument("--act", default="silu", help="hidden_act")
     args = p.parse_args()
     torch.set_num_threads(2)
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
                          num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=SEQ,
                          rms_norm_eps=args.rms_eps, rope_theta=args.rope_theta, tie_word_embeddings=False,
-                         attention_dropout=0.0)
+                         attention_dropout=0.0, hidden_act=args.act)
     config._attn_implementation = args.attn
     model = LlamaForCausalLM(config)
     model.load_state_dict(load_file(args.weights), strict=True)

@@ -20,11 +20,16 @@ later is introduced.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .. import dtypes
 from ..record import PHASE_RANK, Record, is_inside, module_label
 from .result import FirstDivergence, Row
+
+
+#: ``incoming`` when none of what came in was compared: any error counts as introduced there.
+NOTHING_COMPARED = -1.0
 
 
 def _rel(name: str, parent: str) -> str:
@@ -48,23 +53,48 @@ class _Step:
         self.ordered = sorted(records, key=lambda r: r.seq)
         self.err: dict[int, float] = {}
         self.verdict: dict[int, str] = {}
-        self.listed: set[int] = set()  # A's records with a row (the rest the mapping ignores on purpose)
+        self.tensor_err: dict[int, float] = {}  # by the seq that first held the tensor: a link shares its source's
+        self.own_row: set[int] = set()  # A's records paired (or not) in their own right: not vouched for by a link
         for row in rows:
             if row.pair.a is None:
                 continue
-            self.listed.add(row.pair.a.seq)
+            if not (row.verdict == "unmatched" and row.linked):
+                self.own_row.add(row.pair.a.seq)
             if row.metrics is not None and row.verdict != "uncertain":
                 self.err[row.pair.a.seq] = row.metrics.rel_l2
                 self.verdict[row.pair.a.seq] = row.verdict
+                canon = self.canonical(row.pair.a)
+                self.tensor_err[canon] = max(self.tensor_err.get(canon, 0.0), row.metrics.rel_l2)
+
+    @staticmethod
+    def canonical(rec: Record) -> int:
+        return rec.same_as if rec.same_as >= 0 else rec.seq
 
     def max_err(self, seqs: list[int]) -> float:
         vals = [self.err[s] for s in seqs if s in self.err]
         return max(vals) if vals else 0.0
 
-    def incoming(self, seqs: list[int]) -> tuple[float, list[Record]]:
-        """The largest error among ``seqs`` that were compared, and those that were not (no counterpart, another
-        shape, a pairing by order only): what came in can only be said to agree where it was compared."""
-        return self.max_err(seqs), [self.recs[s] for s in seqs if s in self.listed and s not in self.err]
+    def incoming(self, seqs: list[int], of: Record | None = None) -> tuple[float, list[Record]]:
+        """The largest error among ``seqs`` whose tensor was compared (under any of its records), and those whose
+        tensor was not (no counterpart, ignored by the mapping, another shape, a pairing by order only): what came
+        in can only be said to agree where it was compared. ``of``: the diverged record (its own tensor is not
+        something that came in)."""
+        own = self.canonical(of) if of is not None else None
+        errs, uncompared = [], []
+        for s in seqs:
+            rec = self.recs[s]
+            canon = self.canonical(rec)
+            if canon == own:
+                continue
+            if s in self.err:
+                errs.append(self.err[s])
+            elif s not in self.own_row and canon in self.tensor_err:
+                errs.append(self.tensor_err[canon])
+            elif rec.kind in ("input", "output", "param", "grad", "grad_input", "grad_output"):
+                uncompared.append(rec)
+        if not errs and uncompared:
+            return NOTHING_COMPARED, uncompared
+        return (max(errs) if errs else 0.0), uncompared
 
     def enter_of(self, module: str, before: int) -> int:
         best = -1
@@ -74,6 +104,14 @@ class _Step:
             if r.module == module and r.phase == "forward" and r.enter <= before:
                 best = max(best, r.enter)
         return best
+
+
+def _source_output(a: Record, st: _Step) -> Record | None:
+    """The forward output of another module that ``a`` (a forward input) is the very same tensor as, if any."""
+    src = st.recs.get(a.same_as) if a.same_as >= 0 else None
+    if src is None or src.phase != "forward" or src.kind != "output" or src.module in ("", a.module):
+        return None
+    return src if src.enter >= 0 else None
 
 
 def _incoming(row: Row, st: _Step, prev_step: _Step | None) -> tuple[float, list[Record]]:
@@ -86,9 +124,13 @@ def _incoming(row: Row, st: _Step, prev_step: _Step | None) -> tuple[float, list
             return st.incoming(seqs)
     if a.phase == "forward" and a.kind == "input" and a.parent:
         start = st.enter_of(a.parent, a.seq)
+        src = _source_output(a, st)
+        if src is not None:  # a link to another module's output: what came into that module
+            seqs = [r.seq for r in st.ordered if r.phase == "forward" and src.enter <= r.seq < src.seq]
+            return st.incoming(seqs, a)
         seqs = [r.seq for r in st.ordered if r.phase == "forward" and start <= r.seq < a.seq and r.module != a.module]
         if seqs:
-            return st.incoming(seqs)
+            return st.incoming(seqs, a)
     if a.phase == "param_grad":
         seqs = [r.seq for r in st.ordered
                 if r.module == a.module and (r.phase == "backward" or (r.phase == "forward" and r.kind == "input"))]
@@ -105,7 +147,8 @@ def _incoming(row: Row, st: _Step, prev_step: _Step | None) -> tuple[float, list
     return st.incoming([r.seq for r in st.ordered if r.phase == a.phase and r.seq < a.seq])
 
 
-def _locate(row: Row, st: _Step, prev_step: _Step | None, complete: bool = True) -> tuple[str, str, dict[str, Any]]:
+def _locate(row: Row, st: _Step, prev_step: _Step | None, complete: bool = True,
+            nothing_compared: bool = False) -> tuple[str, str, dict[str, Any]]:
     """(location, explanation sentence, structured where) for a diverged row of A. ``complete``: everything that came
     in was compared (else "agree" is said only of what was)."""
     a = row.pair.a
@@ -158,6 +201,17 @@ def _locate(row: Row, st: _Step, prev_step: _Step | None, complete: bool = True)
         if a.enter >= 0 and not a.module and not parent:
             return ("the model input", f"The model input {a.slot} differs: the two runs were not fed the same "
                                        "batch.", {"input": a.slot})
+        src = _source_output(a, st)
+        if src is not None:
+            smod = module_label(src.module)
+            return (f"in {smod}",
+                    f"{mod}'s input.{a.slot} is the output of {smod} ({src.module_class or '?'}), which differs while "
+                    + (f"what came into {smod} was not compared (no counterpart, or left out by the mapping): "
+                       if nothing_compared else
+                       f"what came into {smod} {'agrees' if complete else 'agrees where compared'}: ")
+                    + f"{smod} itself, or code before it that is not a module (attention scores and softmax, RoPE, "
+                    "masking, an activation), computes differently.",
+                    {"module": src.module})
         start = st.enter_of(parent, a.seq) if parent else -1
         before = [r for r in st.ordered if r.phase == "forward" and r.kind == "output" and start <= r.seq < a.seq
                   and is_inside(r.module, parent) and not (r.module == a.module or is_inside(r.module, a.module))]
@@ -262,7 +316,8 @@ def _make(row: Row, st: _Step, prev: _Step | None, incoming: tuple[float, list[R
     a, b = row.pair.a, row.pair.b
     assert a is not None and b is not None
     came_in, uncompared = incoming
-    location, sentence, where = _locate(row, st, prev, complete=not uncompared)
+    location, sentence, where = _locate(row, st, prev, complete=not uncompared,
+                                        nothing_compared=came_in == NOTHING_COMPARED)
     src = _b_source(b, records_b) if a.phase == "forward" and a.kind == "input" else None
     if src is not None:
         sentence += (f" On B this tensor is the output of {module_label(src.module)} ({src.module_class}): "
@@ -277,6 +332,7 @@ def _make(row: Row, st: _Step, prev: _Step | None, incoming: tuple[float, list[R
         head = (f"Step {a.step}, {a.phase}: {a.label} differs from B's {b.label} "
                 f"(relative L2 {err:.3g} > tolerance {row.tol:.3g} for {row.judged or a.dtype}) "
                 + (f"while what came in differed by {came_in:.3g}. " if not uncompared else
+                   "while nothing that came in was compared. " if came_in == NOTHING_COMPARED else
                    f"while what came in and was compared differed by {came_in:.3g}. "))
     if uncompared:
         names = sorted({r.label for r in uncompared})
@@ -289,6 +345,7 @@ def _make(row: Row, st: _Step, prev: _Step | None, incoming: tuple[float, list[R
                        f"(accumulated rounding; consider a noise floor with --noise). First exceeded {location}.")
     return FirstDivergence(
         step=a.step, phase=a.phase, module_a=a.module, module_b=b.module, kind=a.kind, slot=a.slot, call=a.call,
-        label_a=a.label, label_b=b.label, rel_l2=err, tolerance=row.tol, incoming=came_in, introduced=introduced,
+        label_a=a.label, label_b=b.label, rel_l2=err, tolerance=row.tol,
+        incoming=math.nan if came_in == NOTHING_COMPARED else came_in, introduced=introduced,
         location=location, explanation=text, where=where, uncompared=sorted({r.label for r in uncompared}),
     )

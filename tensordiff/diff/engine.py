@@ -66,6 +66,7 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         if options.reference:
             judge_against_reference(rows, ca, cb, common, options)
         mark_uncertain(rows)
+        coverage(rows)  # marks the records compared under another record of their side (``Row.linked``)
         first = find_first_divergence(rows, records_a, options.jump, records_b)
         result = DiffResult(
             path_a=path_a, path_b=path_b, attrs_a=dict(ca.attrs), attrs_b=dict(cb.attrs), rows=rows, steps=common,

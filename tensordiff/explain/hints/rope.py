@@ -1,5 +1,10 @@
 """RoPE hints: B rotates q/k with another convention (rotate-half vs interleaved pairs), base or position offset
 
+Three forms: the rotary angle table itself differs (Megatron's ``rotary_pos_emb`` output); the rotated q/k
+differ (4-D tensors a model records); or, where RoPE is applied as code inside the attention (Hugging Face
+models, Megatron's ``core_attention``), the attention output differs and is rebuilt from A's q, k and v
+before RoPE (a packed ``linear_qkv`` output or separate q/k/v projections) under each convention.
+
 See docs/hints/rope.md."""
 
 from __future__ import annotations
@@ -40,8 +45,11 @@ def _rope_name(k: tuple) -> str:
 def check_rope(site: Site) -> Iterator[Hint]:
     """B's RoPE differs: its rotary angle table (a rotary module's output), or q/k rotated another way."""
     x = site.xa
+    if x.ndim == 3:
+        yield from check_rope_attention(site)
+        return
     if x.ndim != 4:
-        raise NotApplicable(f"needs a 4-D tensor, this one is {x.ndim}-D")
+        raise NotApplicable(f"needs q/k (4-D) or an attention output (3-D), this one is {x.ndim}-D")
     table = x.shape[1] == 1 and x.shape[2] == 1 and "rotary" in (site.a.module + site.a.module_class).lower()
     if table:
         hints = list(check_rope_table(site))
@@ -101,3 +109,120 @@ def check_rope_table(site: Site) -> Iterator[Hint]:
     yield make_hint("rope", f"B's RoPE uses {_rope_name(key_b)}; A's uses {_rope_name(key_a)}", site, after,
                 f"fitted angle tables; largest difference at position 0: {err[0]:.1e}, at {s_len - 1}: {err[-1]:.1e}",
                 a=_rope_name(key_a), b=_rope_name(key_b))
+
+
+#: Attention rebuilt on at most this many positions of one sequence: causal attention at a position
+#: depends on the positions before it only, so the prefix is exact, and the cost stays small.
+_MAX_POSITIONS = 256
+_BASES = (10000.0, 500000.0, 1000000.0, 50000.0)
+
+
+def _qkv_candidates(site: Site, width: int) -> Iterator[tuple[str, list[np.ndarray]]]:
+    """A's q, k, v before RoPE from inside the same attention call, [..., features] in the site's layout:
+    ('packed', [qkv]) for one fused projection, ('separate', [q, k, v]) for three."""
+    lead = site.xa.shape[:-1]
+    outs = [r for r in site.earlier_outputs(limit=8) if r.has_data and tuple(r.shape[:-1]) == lead]
+    outs.reverse()  # execution order
+    for r in outs:
+        if r.shape[-1] > width:
+            x = site.array(r)
+            if x is not None:
+                yield "packed " + r.module, [x]
+    proj = [r for r in outs if r.shape[-1] <= width]
+    for i in range(len(proj) - 2):
+        q, k, v = proj[i:i + 3]
+        if q.shape[-1] == width and k.shape[-1] == v.shape[-1] and width % k.shape[-1] == 0:
+            xs = [site.array(r) for r in (q, k, v)]
+            if all(x is not None for x in xs):
+                yield f"{q.module}, {k.module}, {v.module}", xs  # type: ignore[misc]
+
+
+def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """Causal softmax attention, [S, heads, hd] / [S, groups, hd] -> [S, heads*hd] (GQA: groups repeated)."""
+    s_len, heads, hd = q.shape
+    rep = heads // k.shape[1]
+    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+    scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd)
+    scores = np.where(np.triu(np.ones((s_len, s_len), dtype=bool), 1)[None], -np.inf, scores)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("hqk,khd->qhd", p, v).reshape(s_len, heads * hd)
+
+
+def _splits(packed: np.ndarray, width: int) -> Iterator[tuple[str, int, list[np.ndarray]]]:
+    """(packing, head_dim, [q, k, v]) for each way a fused projection's last dim can hold width-wide q."""
+    from ...transforms import QkvGroups
+
+    total = packed.shape[-1]
+    for hd in (128, 64, 256, 96, 80, 32, 16, 8, 4, 2):
+        if width % hd or (total - width) % (2 * hd):
+            continue
+        heads, groups = width // hd, (total - width) // (2 * hd)
+        if groups < 1 or heads % groups:
+            continue
+        yield f"per-group [q_g, k_g, v_g] ({heads} heads, {groups} groups)", hd, QkvGroups(heads, groups, -1).split(packed)
+        yield f"[q | k | v] ({heads} heads, {groups} groups)", hd, list(np.split(packed, [width, width + groups * hd], -1))
+
+
+def check_rope_attention(site: Site) -> Iterator[Hint]:
+    """The attention output differs and RoPE is applied as code: rebuild it from A's q, k, v before RoPE with each
+    convention (pairs, base, position offset) and see which reproduces A and which reproduces B."""
+    x = site.xa
+    width = x.shape[-1]
+    found = list(_qkv_candidates(site, width))
+    if not found:
+        raise NotApplicable("no q, k, v recorded before this 3-D tensor in the same call (RoPE applied as code "
+                            "needs the projection's output)")
+    tried = False
+    for seq_axis in (0, 1):  # [S, B, H] (Megatron) or [B, S, H]
+        n = min(x.shape[seq_axis], _MAX_POSITIONS)
+
+        def crop(t: np.ndarray, axis: int = seq_axis, n: int = n) -> np.ndarray:
+            t = np.moveaxis(t, axis, 0)[:n]
+            return t[:, 0] if t.ndim == 3 else t  # the first sequence of the batch: [n, features]
+
+        xa, xb = crop(site.xa), crop(site.xb)
+        before = float(np.linalg.norm(xa - xb) / max(np.linalg.norm(xa), 1e-30))
+        if before == 0:
+            continue
+        for source, xs in found:
+            layouts: list[tuple[str, int, list[np.ndarray]]] = []
+            if len(xs) == 1:
+                layouts = list(_splits(crop(xs[0]), width))
+            else:
+                q, k, v = (crop(t) for t in xs)
+                for hd in (128, 64, 256, 96, 80, 32, 16, 8, 4, 2):
+                    if width % hd == 0 and k.shape[-1] % hd == 0 and (width // hd) % (k.shape[-1] // hd) == 0:
+                        layouts.append(("separate", hd, [q, k, v]))
+            for packing, hd, (q, k, v) in layouts:
+                qh, kh, vh = (t.reshape(t.shape[0], -1, hd).astype(np.float64) for t in (q, k, v))
+                outs = {}
+                for interleaved in (False, True):  # no position offsets: attention sees relative positions only
+                    for base in _BASES:
+                        outs[(interleaved, base, 0)] = _attention(_rope(qh, base, interleaved, 0, 0),
+                                                                  _rope(kh, base, interleaved, 0, 0), vh)
+                outs[None] = _attention(qh, kh, vh)
+                tried = True
+                err_a = {key: float(np.linalg.norm(o - xa) / max(np.linalg.norm(xa), 1e-30)) for key, o in outs.items()}
+                key_a = min(err_a, key=lambda key: err_a[key])
+                if err_a[key_a] > 0.05 * before:
+                    continue  # these are not this attention's inputs, or not in this packing
+                err_b = {key: float(np.linalg.norm(o - xb) / max(np.linalg.norm(xb), 1e-30)) for key, o in outs.items()}
+                key_b = min(err_b, key=lambda key: err_b[key])
+                if key_b == key_a:
+                    return
+
+                def name(key: tuple | None) -> str:
+                    return "no RoPE" if key is None else _rope_name(key)
+
+                hint = make_hint("rope", f"B applies RoPE with {name(key_b)}; A with {name(key_a)}", site, err_b[key_b],
+                                 f"attention rebuilt from A's {source} ({packing}, head_dim {hd}) before RoPE, on the "
+                                 f"first {n} positions of one sequence: A's RoPE reproduces A to {err_a[key_a]:.1e}, "
+                                 f"B's reproduces B to {err_b[key_b]:.1e}", a=name(key_a), b=name(key_b))
+                hint.before = before
+                hint.explained = max(0.0, min(1.0, 1.0 - err_b[key_b] / before))
+                yield hint
+                return
+    if not tried:
+        raise NotApplicable("the q, k, v recorded before it do not split into heads of this width")
