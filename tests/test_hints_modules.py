@@ -131,7 +131,8 @@ def test_a_check_that_cannot_run_says_why(tmp_path):
     assert result.checked == ("activation", "norm epsilon", "dtype", "layout", "constant factor", "checkpoint")
     text = " ".join(render(DiffReport(result, first_only=True)).split())
     assert ("No known cause explains this divergence (tested: activation, norm epsilon, dtype, layout, constant "
-            "factor, checkpoint). Not tested here: RoPE (needs q/k (4-D) or an attention output (3-D), this one is 2-D); bias (the module "
+            "factor, checkpoint). Not tested here: RoPE (needs q/k (4-D) or an attention output (3-D), "
+            "this one is 2-D); bias (the module "
             "has no bias). See docs/hints.md.") in text
     checks = DiffReport(result).to_dict()["checks"]
     assert {"cause": "RoPE", "ran": False, "reason": "needs q/k (4-D) or an attention output (3-D), this one is 2-D"} in checks

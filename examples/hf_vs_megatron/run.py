@@ -34,7 +34,7 @@ def _run(cmd: list[str], cwd: str, verbose: bool) -> int:
     shown = " ".join(shlex.quote(os.path.relpath(c, ROOT) if os.path.isabs(c) and c.startswith(ROOT) else c) for c in cmd)
     print(f"$ {shown}", flush=True)
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    if verbose or cmd[1:3] == ["-m", "tensordiff"] and cmd[3] == "diff":
+    if verbose or (cmd[1:3] == ["-m", "tensordiff"] and cmd[3] == "diff"):
         return subprocess.call(cmd, env=env, cwd=cwd)
     proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in proc.stdout.splitlines():

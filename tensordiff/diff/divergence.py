@@ -27,7 +27,6 @@ from .. import dtypes
 from ..record import PHASE_RANK, Record, is_inside, module_label
 from .result import FirstDivergence, Row
 
-
 #: ``incoming`` when none of what came in was compared: any error counts as introduced there.
 NOTHING_COMPARED = -1.0
 

@@ -183,7 +183,7 @@ def check_rope_attention(site: Site) -> Iterator[Hint]:
             return t[:, 0] if t.ndim == 3 else t  # the first sequence of the batch: [n, features]
 
         xa, xb = crop(site.xa), crop(site.xb)
-        before = float(np.linalg.norm(xa - xb) / max(np.linalg.norm(xa), 1e-30))
+        before = float(np.linalg.norm(xa - xb) / max(float(np.linalg.norm(xa)), 1e-30))
         if before == 0:
             continue
         for source, xs in found:
@@ -197,18 +197,18 @@ def check_rope_attention(site: Site) -> Iterator[Hint]:
                         layouts.append(("separate", hd, [q, k, v]))
             for packing, hd, (q, k, v) in layouts:
                 qh, kh, vh = (t.reshape(t.shape[0], -1, hd).astype(np.float64) for t in (q, k, v))
-                outs = {}
+                outs: dict[tuple | None, np.ndarray] = {}
                 for interleaved in (False, True):  # no position offsets: attention sees relative positions only
                     for base in _BASES:
                         outs[(interleaved, base, 0)] = _attention(_rope(qh, base, interleaved, 0, 0),
                                                                   _rope(kh, base, interleaved, 0, 0), vh)
                 outs[None] = _attention(qh, kh, vh)
                 tried = True
-                err_a = {key: float(np.linalg.norm(o - xa) / max(np.linalg.norm(xa), 1e-30)) for key, o in outs.items()}
+                err_a = {key: float(np.linalg.norm(o - xa) / max(float(np.linalg.norm(xa)), 1e-30)) for key, o in outs.items()}
                 key_a = min(err_a, key=lambda key: err_a[key])
                 if err_a[key_a] > 0.05 * before:
                     continue  # these are not this attention's inputs, or not in this packing
-                err_b = {key: float(np.linalg.norm(o - xb) / max(np.linalg.norm(xb), 1e-30)) for key, o in outs.items()}
+                err_b = {key: float(np.linalg.norm(o - xb) / max(float(np.linalg.norm(xb)), 1e-30)) for key, o in outs.items()}
                 key_b = min(err_b, key=lambda key: err_b[key])
                 if key_b == key_a:
                     return
