@@ -1,0 +1,102 @@
+"""Hugging Face LlamaForCausalLM vs megatron-core (llama spec), from one checkpoint, as a new user runs them.
+
+Both training scripts (examples/hf_vs_megatron/) are plain: neither imports tensordiff. They are captured
+with `tensordiff capture --auto`, the checkpoint is converted with the built-in mcore-to-hf-llama table, and
+`tensordiff diff` is given no --mapping and no --var: it must pick hf-llama-to-mcore (4 heads in 2 query
+groups) and join q/k/v onto linear_qkv and gate/up onto linear_fc1. Each fault is one mistake on the Hugging
+Face side, with the answer written down before running. Real transformers and megatron-core, no mocks.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("megatron.core")
+
+from tensordiff.cli import main  # noqa: E402
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+EXAMPLE = os.path.join(ROOT, "examples", "hf_vs_megatron")
+
+#: fault -> (hf_train.py arguments, expected first divergence (phase, A's module, kind, slot), top hint cause,
+#: words the top hint's title must hold)
+FAULTS = {
+    "rms-eps": (["--rms-eps", "1e-3"], ("forward", "decoder.layers.0.input_layernorm", "output", "0"),
+                "norm-epsilon", "1.00e-03"),
+    "gelu": (["--act", "gelu_pytorch_tanh"], ("forward", "decoder.layers.0.mlp.linear_fc2", "input", "0"),
+             "activation", "gelu"),
+    "rope-theta": (["--rope-theta", "500000"], ("forward", "decoder.layers.0.self_attention.linear_proj", "input", "0"),
+                   "rope", "base 500000"),
+}
+
+
+def _env():
+    env = dict(os.environ, PYTHONPATH=ROOT, NO_COLOR="1")
+    for name in ("TENSORDIFF_OUTPUT", "TENSORDIFF_STEPS", "TENSORDIFF_TENSORS", "TENSORDIFF_DISABLE"):
+        env.pop(name, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory):
+    """The example end to end (its README's command): captures, conversion and the diff's exit code and output."""
+    out = tmp_path_factory.mktemp("hf_llama")
+    proc = subprocess.run([sys.executable, os.path.join(EXAMPLE, "run.py"), "--out", str(out)], env=_env(),
+                          capture_output=True, text=True, timeout=900)
+    return out, proc
+
+
+def _diff(folder, b_name, tmp_path, *extra):
+    report = tmp_path / f"{b_name}.json"
+    code = main(["diff", str(folder / "mcore.h5"), str(folder / b_name), "--json", str(report), "--width", "80", *extra])
+    return code, json.loads(report.read_text())
+
+
+def test_a_clean_pair_agrees_with_no_mapping_given(clean, tmp_path, capsys):
+    folder, proc = clean
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "mapping hf-llama-to-mcore (heads=4, groups=2), picked from the captures" in proc.stdout
+    assert "No divergence: every record of both runs was compared" in proc.stdout
+    code, report = _diff(folder, "hf.h5", tmp_path)
+    assert code == 0 and report["outcome"] == "agree"
+    for phase in ("weights", "forward", "backward", "param_grad"):
+        cov = report["coverage"][phase]
+        assert cov["only_a"] == 0 and cov["only_b"] == 0 and cov["compared_a"] == cov["recorded_a"], (phase, cov)
+    joined = {(r["phase"], r["module_a"], r["module_b"]) for r in report["rows"] if r["step"] == 0
+              and "+" in (r["module_b"] or "")}
+    for phase in ("weights", "forward", "backward", "param_grad"):
+        assert (phase, "decoder.layers.1.self_attention.linear_qkv", "model.layers.1.self_attn.q_proj+k_proj+v_proj") \
+            in joined
+        assert (phase, "decoder.layers.1.mlp.linear_fc1", "model.layers.1.mlp.gate_proj+up_proj") in joined
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_a_fault_on_the_hf_side_is_found_at_its_module_with_the_right_hint(clean, tmp_path, fault):
+    folder, proc = clean
+    assert proc.returncode == 0
+    args, expected, cause, words = FAULTS[fault]
+    b = folder / f"hf-{fault}.h5"
+    cmd = [sys.executable, "-m", "tensordiff", "capture", "--auto", "-o", str(b), "--steps", "2", "--",
+           sys.executable, os.path.join(EXAMPLE, "hf_train.py"), "--weights", str(folder / "hf.safetensors"),
+           "--steps", "2", *args]
+    run = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    code, report = _diff(folder, b.name, tmp_path)
+    first = report["first_divergence"]
+    assert code == 1 and first["step"] == 0
+    assert (first["phase"], first["module_a"], first["kind"], first["slot"]) == expected
+    top = report["hints"][0]
+    assert top["cause"] == cause and words in top["title"] and top["explained"] > 0.9, report["hints"]
+
+
+def test_a_wrong_query_group_count_is_never_a_pass(clean, tmp_path):
+    folder, _ = clean
+    code, report = _diff(folder, "hf.h5", tmp_path, "--mapping", "hf-llama-to-mcore", "--var", "heads=4",
+                         "--var", "groups=4")
+    assert code == 3 and report["outcome"] == "inconclusive"
+    assert any(r["verdict"] == "shape" and r["module_a"].endswith("linear_qkv") for r in report["rows"])
