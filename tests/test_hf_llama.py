@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
-from tensordiff.cli import main  # noqa: E402
+from tensordiff.cli import main
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
