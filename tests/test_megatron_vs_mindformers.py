@@ -34,32 +34,30 @@ def _run(tmp_path, family, fault="none"):
 @pytest.mark.parametrize("family", ["gpt2", "llama", "llama-stacked", "qwen3", "llama-legacy"])
 def test_all_fixes_agree_within_fp32_noise(tmp_path, family):
     code, report, out = _run(tmp_path, family)
-    if family == "llama-legacy":
-        # the legacy Llama keeps q/k/v and w1/w3 apart where megatron fuses them (linear_qkv, linear_fc1): its
-        # rename rules cannot map several B modules onto one A module yet, so most of the forward pass is not
-        # compared and the honest outcome is inconclusive (exit 3), not a pass
-        assert code == 3 and report["outcome"] == "inconclusive", out[-3000:]
-        assert report["coverage"]["forward"]["share_a"] < 0.9
-        assert any("records have no counterpart and are not accounted for" in r for r in report["inconclusive_reasons"])
-    else:
-        assert code == 0, out[-3000:]
-        assert report["outcome"] == "agree" and report["inconclusive_reasons"] == []
-        assert all(c["only_a"] == c["only_b"] == 0 for c in report["coverage"].values())
+    # the legacy Llama keeps q/k/v and w1/w3 apart where megatron fuses them: joined by the built-in mapping
+    assert code == 0, out[-3000:]
+    assert report["outcome"] == "agree" and report["inconclusive_reasons"] == []
+    assert all(c["only_a"] == c["only_b"] == 0 for c in report["coverage"].values())
     assert report["first_divergence"] is None and report["hints"] == []
     picked = {"gpt2": None, "llama": "mindformers-to-mcore (fc1=deinterleave, kv_repeat=1), picked from the captures",
               # stacked fc1, keyword calls, no --mapping given: the layout is read from B's MLP class
               "llama-stacked": "mindformers-to-mcore (fc1=identity, kv_repeat=1), picked from the captures",
               "qwen3": "mindformers-to-mcore (fc1=deinterleave, kv_repeat=2), picked from the captures",
-              "llama-legacy": "mindformers-llama-to-mcore, picked from the captures"}[family]
+              "llama-legacy": "mindformers-llama-to-mcore (heads=4, groups=4), picked from the captures"}[family]
     assert picked is None or report["mapping_note"].startswith(picked), report["mapping_note"]
     s = report["summary"]
     assert s["diverged"] == 0 and s["shape_mismatch"] == 0
     assert s["ok"] > (150 if family == "llama-legacy" else 250)  # layers, gradients and weights really were compared
     compared = {(r["phase"], r["module_a"]) for r in report["rows"] if r["verdict"] == "ok"}
-    # the legacy Llama has no fused fc1 (w1, w3): its neighbour linear_fc2 is checked there
+    # the legacy Llama's w1 applies SiLU in its own cell: its fc1 output is not compared, the joined weights are
     module = "decoder.layers.1.mlp.linear_fc2" if family == "llama-legacy" else "decoder.layers.1.mlp.linear_fc1"
     for phase in ("weights", "forward", "backward", "param_grad"):
         assert (phase, module) in compared
+    for phase in ("weights", "forward", "backward", "param_grad"):  # q/k/v joined onto linear_qkv in every family
+        assert (phase, "decoder.layers.1.self_attention.linear_qkv") in compared
+    if family == "llama-legacy":
+        assert ("weights", "decoder.layers.1.mlp.linear_fc1") in compared
+        assert ("param_grad", "decoder.layers.1.mlp.linear_fc1") in compared
     assert ("loss", "loss") in compared
     # FP32 noise between the frameworks stays far below the tolerance
     worst = max(r["metrics"]["rel_l2"] for r in report["rows"] if r["verdict"] == "ok" and r["step"] == 0

@@ -65,6 +65,10 @@ def pick_mapping(attrs_a: dict[str, Any], attrs_b: dict[str, Any], records_a: li
     if fw_b == "mindspore" and cls_b == "LlamaForCausalLM":
         name = "mindformers-llama-to-mcore"
         why = "B is MindFormers' legacy LlamaForCausalLM"
+        if heads:
+            variables["heads"] = str(heads)
+            variables["groups"] = str(groups or heads)
+            why += f"; {heads} heads in {groups or heads} query groups"
     elif fw_b == "mindspore" and any(_LAYERS.match(r.module) for r in records_b):
         name = "mindformers-to-mcore"
         interleaved = any(r.module_class == "MLPInterleaved" for r in records_b)

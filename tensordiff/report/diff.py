@@ -243,6 +243,7 @@ class DiffReport:
             a, b = row.pair.a, row.pair.b
             rows.append({
                 "step": row.step, "phase": row.phase, "verdict": row.verdict, "how": row.pair.how or None,
+                "linked": row.linked,
                 "a": a.label if a else None, "b": b.label if b else None,
                 "module_a": a.module if a else None, "module_b": b.module if b else None,
                 "kind": (a or b).kind, "slot": (a or b).slot,  # type: ignore[union-attr]
