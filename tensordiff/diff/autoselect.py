@@ -99,4 +99,4 @@ def pick_mapping(attrs_a: dict[str, Any], attrs_b: dict[str, Any], records_a: li
 
 def _none(fw_a: str, cls_a: str, fw_b: str, cls_b: str) -> str:
     return (f"none: no built-in mapping fits A = {fw_a} {cls_a}, B = {fw_b} {cls_b}; names are lined up as they are "
-            "(--mapping FILE gives one)")
+            "(--mapping FILE gives one; `tensordiff map A B -o FILE` proposes one)")

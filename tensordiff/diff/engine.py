@@ -59,7 +59,8 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         if matched_by_name == 0:
             raise AlignmentError(
                 f"{path_a} and {path_b} have no module in common ({_sample(ca, common[0])} vs {_sample(cb, common[0])}); "
-                "give a mapping file with --mapping (see docs/mapping.md)"
+                "give a mapping file with --mapping, or let `tensordiff map A B -o mapping.yaml` propose one "
+                "(see docs/mapping.md)"
             )
         records_a = {step: ca.records(step) for step in common}
         records_b = {step: cb.records(step) for step in common}

@@ -38,10 +38,27 @@ def test_mindformers_with_stacked_fc1_gets_the_identity_layout():
 def test_legacy_llama_and_hf_gpt2():
     _, note = pick_mapping(MCORE, {"framework": "mindspore", "model_class": "LlamaForCausalLM"}, A_RECS,
                            [rec("model.layers.0.feed_forward")])
-    assert note.startswith("mindformers-llama-to-mcore, picked from the captures")
+    assert note.startswith("mindformers-llama-to-mcore (heads=4, groups=2), picked from the captures")
     _, note = pick_mapping(MCORE, {"framework": "torch", "model_class": "GPT2LMHeadModel",
                                    "transformers_version": "4.57.1"}, A_RECS, [rec("transformer.h.0.mlp")])
     assert note.startswith("hf-gpt2-to-mcore (heads=4), picked from the captures")
+
+
+def weights(module: str) -> Record:
+    return Record(step=0, seq=0, phase="weights", module=module, call=0, kind="param", slot="weight",
+                  module_class="Linear", dtype="float32", shape=(2, 2))
+
+
+def test_a_hugging_face_llama_layout_is_recognised_by_its_modules_whatever_the_class():
+    b_recs = [weights(f"model.layers.0.{m}") for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                       "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    rules, note = pick_mapping(MCORE, {"framework": "torch", "model_class": "Qwen2ForCausalLM"}, A_RECS, b_recs)
+    assert rules is not None and rules.path.endswith("hf-llama-to-mcore.yaml")
+    assert note.startswith("hf-llama-to-mcore (heads=4, groups=2), picked from the captures: B is Hugging Face "
+                           "Qwen2ForCausalLM")
+    # q_proj without a gated MLP (OPT, say) is not the Llama layout
+    rules, note = pick_mapping(MCORE, {"framework": "torch", "model_class": "OPTForCausalLM"}, A_RECS, b_recs[:3])
+    assert rules is None and note.startswith("none: no built-in mapping fits")
 
 
 def test_same_code_needs_no_mapping_and_unknown_pairs_say_so():
@@ -49,7 +66,7 @@ def test_same_code_needs_no_mapping_and_unknown_pairs_say_so():
     rules, note = pick_mapping(MCORE, {"framework": "torch", "model_class": "MyGPT"}, A_RECS, [rec("blocks.0")])
     assert rules is None
     assert note == ("none: no built-in mapping fits A = torch GPTModel, B = torch MyGPT; names are lined up as they "
-                    "are (--mapping FILE gives one)")
+                    "are (--mapping FILE gives one; `tensordiff map A B -o FILE` proposes one)")
     rules, note = pick_mapping({"framework": "mindspore", "model_class": "GPTModel"}, MCORE, A_RECS, A_RECS)
     assert rules is None and note.startswith("none: no built-in mapping fits A = mindspore GPTModel, B = torch")
     assert pick_mapping({"framework": "torch", "model_class": "Net"}, {"framework": "torch", "model_class": "Net2"},
