@@ -85,7 +85,7 @@ def test_fc1_loaded_unconverted_is_a_checkpoint_divergence(tmp_path):
     first = report["first_divergence"]
     assert (first["step"], first["phase"], first["module_a"], first["slot"]) == (
         0, "weights", "decoder.layers.0.mlp.linear_fc1", "weight")
-    assert first["location"] == "decoder.layers.0.mlp.linear_fc1.weight before the first step"
+    assert first["location"] == "in decoder.layers.0.mlp.linear_fc1.weight before the first step (the checkpoint)"
     bad = {r["module_a"] for r in report["rows"] if r["step"] == 0 and r["phase"] == "weights" and r["verdict"] == "diverged"}
     assert bad == {"decoder.layers.0.mlp.linear_fc1", "decoder.layers.1.mlp.linear_fc1"}
     assert [h["cause"] for h in report["hints"]] == ["checkpoint", "layout"]

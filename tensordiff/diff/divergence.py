@@ -164,16 +164,16 @@ def _locate(row: Row, st: _Step, prev_step: _Step | None, complete: bool = True,
                 {"input": a.label, "module": a.module})
     if a.phase == "weights":
         if a.step == 0:
-            return (f"{mod}.{a.slot} before the first step",
+            return (f"in {mod}.{a.slot} before the first step (the checkpoint)",
                     f"The weights already differ before anything ran{on_b}: the two runs did not load the same checkpoint "
                     f"(or converted it differently) for {mod}.{a.slot}.", {"module": a.module, "param": a.slot})
-        return (f"the optimizer update of {mod}.{a.slot} after step {a.step - 1}",
+        return (f"in the optimizer update of {mod}.{a.slot} after step {a.step - 1}",
                 f"Step {a.step - 1} ended with matching gradients for {mod}.{a.slot}, yet the weights differ at the start of "
                 f"step {a.step}: "
                 "the optimizer update differs (learning rate, weight decay, betas/epsilon, gradient clipping or loss scaling).",
                 {"module": a.module, "param": a.slot, "after_step": a.step - 1})
     if a.phase == "loss":
-        return ("the loss computation", "The model's outputs agree but the loss does not: the loss function or its "
+        return ("in the loss computation", "The model's outputs agree but the loss does not: the loss function or its "
                 "reduction differs (mean vs sum, masking, label shift).", {})
     if a.phase == "param_grad":
         return (f"in the weight gradient of {mod}.{a.slot}",
@@ -198,7 +198,7 @@ def _locate(row: Row, st: _Step, prev_step: _Step | None, complete: bool = True,
     if a.phase == "forward" and a.kind == "input":
         parent = a.parent
         if a.enter >= 0 and not a.module and not parent:
-            return ("the model input", f"The model input {a.slot} differs: the two runs were not fed the same "
+            return ("in the model input", f"The model input {a.slot} differs: the two runs were not fed the same "
                                        "batch.", {"input": a.slot})
         src = _source_output(a, st)
         if src is not None:

@@ -143,7 +143,7 @@ def test_a_different_model_input_is_named_and_not_the_layers_that_inherit_it(tmp
     assert row(result, "forward", "block.fc1", "output").verdict == "diverged"
     assert row(result, "forward", "block.fc2", "output").verdict == "diverged"
     assert (first.phase, first.module_a, first.kind, first.slot) == ("forward", "", "input", "0")
-    assert first.introduced is True and first.location == "the model input"
+    assert first.introduced is True and first.location == "in the model input"
     assert "were not fed the same batch" in first.explanation
 
 
@@ -164,7 +164,7 @@ def test_weights_differing_at_step_0_name_the_checkpoint(tmp_path):
     assert row(result, "weights", "block.fc1", "param").verdict == "ok"
     assert (first.step, first.phase, first.module_a, first.kind, first.slot) == (0, "weights", "block.fc2", "param", "weight")
     assert first.introduced is True
-    assert first.location == "block.fc2.weight before the first step"
+    assert first.location == "in block.fc2.weight before the first step (the checkpoint)"
     assert "did not load the same checkpoint" in first.explanation
     assert first.where == {"module": "block.fc2", "param": "weight"}
 
@@ -189,7 +189,7 @@ def test_different_optimizer_updates_are_named_after_the_step_with_matching_grad
     first = result.first
     assert result.steps == [0, 1] and not any(r.verdict == "diverged" for r in result.rows if r.step == 0)
     assert (first.step, first.phase, first.module_a, first.slot, first.introduced) == (1, "weights", "block.fc1", "weight", True)
-    assert first.location == "the optimizer update of block.fc1.weight after step 0"
+    assert first.location == "in the optimizer update of block.fc1.weight after step 0"
     assert first.where == {"module": "block.fc1", "param": "weight", "after_step": 0}
 
 
