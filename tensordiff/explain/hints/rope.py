@@ -216,13 +216,63 @@ def check_rope_attention(site: Site) -> Iterator[Hint]:
                 def name(key: tuple | None) -> str:
                     return "no RoPE" if key is None else _rope_name(key)
 
+                tables = _table_bases(site)
                 hint = make_hint("rope", f"B applies RoPE with {name(key_b)}; A with {name(key_a)}", site, err_b[key_b],
                                  f"attention rebuilt from A's {source} ({packing}, head_dim {hd}) before RoPE, on the "
                                  f"first {n} positions of one sequence: A's RoPE reproduces A to {err_a[key_a]:.1e}, "
-                                 f"B's reproduces B to {err_b[key_b]:.1e}", a=name(key_a), b=name(key_b))
+                                 f"B's reproduces B to {err_b[key_b]:.1e}" + (f"; {tables}" if tables else ""),
+                                 a=name(key_a), b=name(key_b))
                 hint.before = before
                 hint.explained = max(0.0, min(1.0, 1.0 - err_b[key_b] / before))
                 yield hint
                 return
     if not tried:
         raise NotApplicable("the q, k, v recorded before it do not split into heads of this width")
+
+
+def _base_from_angles(first: np.ndarray) -> float | None:
+    """RoPE's base from the angles of position 1 (= the inverse frequencies base^(-2i/D), i < D/2), or None."""
+    half = first.shape[-1]
+    if half < 2:
+        return None
+    inv = first[1:].astype(np.float64)
+    i = np.arange(1, half, dtype=np.float64)
+    ok = (inv > 0) & (inv < 1)
+    if not ok.any():
+        return None
+    return float(np.median(inv[ok] ** (-(2 * half) / (2 * i[ok]))))
+
+
+def _table_bases(site: Site) -> str:
+    """Each side's rotary table read back as a base: A's angle table (Megatron's rotary_pos_emb output, [S, 1, 1, D])
+    or cos table (Hugging Face's rotary_emb first output, [.., S, D]); '' when neither side recorded one."""
+    found = []
+    for side, cap in (("A", site.ca), ("B", site.cb)):
+        for r in cap.records(site.a.step):
+            if r.phase != "forward" or r.kind != "output" or "rotary" not in (r.module + r.module_class).lower():
+                continue
+            if not r.has_data or r.same_as >= 0 or len(r.shape) < 2 or r.shape[-1] < 4:
+                continue
+            x = cap.array(r)
+            if x is None:
+                continue
+            d = x.shape[-1]
+            rows = x.reshape(-1, x.shape[-2], d) if x.ndim >= 3 and x.shape[-2] > 1 else x.reshape(x.shape[0], d)
+            table = rows[0] if rows.ndim == 3 else rows  # [S, D]
+            if table.shape[0] < 2:
+                continue
+            pairs = bool(np.isclose(table[1, 0], table[1, 1]))  # interleaved: [f0, f0, f1, f1, ...]
+            row1 = table[1, 0::2] if pairs else table[1, : d // 2]
+            if np.all(np.abs(table) <= 1.0 + 1e-6) and r.slot in ("0", "cos") and table[0].min() > 0.999:
+                angles = np.arccos(np.clip(row1, -1.0, 1.0))  # a cos table: position 0 is all ones
+                what = "cos table"
+            elif np.allclose(table[0], 0.0):
+                angles = row1
+                what = "angle table"
+            else:
+                continue
+            base = _base_from_angles(angles)
+            if base is not None:
+                found.append(f"{side}'s {what} ({r.module}) reads as base {base:.4g}")
+                break
+    return "; ".join(found)
