@@ -300,23 +300,37 @@ def _match(prop: Proposal, params_a: list[Param], params_b: list[Param], recs_a:
     used_b: set[int] = set()
     by_module: dict[tuple[str, str], ModuleMatch] = {}  # (b module, a module) -> match
 
-    # 1. one B parameter = one A parameter, under a transform; ties (norm weights all ones) by layer numbers, then order
-    for j, pb in enumerate(params_b):
-        hits = [(i, how) for i, pa in enumerate(params_a) if i not in used_a
-                for how in [_one_to_one(pa, pb, heads)] if how is not None]
-        if not hits:
-            continue
-        same_digits = [h for h in hits if _digits(params_a[h[0]].module) == _digits(pb.module)]
-        same_leaf = [h for h in same_digits if params_a[h[0]].rec.slot == pb.rec.slot] or same_digits
-        i, how = (same_leaf or hits)[0]
+    # 1. one B parameter = one A parameter, under a transform. Equal values with several candidates (norm weights
+    #    that are all ones) narrow to the same layer numbers and parameter name, then pair in forward order
+    order_a, order_b = _forward_order(recs_a), _forward_order(recs_b)
+
+    def take(i: int, j: int, how: str) -> None:
         used_a.add(i)
         used_b.add(j)
-        pa = params_a[i]
+        pa, pb = params_a[i], params_b[j]
         m = by_module.setdefault((pb.module, pa.module), ModuleMatch((pb.module,), pa.module, "value"))
         if how:
             m.param_ops[pb.rec.slot] = how
         if pa.rec.slot != pb.rec.slot:
             m.slots[pb.rec.slot] = pa.rec.slot
+
+    ties: dict[tuple[int, ...], list[tuple[int, dict[int, str]]]] = {}
+    for j, pb in enumerate(params_b):
+        hits = [(i, how) for i, pa in enumerate(params_a) if i not in used_a
+                for how in [_one_to_one(pa, pb, heads)] if how is not None]
+        if not hits:
+            continue
+        same_digits = [h for h in hits if _digits(params_a[h[0]].module) == _digits(pb.module)] or hits
+        narrowed = [h for h in same_digits if params_a[h[0]].rec.slot == pb.rec.slot] or same_digits
+        if len(narrowed) == 1:
+            take(narrowed[0][0], j, narrowed[0][1])
+        else:
+            ties.setdefault(tuple(sorted(i for i, _ in narrowed)), []).append((j, dict(narrowed)))
+    for candidates, members in ties.items():
+        free = sorted((i for i in candidates if i not in used_a), key=lambda i: order_a.get(params_a[i].module, 1 << 30))
+        members.sort(key=lambda m: order_b.get(params_b[m[0]].module, 1 << 30))
+        for (j, hows), i in zip(members, free):
+            take(i, j, hows[i])
     prop.params_by_value = len(used_b)
 
     # 2. several B parameters of one parent module (same slot) joined into one A parameter
@@ -481,6 +495,15 @@ def _image_of_parent(mod: str, image: dict[str, str]) -> str | None:
         if parent == "":
             return None
         parent = _parent(parent)
+
+
+def _forward_order(records: list[Record]) -> dict[str, int]:
+    """Module -> the rank of its first forward record (execution order)."""
+    out: dict[str, int] = {}
+    for r in sorted(records, key=lambda r: r.seq):
+        if r.phase == "forward" and r.module not in out:
+            out[r.module] = len(out)
+    return out
 
 
 def _forward_modules(records: list[Record]) -> list[str]:

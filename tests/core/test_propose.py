@@ -34,7 +34,8 @@ def side_a(ws, x):
     recs = []
     for i, w in enumerate(ws):
         p = f"decoder.layers.{i}"
-        recs += [T("weights", f"{p}.norm", "param", "weight", w["norm"]),
+        recs += [T("weights", f"{p}.norm2", "param", "weight", w["norm"]),  # registered before norm, runs after it
+                 T("weights", f"{p}.norm", "param", "weight", w["norm"]),
                  T("weights", f"{p}.attn.qkv", "param", "weight", QkvGroups(HEADS, GROUPS, 0).join([w["q"], w["k"], w["v"]])),
                  T("weights", f"{p}.attn.proj", "param", "weight", w["proj"]),
                  T("weights", f"{p}.mlp.fc1", "param", "weight", Chunk(2, 0).join([w["gate"], w["up"]]))]
@@ -43,6 +44,7 @@ def side_a(ws, x):
         qkv = xs @ QkvGroups(HEADS, GROUPS, 0).join([w["q"], w["k"], w["v"]]).T
         recs += [T("forward", p, "input", "hidden_states", xs, module_class="Layer"),
                  T("forward", f"{p}.norm", "output", "0", xs * w["norm"], module_class="Norm"),
+                 T("forward", f"{p}.norm2", "output", "0", 3 * xs * w["norm"], module_class="Norm"),
                  T("forward", f"{p}.attn", "input", "0", xs, module_class="Attention"),
                  T("forward", f"{p}.attn.qkv", "output", "0", qkv, module_class="Linear"),
                  T("forward", f"{p}.attn.proj", "output", "0", (xs @ w["q"].T) @ w["proj"].T, module_class="Linear"),
@@ -57,6 +59,7 @@ def side_b(ws, x):
     for i, w in enumerate(ws):
         p = f"model.h.{i}"
         recs += [T("weights", f"{p}.ln", "param", "weight", w["norm"]),
+                 T("weights", f"{p}.ln_2", "param", "weight", w["norm"]),
                  T("weights", f"{p}.attn.q_proj", "param", "weight", w["q"]),
                  T("weights", f"{p}.attn.k_proj", "param", "weight", w["k"]),
                  T("weights", f"{p}.attn.v_proj", "param", "weight", w["v"]),
@@ -68,6 +71,7 @@ def side_b(ws, x):
         q, k, v = xb @ w["q"].T, xb @ w["k"].T, xb @ w["v"].T
         recs += [T("forward", p, "input", "0", xb, module_class="Block"),
                  T("forward", f"{p}.ln", "output", "0", xb * w["norm"], module_class="LayerNorm"),
+                 T("forward", f"{p}.ln_2", "output", "0", 3 * xb * w["norm"], module_class="LayerNorm"),
                  T("forward", f"{p}.attn", "input", "hidden_states", xb, module_class="SelfAttention"),
                  T("forward", f"{p}.attn.q_proj", "output", "0", q, module_class="Linear"),
                  T("forward", f"{p}.attn.k_proj", "output", "0", k, module_class="Linear"),
@@ -92,14 +96,16 @@ def pair(tmp_path):
 def test_parameters_match_by_value_and_joins_transposes_and_layer_numbers_are_found(pair):
     a, b, _, _ = pair
     prop = propose(a, b)
-    assert prop.params_by_value == prop.params_total_b == 14
+    assert prop.params_by_value == prop.params_total_b == 16
     text = prop.yaml()
     assert "  - b: ['model\\.h\\.(\\d+)\\.attn\\.q_proj', 'model\\.h\\.(\\d+)\\.attn\\.k_proj', " \
            "'model\\.h\\.(\\d+)\\.attn\\.v_proj']" in text
     assert "    join: 'qkv_groups(heads=4, groups=2)'" in text
     assert "    join: 'chunk(n=2)'" in text
     assert "    params: {'weight': ['transpose']}" in text          # c_proj stored [in, out]
-    assert "  - b: 'model\\.h\\.(\\d+)\\.ln'" in text and "    a: 'decoder.layers.\\1.norm'" in text  # ones: by layer
+    # norm weights are all ones: paired by layer number, then in forward order (not registration order)
+    assert "  - b: 'model\\.h\\.(\\d+)\\.ln'    # parameters equal by value\n    a: 'decoder.layers.\\1.norm'\n" in text
+    assert "  - b: 'model\\.h\\.(\\d+)\\.ln_2'    # parameters equal by value\n    a: 'decoder.layers.\\1.norm2'\n" in text
     assert "  - b: 'model\\.h\\.(\\d+)'    # holds the images of its submodules" in text
     assert "    slots: {'0': 'hidden_states'}" in text and "    slots: {'hidden_states': '0'}" in text
     assert "'swap01'" in text
@@ -124,7 +130,7 @@ def test_a_module_from_another_checkpoint_is_left_unmatched_with_the_reason(tmp_
     a = write_capture(str(tmp_path / "a.h5"), [side_a(ws, x)])
     b = write_capture(str(tmp_path / "b.h5"), [side_b(other, x)])
     prop = propose(a, b)
-    assert prop.params_by_value == 13
+    assert prop.params_by_value == 15
     assert "match none of the other side's by value" in prop.unmatched_b["model.h.1.attn.c_proj"]
     assert "decoder.layers.1.attn.proj" in prop.unmatched_a
 
@@ -135,7 +141,7 @@ def test_the_cli_writes_the_file_and_refuses_to_overwrite(pair, tmp_path, capsys
     assert main(["map", a, b, "-o", str(out)]) == 0
     said = capsys.readouterr().out
     said = " ".join(said.split())  # the console wraps at its width
-    assert "parameters: 14 of B's 14 matched A's 8 by value at step 0 (10 of them joined into 4 of A's)" in said
+    assert "parameters: 16 of B's 16 matched A's 10 by value at step 0 (10 of them joined into 4 of A's)" in said
     assert f"next: tensordiff diff {a} {b} --mapping {out}" in said
     assert RenameRules.load(str(out)).rules
     assert main(["map", a, b, "-o", str(out)]) == 2
