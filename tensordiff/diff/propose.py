@@ -326,10 +326,10 @@ def _match(prop: Proposal, params_a: list[Param], params_b: list[Param], recs_a:
             take(narrowed[0][0], j, narrowed[0][1])
         else:
             ties.setdefault(tuple(sorted(i for i, _ in narrowed)), []).append((j, dict(narrowed)))
-    for candidates, members in ties.items():
+    for candidates, tied in ties.items():
         free = sorted((i for i in candidates if i not in used_a), key=lambda i: order_a.get(params_a[i].module, 1 << 30))
-        members.sort(key=lambda m: order_b.get(params_b[m[0]].module, 1 << 30))
-        for (j, hows), i in zip(members, free):
+        tied.sort(key=lambda m: order_b.get(params_b[m[0]].module, 1 << 30))
+        for (j, hows), i in zip(tied, free):
             take(i, j, hows[i])
     prop.params_by_value = len(used_b)
 
