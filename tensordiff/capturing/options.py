@@ -104,6 +104,21 @@ def rank_path(path: str, rank: int, world_size: int) -> str:
     return f"{root}.rank{rank}{ext or '.h5'}"
 
 
+def rank_files(path: str) -> list[str]:
+    """The per-rank files ``rank_path`` makes for ``path`` that exist, in rank order."""
+    import glob
+    import re
+
+    if "{rank}" in path:
+        pattern, regex = path.replace("{rank}", "*"), re.escape(path).replace(re.escape("{rank}"), r"(\d+)")
+    else:
+        root, ext = os.path.splitext(path)
+        pattern = f"{root}.rank*{ext or '.h5'}"
+        regex = re.escape(root) + r"\.rank(\d+)" + re.escape(ext or ".h5")
+    found = [(int(m.group(1)), f) for f in glob.glob(pattern) for m in [re.fullmatch(regex, f)] if m]
+    return [f for _, f in sorted(found)]
+
+
 def base_attrs(framework: str, framework_version: str, options: CaptureOptions, **extra: Any) -> dict[str, Any]:
     attrs: dict[str, Any] = {
         "framework": framework,

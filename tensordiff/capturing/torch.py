@@ -18,6 +18,7 @@ them in place). Everything is removed after the last captured step or on exit.
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from ..frameworks.torch import dtype_name, reduce_stats, to_numpy
+from . import torch_parallel as parallel
 from .backend import TensorBackend
 from .model_config import model_config_attr
 from .options import CaptureOptions, base_attrs, rank_path
@@ -88,6 +90,18 @@ class TorchTensors(TensorBackend):
                     p.copy_(torch.where(p == 0, p, torch.nextafter(p, toward)))  # zeros stay zeros (no denormals)
 
 
+def _distributed_attrs(model: torch.nn.Module) -> dict[str, Any]:
+    """``parallel`` (this rank's coordinates) and ``param_splits`` (how megatron split each parameter), when known."""
+    out: dict[str, Any] = {}
+    coords = parallel.layout(model)
+    if coords:
+        out["parallel"] = json.dumps(coords, sort_keys=True)
+        splits = parallel.param_splits(model)
+        if splits:
+            out["param_splits"] = json.dumps(splits, sort_keys=True)
+    return out
+
+
 class TorchCapture(Recorder):
     """Records the first ``options.steps`` training steps of ``model``. Use via :func:`tensordiff.capture`."""
 
@@ -102,7 +116,8 @@ class TorchCapture(Recorder):
         assert options.path is not None
         path = rank_path(options.path, rank, world)
         attrs = base_attrs("torch", torch.__version__, options, rank=rank, world_size=world,
-                           model_class=type(model).__name__, model_config=model_config_attr(model), **(meta or {}))
+                           model_class=type(model).__name__, model_config=model_config_attr(model),
+                           **_distributed_attrs(model), **(meta or {}))
         params = []
         for full, p in model.named_parameters():
             mod, _, pname = full.rpartition(".")

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from typing import Any
 
-from ..capturing.options import AUTO_MODULE, ENV_OUTPUT, ENV_PERTURB, ENV_STATUS, ENV_STEPS, ENV_TENSORS, TENSOR_MODES
+from ..capturing.options import AUTO_MODULE, ENV_OUTPUT, ENV_PERTURB, ENV_STATUS, ENV_STEPS, ENV_TENSORS, TENSOR_MODES, rank_files
 from ..diff import noise as noises
 from ..errors import UsageError
 from ..report.capture import NoiseSummary
@@ -67,6 +67,8 @@ def run_capture(args: argparse.Namespace) -> int:
         os.remove(status)
     env = dict(os.environ, **{ENV_OUTPUT: out, ENV_STEPS: str(args.steps), ENV_TENSORS: args.tensors,
                               ENV_STATUS: status})
+    for path in rank_files(out):  # a rank file left by an earlier run would pass for this run's
+        os.remove(path)
     code = run_program(cmd, env)
     problems: list[str] = []
     if os.path.exists(status):
@@ -79,13 +81,17 @@ def run_capture(args: argparse.Namespace) -> int:
         print(f"tensordiff: warning: {line}", file=sys.stderr)
     if code != 0:
         return program_failed(code)
-    if not os.path.exists(out) and "{rank}" not in out:
-        raise UsageError(f"{cmd[0]} ran but wrote no capture to {out}: the program must call tensordiff.capture(model, ...), "
-                         "or run it with --auto (see docs/guide.md)")
-    if os.path.exists(out):
-        with CaptureFile(out) as cap:
-            print(f"tensordiff: wrote {out}: {len(cap.steps)} step(s), {sum(len(cap.records(s)) for s in cap.steps)} "
+    ranks = [] if os.path.exists(out) else rank_files(out)
+    if not os.path.exists(out) and not ranks:
+        raise UsageError(f"{cmd[0]} ran but wrote no capture to {out}"
+                         + (" (nor a per-rank file)" if "{rank}" not in out else "")
+                         + ": the program must call tensordiff.capture(model, ...), or run it with --auto (see docs/guide.md)")
+    for path in [out] if os.path.exists(out) else ranks:
+        with CaptureFile(path) as cap:
+            print(f"tensordiff: wrote {path}: {len(cap.steps)} step(s), {sum(len(cap.records(s)) for s in cap.steps)} "
                   f"records, {cap.nbytes() / 1e6:.1f} MB")
+    if ranks:
+        print(f"tensordiff: {len(ranks)} rank file(s); compare them rank by rank, or see docs/guide.md for distributed runs")
     return 0
 
 

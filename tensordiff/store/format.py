@@ -53,6 +53,12 @@ def step_group_name(step: int) -> str:
 
 
 
+#: File attributes longer than this (bytes) are stored as datasets under ``META_GROUP`` (an HDF5 attribute holds at
+#: most 64 KiB); the reader merges them back into ``attrs``.
+LARGE_ATTR = 32000
+META_GROUP = "meta"
+
+
 def attr_value(value: Any) -> Any:
     """An HDF5-storable attribute: str/number as is, anything else as JSON."""
     if isinstance(value, str):

@@ -12,7 +12,7 @@ import numpy as np
 from .. import dtypes
 from ..errors import CaptureFileError
 from ..record import Record
-from .format import FORMAT_ATTR, FORMAT_VERSION, decode, parse_shape, step_group_name
+from .format import FORMAT_ATTR, FORMAT_VERSION, META_GROUP, decode, parse_shape, step_group_name
 
 
 class CaptureFile:
@@ -51,6 +51,13 @@ class CaptureFile:
                 f"{path}: capture format {version} is newer than this tensordiff reads ({FORMAT_VERSION}); upgrade tensordiff"
             )
         self.attrs: dict[str, Any] = {k: (decode(v) if isinstance(v, (bytes, str)) else v) for k, v in self._file.attrs.items()}
+        meta = self._file.get(META_GROUP)
+        if meta is not None:  # attributes too large for HDF5's attribute storage
+            for key in meta:
+                try:
+                    self.attrs[key] = decode(meta[key][()])
+                except (OSError, KeyError):
+                    continue
         self.steps: list[int] = []
         self.incomplete_steps: list[int] = []
         steps = self._file.get("steps")

@@ -22,6 +22,8 @@ from .format import (
     FORMAT_ATTR,
     FORMAT_VERSION,
     INDEX_DTYPE,
+    LARGE_ATTR,
+    META_GROUP,
     ROW_FIELDS,
     SCALAR_DTYPE,
     SCALAR_NAME_LEN,
@@ -46,7 +48,11 @@ class CaptureWriter:
         self._file = h5py.File(path, "w", libver=("earliest", "v110"))
         self._file.attrs[FORMAT_ATTR] = FORMAT_VERSION
         for key, value in attrs.items():
-            self._file.attrs[key] = attr_value(value)
+            value = attr_value(value)
+            if isinstance(value, str) and len(value.encode("utf-8")) > LARGE_ATTR:  # HDF5 attributes hold 64 KiB
+                self._file.require_group(META_GROUP).create_dataset(key, data=value.encode("utf-8"))
+            else:
+                self._file.attrs[key] = value
         self._file.create_group("steps")
         self._file.flush()
         self.error: BaseException | None = None

@@ -252,3 +252,19 @@ def test_the_writer_creates_missing_folders(tmp_path):
     assert os.path.isfile(path)
     with CaptureFile(path) as cap:
         assert cap.steps == [0] and cap.nbytes() == os.path.getsize(path)
+
+
+def test_an_attribute_too_large_for_hdf5_is_stored_as_metadata_and_read_back(tmp_path):
+    import json
+
+    from helpers import T, write_capture
+
+    from tensordiff.store import CaptureFile
+
+    big = {f"decoder.layers.{i}.mlp.experts.{j}.weight": {"tp": True, "dim": 0, "stride": 1}
+           for i in range(40) for j in range(64)}  # a MoE model's parameter splits: far over 64 KiB
+    path = write_capture(str(tmp_path / "big.h5"), [[T("forward", "m", "output", "0", np.ones(2, np.float32))]],
+                         param_splits=json.dumps(big), small="kept as an attribute")
+    with CaptureFile(path) as cap:
+        assert json.loads(cap.attrs["param_splits"]) == big
+        assert cap.attrs["small"] == "kept as an attribute"
