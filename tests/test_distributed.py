@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from tensordiff.store import CaptureFile  # noqa: E402
+from tensordiff.store import CaptureFile
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
