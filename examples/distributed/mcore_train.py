@@ -70,11 +70,22 @@ def full_weights(seed: int) -> dict[str, torch.Tensor]:
     return w
 
 
-def shard(name: str, full: torch.Tensor, param: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+FAULTS = {
+    "none": "no fault",
+    "qkv-split": "linear_qkv cut as [Q | K | V] sliced contiguously per rank (megatron packs per query group)",
+    "dp-sum": "gradients summed over data-parallel ranks instead of averaged",
+}
+
+
+def shard(name: str, full: torch.Tensor, param: torch.Tensor, tp: int, rank: int, fault: str = "none") -> torch.Tensor:
     """This TP rank's piece of ``full``, laid out as megatron-core lays out ``param`` (its partition attributes)."""
     if not getattr(param, "tensor_model_parallel", False) or tp == 1:
         return full
     dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    if "linear_qkv" in name and fault == "qkv-split":  # the converter's mistake: Megatron's rows read as [Q | K | V]
+        hd = HIDDEN // HEADS
+        q, k, v = full.split([HEADS * hd, GROUPS * hd, GROUPS * hd], dim=0)
+        return torch.cat([q.chunk(tp)[rank], k.chunk(tp)[rank], v.chunk(tp)[rank]], dim=0)
     if "linear_qkv" in name:  # rows are per query group [q_g, k_g, v_g]: whole groups per rank
         return full.chunk(tp, dim=0)[rank]
     if stride > 1:  # gated fc1: [gate; up] -> rank r holds [gate_r; up_r]
@@ -91,6 +102,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--capture", help="capture file (one per rank: .rankN added)")
+    p.add_argument("--fault", choices=sorted(FAULTS), default="none")
     args = p.parse_args()
     torch.set_num_threads(1)
     enable()
@@ -109,7 +121,7 @@ def main() -> None:
     full = full_weights(args.seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(shard(name, full[name], param, args.tp, tp_rank))
+            param.copy_(shard(name, full[name], param, args.tp, tp_rank, args.fault))
 
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     g = torch.Generator().manual_seed(0)
@@ -126,7 +138,8 @@ def main() -> None:
             if dp > 1:  # average the gradients over data-parallel ranks
                 for param in model.parameters():
                     dist.all_reduce(param.grad, group=parallel_state.get_data_parallel_group())
-                    param.grad /= dp
+                    if args.fault != "dp-sum":
+                        param.grad /= dp
             opt.step()
             opt.zero_grad(set_to_none=True)
             cap.step(loss)

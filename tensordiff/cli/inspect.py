@@ -8,7 +8,7 @@ from typing import Any
 from .._text import times_shape
 from ..errors import UsageError
 from ..report.capture import CaptureListing, RecordTable
-from ..store import CaptureFile
+from ..store import CaptureFile, open_capture
 from ._args import add_output, console
 
 
@@ -32,7 +32,7 @@ def add_parsers(sub: Any) -> None:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    with CaptureFile(args.file) as cap:
+    with open_capture(args.file) as cap:
         if not args.records:
             console(args).print(CaptureListing(cap))
             return 0
@@ -55,7 +55,7 @@ def _step(path: str, cap: CaptureFile, step: int | None) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    with CaptureFile(args.file) as cap:
+    with open_capture(args.file) as cap:
         step = _step(args.file, cap, args.step)
         records = [r for r in cap.records(step)
                    if args.pattern in r.module and not (args.phase and r.phase not in args.phase)]

@@ -6,9 +6,12 @@ Imports neither torch nor mindspore, and does not explain: ``tensordiff.explain`
 
 from __future__ import annotations
 
+import json
+import re
+
 from .. import dtypes
 from ..errors import AlignmentError, UsageError
-from ..store import CaptureFile
+from ..store import CaptureFile, open_capture
 from .align import align_step
 from .autoselect import pick_mapping
 from .coverage import coverage, judge_outcome, mark_uncertain
@@ -22,7 +25,8 @@ from .tolerance import judged_dtype
 def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffResult:
     """Compare two capture files. Raises TensordiffError subclasses on bad input."""
     options = options or DiffOptions()
-    with CaptureFile(path_a) as ca, CaptureFile(path_b) as cb:
+    with open_capture(path_a) as ca, open_capture(path_b) as cb:
+        _check_shards(ca, cb)
         common = sorted(set(ca.steps) & set(cb.steps))
         if options.steps is not None:
             missing = [s for s in options.steps if s not in common]
@@ -77,6 +81,38 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         )
         result.outcome, result.reasons = judge_outcome(result)
         return result
+
+
+def _layout(cap: CaptureFile) -> dict:
+    try:
+        value = json.loads(str(cap.attrs.get("parallel", "") or "{}"))
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) and "merged_from" not in cap.attrs else {}
+
+
+def _check_shards(ca: CaptureFile, cb: CaptureFile) -> None:
+    """One rank file of a distributed run holds shards: against a run of another layout it cannot be compared
+    alone (its tensors would be skipped for shape): say which rank files are missing."""
+    la, lb = _layout(ca), _layout(cb)
+    shape_a = (la.get("world_size", 1), la.get("tp", 1), la.get("dp", la.get("world_size", 1)), la.get("pp", 1))
+    shape_b = (lb.get("world_size", 1), lb.get("tp", 1), lb.get("dp", lb.get("world_size", 1)), lb.get("pp", 1))
+    if shape_a == shape_b:
+        return  # the same layout on both sides: rank i against rank i is a fair comparison
+    for cap, layout in ((ca, la), (cb, lb)):
+        world = int(layout.get("world_size", 1))
+        if world > 1:
+            rank = int(layout.get("rank", 0))
+            parts = ", ".join(f"{k.upper()} {layout[k]}" for k in ("tp", "dp", "pp") if int(layout.get(k, 1)) > 1)
+            missing = [r for r in range(world) if r != rank]
+            raise AlignmentError(
+                f"{cap.path}: rank {rank} of a {world}-rank run ({parts or 'data parallel'}), compared with a run of "
+                f"another layout: the other rank files hold the rest of its tensors (missing ranks "
+                f"{', '.join(map(str, missing))}); pass them all, quoted: '{_rank_glob(cap.path)}'")
+
+
+def _rank_glob(path: str) -> str:
+    return re.sub(r"\.rank\d+(\.[^.]+)$", r".rank*\1", path)
 
 
 def _sample(cap: CaptureFile, step: int) -> str:

@@ -22,7 +22,7 @@ import os
 from typing import Any
 
 from ..errors import NoiseFileError
-from ..store import CaptureFile
+from ..store import open_capture
 from .align import RenameRules, align_step
 from .judge import compare_pair
 from .tolerance import Tolerances
@@ -91,7 +91,7 @@ def measure_noise(path_1: str, path_2: str, mapping: RenameRules | None = None) 
     """Per-record relative L2 error between two captures of the same run (the noise floor)."""
     out: dict[tuple, float] = {}
     loose = Tolerances(override=math.inf)
-    with CaptureFile(path_1) as c1, CaptureFile(path_2) as c2:
+    with open_capture(path_1) as c1, open_capture(path_2) as c2:
         for step in sorted(set(c1.steps) & set(c2.steps)):
             for pair in align_step(c1.records(step), c2.records(step), mapping, order_fallback=False):
                 if pair.matched:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..record import Record
-from ..store import CaptureFile
+from ..store import open_capture
 from ..transforms import Chunk, QkvGroups, Split, parse_op
 from .result import DiffOptions, DiffResult
 
@@ -248,7 +248,7 @@ def _in_shape(records: list[Record], module: str) -> tuple[int, ...] | None:
 
 def propose(path_a: str, path_b: str, step: int | None = None) -> Proposal:
     """A proposed mapping of B's names onto A's, from the two captures' first common step (or ``step``)."""
-    with CaptureFile(path_a) as ca, CaptureFile(path_b) as cb:
+    with open_capture(path_a) as ca, open_capture(path_b) as cb:
         common = sorted(set(ca.steps) & set(cb.steps))
         chosen = step if step is not None else (common[0] if common else None)
         from ..errors import UsageError

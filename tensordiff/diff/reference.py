@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .. import dtypes
 from ..errors import AlignmentError
-from ..store import CaptureFile
+from ..store import CaptureFile, open_capture
 from .align import Pair, align_step
 from .metrics import Metrics, compare_arrays, compare_stats
 from .result import DiffOptions, Row
@@ -39,7 +39,7 @@ def judge_against_reference(rows: list[Row], ca: CaptureFile, cb: CaptureFile, c
     reference, not to a fixed tolerance against the other kernel. Each row's ``metrics`` become B-vs-R,
     ``ab`` keeps A-vs-B, ``ref_a`` is A-vs-R and the limit is max(factor x A-vs-R, R's own dtype tolerance).
     """
-    with CaptureFile(options.reference) as cr:  # type: ignore[arg-type]
+    with open_capture(options.reference) as cr:  # type: ignore[arg-type]
         missing = [s for s in common if s not in cr.steps]
         if missing:
             raise AlignmentError(f"{options.reference}: the reference has steps {cr.steps}, not {missing}; capture "

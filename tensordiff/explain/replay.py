@@ -30,7 +30,7 @@ from ..diff.align import RenameRules, align_step
 from ..diff.metrics import rel_l2
 from ..errors import ReplayError, TensordiffError, UsageError
 from ..record import Record
-from ..store import CaptureFile
+from ..store import open_capture
 
 ReplayVerdict = Literal["introduced", "inherited", "unfaithful"]
 
@@ -91,7 +91,7 @@ def _slot_key(slot: str) -> tuple[int, str]:
 
 def replay(path_a: str, path_b: str, module: str, factory: Callable[[], Any], step: int | None = None, call: int = 0,
            mapping: RenameRules | None = None, rtol: float = 1e-5) -> ReplayResult:
-    with CaptureFile(path_a) as ca, CaptureFile(path_b) as cb:
+    with open_capture(path_a) as ca, open_capture(path_b) as cb:
         steps = sorted(set(ca.steps) & set(cb.steps))
         if not steps:
             raise ReplayError(f"{path_a} and {path_b} have no step in common")

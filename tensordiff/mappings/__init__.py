@@ -1,7 +1,9 @@
 """The built-in mapping files, by name (the names are public: ``--mapping NAME``).
 
 * ``*.yaml`` here: capture rename rules (``tensordiff diff --mapping``), see docs/mapping.md;
-* ``ckpt/*.yaml``: checkpoint conversion tables (``tensordiff ckpt --mapping``), see docs/checkpoints.md.
+* ``ckpt/*.yaml``: checkpoint conversion tables (``tensordiff ckpt --mapping``), see docs/checkpoints.md;
+* ``splits/*.yaml``: how each record of a distributed rank is split (merging rank files on read), see
+  docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -25,3 +27,8 @@ def rename_rules() -> dict[str, str]:
 def ckpt_tables() -> dict[str, str]:
     """Checkpoint tables shipped with tensordiff: name -> file."""
     return _yaml_files(os.path.join(FOLDER, "ckpt"))
+
+
+def split_tables() -> dict[str, str]:
+    """Split tables for merging rank files: name -> file."""
+    return _yaml_files(os.path.join(FOLDER, "splits"))

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from ...diff.result import DiffResult, Row
-from ...store import CaptureFile
+from ...store import CaptureFile, open_capture
 from .activation import check_activation
 from .base import MIN_EXPLAINED, CheckStatus, Hint, NotApplicable, Site
 from .checkpoint import check_checkpoint
@@ -80,7 +80,7 @@ def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
     status: dict[str, CheckStatus] = {}
     checks: list[tuple[str, Callable[[Site], Iterator[Hint]]]] = list(CHECKS)
     if result is not None:
-        checks.insert(0, ("checkpoint", lambda s: check_checkpoint(s, result)))
+        checks.append(("checkpoint", lambda s: check_checkpoint(s, result)))  # ties: the specific cause (layout) first
     else:
         status["checkpoint"] = CheckStatus("checkpoint", False, "needs the whole diff")
     for cause, check in checks:
@@ -117,7 +117,7 @@ def find_hints(result: DiffResult, ca: CaptureFile | None = None,
         return [], (f"no hints: step {first.step} holds statistics only; capture with --tensors all "
                     "to test the likely causes there"), _none_ran("statistics only")
     if ca is None or cb is None:
-        with CaptureFile(result.path_a) as ca, CaptureFile(result.path_b) as cb:
+        with open_capture(result.path_a) as ca, open_capture(result.path_b) as cb:
             return find_hints(result, ca, cb)
     with np.errstate(all="ignore"):
         hints, checks = run_checks(row, ca, cb, result)

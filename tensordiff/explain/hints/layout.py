@@ -55,6 +55,43 @@ def check_layout(site: Site) -> Iterator[Hint]:
                 if site.row.pair.ops else "")
         yield make_hint("layout", f"B holds A's values in another order: B = {best[0]} of A", site, best[1],
                     f"the permutation {best[0]} of A's tensor reproduces B{seen} to rel L2 {best[1]:.1e}", op=best[0])
+        return
+    perm = _row_permutation(site.xa, site.xb)
+    if perm is not None:
+        merged = "merged_from" in site.cb.attrs
+        why = (" B was merged from tensor-parallel rank files: its ranks hold other rows than megatron-core's "
+               "split (per query group [q_g, k_g, v_g] vs [Q | K | V]; a gated fc1's [gate_r; up_r])" if merged else "")
+        yield make_hint("layout", f"B's rows are A's rows in another order ({_blocks(perm)})", site, 0.0,
+                        f"every row of B is a row of A, {int(np.sum(perm != np.arange(len(perm))))} of {len(perm)} "
+                        f"moved; the statistics of the two tensors are the same.{why}", rows=_blocks(perm))
+
+
+def _row_permutation(xa: np.ndarray, xb: np.ndarray) -> np.ndarray | None:
+    """``perm`` with B[i] == A[perm[i]] for every row (dim 0), when B's rows are A's in another order; else None."""
+    if xa.shape != xb.shape or xa.ndim < 1 or not 2 <= xa.shape[0] <= 100_000:
+        return None
+    rows_a: dict[bytes, list[int]] = {}
+    for i, row in enumerate(np.ascontiguousarray(xa.reshape(xa.shape[0], -1))):
+        rows_a.setdefault(row.tobytes(), []).append(i)
+    perm = []
+    for row in np.ascontiguousarray(xb.reshape(xb.shape[0], -1)):
+        hit = rows_a.get(row.tobytes())
+        if not hit:
+            return None
+        perm.append(hit.pop(0))
+    out = np.asarray(perm)
+    return None if np.array_equal(out, np.arange(len(out))) else out
+
+
+def _blocks(perm: np.ndarray, shown: int = 4) -> str:
+    """'B rows 0-15 = A rows 0-15, 16-31 = A 64-79, ...': the permutation as runs of consecutive rows."""
+    runs, start = [], 0
+    for i in range(1, len(perm) + 1):
+        if i == len(perm) or perm[i] != perm[i - 1] + 1:
+            runs.append((start, i - 1, int(perm[start]), int(perm[i - 1])))
+            start = i
+    text = ", ".join(f"B {b0}-{b1} = A {a0}-{a1}" for b0, b1, a0, a1 in runs[:shown])
+    return text + (f", ... ({len(runs)} blocks)" if len(runs) > shown else "")
 
 
 def check_missing_bias(site: Site) -> Iterator[Hint]:

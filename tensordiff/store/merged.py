@@ -1,0 +1,319 @@
+"""Rank files of one distributed run read as one capture, in the logical single-device space (merge on read).
+
+``open_capture(path)`` is what every reader calls: a plain capture file, or a glob (``'run.rank*.h5'``) of the
+rank files of one run, which ``MergedCapture`` presents with ``CaptureFile``'s API (``attrs``, ``steps``,
+``records(step)``, ``array(record)``), so alignment, comparison, divergence and hints run unchanged.
+
+How each record merges comes from the files themselves and a rule table shipped as data
+(``tensordiff/mappings/splits/megatron-core.yaml``), never from importing megatron:
+
+* **tensor parallel**: a parameter (and its gradient) marked ``tensor_model_parallel`` in the file's
+  ``param_splits`` is concatenated along its ``partition_dim``, with its ``partition_stride`` (a gated fc1 holds
+  ``[gate_r; up_r]`` on rank r); an activation by its module class's rule (a column-parallel output along its last
+  dim, attention heads along dim 2, ...); the rest is replicated (rank 0's copy is read);
+* **data parallel**: forward activations and their gradients are concatenated along the batch dim (dim 1 of
+  Megatron's ``[S, B, ...]``, dim 0 where the table says the batch comes first; a tensor whose batch dim is not
+  the local batch, a mask ``[1, 1, S, S]``, is replicated); activation gradients are scaled by 1/DP (each rank's
+  loss is its local mean); the loss is the mean over DP; parameters and their reduced gradients are replicated.
+
+Statistics merge exactly from each shard's (numel, min, max, mean, L2). A missing rank file, or rank files of two
+runs, is a ``CaptureFileError`` naming what is missing. Pipeline parallelism is not merged yet (one error line).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from .._yaml import load_yaml
+from ..errors import CaptureFileError
+from ..mappings import split_tables
+from ..record import Record
+from .reader import CaptureFile
+
+_GLOB = re.compile(r"[*?\[]")
+
+
+def open_capture(path: str) -> CaptureFile:
+    """A capture file, or the rank files a glob names merged into one (see the module docstring)."""
+    if not _GLOB.search(path):
+        return CaptureFile(path)
+    paths = sorted(glob.glob(path))
+    if not paths:
+        raise CaptureFileError(f"{path}: no file matches; rank files are named RUN.rankN.h5 (check the pattern and "
+                               "quote it so the shell does not expand it)")
+    if len(paths) == 1:
+        return CaptureFile(paths[0])
+    return MergedCapture(paths, path)
+
+
+@dataclass(frozen=True)
+class _Rule:
+    module: re.Pattern | None
+    cls: str | None
+    kinds: frozenset[str] | None
+    slots: frozenset[str] | None
+    tp_dim: int | None
+    tp_stride: str  # "" or "weight": the stride of the module's weight
+    batch_first: bool
+
+    def hits(self, rec: Record) -> bool:
+        return ((self.module is None or self.module.fullmatch(rec.module) is not None)
+                and (self.cls is None or rec.module_class == self.cls)
+                and (self.kinds is None or rec.kind in self.kinds)
+                and (self.slots is None or rec.slot in self.slots))
+
+
+def _load_rules(name: str = "megatron-core") -> list[_Rule]:
+    path = split_tables()[name]
+    with open(path, encoding="utf-8") as fh:
+        doc = load_yaml(fh.read(), path, "split table")
+    rules = []
+    for raw in doc.get("rules") or []:
+        tp = raw.get("tp") or {}
+        rules.append(_Rule(
+            module=re.compile(raw["module"]) if raw.get("module") is not None else None,
+            cls=raw.get("class"),
+            kinds=frozenset(raw["kinds"]) if raw.get("kinds") else None,
+            slots=frozenset(str(s) for s in raw["slots"]) if raw.get("slots") else None,
+            tp_dim=int(tp["dim"]) if "dim" in tp else None,
+            tp_stride=str(tp.get("stride", "")),
+            batch_first=bool(raw.get("batch_first", False)),
+        ))
+    return rules
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """How one record merges: TP concatenation (dim, stride), DP concatenation (dim) and scale, or DP mean."""
+
+    tp_dim: int | None = None
+    tp_stride: int = 1
+    dp_dim: int | None = None
+    scale: float = 1.0
+    dp_mean: bool = False
+
+
+class MergedCapture(CaptureFile):
+    """The rank files of one run as one capture: ``CaptureFile``'s reading API, every method overridden (no one
+    HDF5 file behind it)."""
+
+    def __init__(self, paths: list[str], pattern: str = ""):
+        self.path = pattern or paths[0]
+        self._files = [CaptureFile(p) for p in paths]
+        try:
+            self._setup(paths)
+        except Exception:
+            self.close()
+            raise
+
+    def _setup(self, paths: list[str]) -> None:
+        coords = []
+        for cap in self._files:
+            raw = cap.attrs.get("parallel")
+            if not raw:
+                raise CaptureFileError(f"{cap.path}: holds no rank coordinates ('parallel' attribute); captures of "
+                                       "distributed runs written by this tensordiff have them: re-run the capture")
+            coords.append(json.loads(str(raw)))
+        world = {c.get("world_size") for c in coords}
+        if len(world) != 1:
+            raise CaptureFileError(f"{self.path}: the files come from runs of different sizes ({sorted(world)} ranks); "
+                                   "pass the rank files of one run")
+        size = int(next(iter(world)))
+        ranks = [int(c.get("rank", -1)) for c in coords]
+        missing = sorted(set(range(size)) - set(ranks))
+        if missing or len(set(ranks)) != len(ranks):
+            raise CaptureFileError(f"{self.path}: a run of {size} ranks needs one file per rank; missing rank(s) "
+                                   f"{missing or 'none, but some appear twice'} ({len(paths)} file(s) given)")
+        if any(int(c.get("pp", 1)) > 1 for c in coords):
+            raise CaptureFileError(f"{self.path}: pipeline-parallel runs (PP > 1) are not merged yet; compare stage "
+                                   "files against a run of the same layout")
+        self.tp = int(coords[0].get("tp", 1))
+        self.dp = int(coords[0].get("dp", size // self.tp if self.tp else size))
+        if self.tp * self.dp != size:
+            raise CaptureFileError(f"{self.path}: TP {self.tp} x DP {self.dp} is not the {size} ranks (context or "
+                                   "expert parallelism is not merged yet)")
+        # grid[dp_rank][tp_rank] -> file
+        self._grid: list[list[CaptureFile]] = [[None] * self.tp for _ in range(self.dp)]  # type: ignore[list-item]
+        for cap, c in zip(self._files, coords):
+            self._grid[int(c.get("dp_rank", 0))][int(c.get("tp_rank", 0))] = cap
+        first = self._grid[0][0]
+        self.attrs: dict[str, Any] = dict(first.attrs)
+        self.attrs["merged_from"] = json.dumps({"files": len(self._files), "tp": self.tp, "dp": self.dp})
+        self.attrs["world_size"], self.attrs["rank"] = 1, 0
+        common = set(first.steps)
+        for cap in self._files:
+            common &= set(cap.steps)
+        self.steps = sorted(common)
+        self.incomplete_steps = sorted(set(first.steps) - common)
+        splits = json.loads(str(first.attrs.get("param_splits", "") or "{}"))
+        self._param_splits: dict[str, dict[str, Any]] = splits if isinstance(splits, dict) else {}
+        self._rules = _load_rules()
+        self._records: dict[int, list[Record]] = {}
+        self._specs: dict[tuple[int, int], _Spec] = {}  # (step, seq) -> spec
+        self._shards: dict[int, list[dict[tuple, Record]]] = {}  # step -> per file (grid order) key -> record
+
+    # ------------------------------------------------------------------ CaptureFile's API
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for cap in self._files:
+            cap.close()
+
+    @property
+    def framework(self) -> str:
+        return str(self.attrs.get("framework", "?"))
+
+    def step_attrs(self, step: int) -> dict[str, Any]:
+        out = dict(self._grid[0][0].step_attrs(step))
+        losses = [self._grid[d][0].step_attrs(step).get("loss") for d in range(self.dp)]
+        values = [float(x) for x in losses if isinstance(x, (int, float, np.floating))]
+        if len(values) == len(losses):
+            out["loss"] = float(np.mean(values))  # the global loss: the mean of the DP ranks' local means
+        return out
+
+    def scalars(self) -> dict[str, dict[int, float]]:
+        return self._grid[0][0].scalars()
+
+    def nbytes(self) -> int:
+        return sum(cap.nbytes() for cap in self._files)
+
+    def iter_records(self) -> Iterator[Record]:
+        for step in self.steps:
+            yield from self.records(step)
+
+    def records(self, step: int) -> list[Record]:
+        if step not in self._records:
+            self._records[step] = self._merge_step(step)
+        return self._records[step]
+
+    def array(self, record: Record) -> np.ndarray | None:
+        if record.step not in self._records and record.step in self.steps:
+            self.records(record.step)  # a record read by another reader of the same files: merge its step first
+        spec = self._specs.get((record.step, record.seq))
+        shards = self._shards.get(record.step)
+        if spec is None or shards is None:
+            return None
+        key = _key(record)
+        pieces = []
+        for d in range(self.dp if spec.dp_dim is not None or spec.dp_mean else 1):
+            parts = []
+            for t in range(self.tp if spec.tp_dim is not None else 1):
+                rec = shards[d * self.tp + t].get(key)
+                x = self._grid[d][t].array(rec) if rec is not None else None
+                if x is None:
+                    return None
+                parts.append(x)
+            pieces.append(_join_tp(parts, spec.tp_dim, spec.tp_stride) if spec.tp_dim is not None else parts[0])
+        if spec.dp_mean:
+            out = np.mean(np.stack([p.astype(np.float64) for p in pieces]), axis=0).astype(pieces[0].dtype)
+        elif spec.dp_dim is not None:
+            out = np.concatenate(pieces, axis=spec.dp_dim)
+        else:
+            out = pieces[0]
+        if spec.scale != 1.0:
+            out = (out.astype(np.float64) * spec.scale).astype(out.dtype)
+        return out
+
+    # ------------------------------------------------------------------ merging
+    def _merge_step(self, step: int) -> list[Record]:
+        per_file = [[self._grid[d][t].records(step) for t in range(self.tp)] for d in range(self.dp)]
+        flat = [recs for row in per_file for recs in row]
+        base = flat[0]
+        keys = [_key(r) for r in base]
+        shards = [{_key(r): r for r in recs} for recs in flat]
+        for i, recs in enumerate(flat[1:], 1):
+            if len(recs) != len(base) or any(k not in shards[i] for k in keys):
+                cap = self._files[self._files.index(self._grid[i // self.tp][i % self.tp])]
+                raise CaptureFileError(f"{cap.path}: step {step} holds other records than {self._grid[0][0].path} "
+                                       f"({len(recs)} vs {len(base)}): the rank files are not of one run")
+        self._shards[step] = shards
+        local_batch = _local_batch(base)
+        out = []
+        for rec in base:
+            spec = self._spec(rec, local_batch)
+            self._specs[(step, rec.seq)] = spec
+            parts = [s[_key(rec)] for s in shards]
+            out.append(_merged_record(rec, parts, spec, self.tp, self.dp))
+        return out
+
+    def _spec(self, rec: Record, local_batch: int | None) -> _Spec:
+        tp_dim: int | None = None
+        stride = 1
+        batch_first = False
+        if rec.kind in ("param", "grad"):
+            split = self._param_splits.get(f"{rec.module}.{rec.slot}" if rec.module else rec.slot)
+            if split and split.get("tp") and self.tp > 1:
+                tp_dim, stride = int(split.get("dim", 0)), int(split.get("stride", 1))
+            return _Spec(tp_dim=tp_dim, tp_stride=stride)
+        if rec.phase == "loss":
+            return _Spec(dp_mean=self.dp > 1)
+        rule = next((r for r in self._rules if r.hits(rec)), None)
+        if rule is not None:
+            batch_first = rule.batch_first
+            if rule.tp_dim is not None and self.tp > 1:
+                tp_dim = rule.tp_dim
+                if rule.tp_stride == "weight":
+                    split = self._param_splits.get(f"{rec.module}.weight", {})
+                    stride = int(split.get("stride", 1))
+        dp_dim: int | None = None
+        if self.dp > 1 and rec.shape:
+            bdim = 0 if batch_first or len(rec.shape) < 2 else 1
+            if local_batch is not None and bdim < len(rec.shape) and rec.shape[bdim] == local_batch:
+                dp_dim = bdim
+        scale = 1.0 / self.dp if self.dp > 1 and rec.phase == "backward" and dp_dim is not None else 1.0
+        return _Spec(tp_dim=tp_dim, tp_stride=stride, dp_dim=dp_dim, scale=scale)
+
+
+def _key(rec: Record) -> tuple:
+    return (rec.phase, rec.module, rec.call, rec.kind, rec.slot)
+
+
+def _local_batch(records: list[Record]) -> int | None:
+    """The local batch size: the first dim of the model's first argument (token ids [B, S])."""
+    for r in records:
+        if r.phase == "forward" and r.module == "" and r.kind == "input" and r.shape:
+            return int(r.shape[0])
+    return None
+
+
+def _join_tp(parts: list[np.ndarray], dim: int, stride: int) -> np.ndarray:
+    axis = dim % parts[0].ndim
+    if stride <= 1:
+        return np.concatenate(parts, axis=axis)
+    # each rank holds [block_0 of rank r; block_1 of rank r; ...]: gather block k of every rank, then the blocks
+    chunks = [np.split(p, stride, axis=axis) for p in parts]
+    return np.concatenate([np.concatenate([c[k] for c in chunks], axis=axis) for k in range(stride)], axis=axis)
+
+
+def _merged_record(rec: Record, parts: list[Record], spec: _Spec, tp: int, dp: int) -> Record:
+    """``rec`` with the merged shape and statistics (exact from each shard's numel, min, max, mean and L2)."""
+    if spec.tp_dim is None and spec.dp_dim is None and not spec.dp_mean and spec.scale == 1.0:
+        return rec
+    grid = [[parts[d * tp + t] for t in range(tp)] for d in range(dp)]
+    used = [grid[d][t] for d in range(dp if spec.dp_dim is not None or spec.dp_mean else 1)
+            for t in range(tp if spec.tp_dim is not None else 1)]
+    shape = list(rec.shape)
+    if spec.tp_dim is not None and shape:
+        shape[spec.tp_dim % len(shape)] *= tp
+    if spec.dp_dim is not None and shape:
+        shape[spec.dp_dim] *= dp
+    if spec.dp_mean:  # the loss: a scalar per rank
+        mean = float(np.mean([p.mean for p in used]))
+        return replace(rec, mean=mean, min=mean, max=mean, l2=abs(mean))
+    numel = sum(p.numel for p in used)
+    s = spec.scale
+    mean = sum(p.mean * p.numel for p in used) / numel * s if numel else 0.0
+    lo, hi = min(p.min for p in used) * s, max(p.max for p in used) * s
+    return replace(rec, shape=tuple(shape), numel=numel, mean=mean, min=min(lo, hi), max=max(lo, hi),
+                   l2=math.sqrt(sum(p.l2 ** 2 for p in used)) * abs(s), nan=sum(p.nan for p in used),
+                   inf=sum(p.inf for p in used), has_data=all(p.has_data for p in used))
+
