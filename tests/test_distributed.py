@@ -60,3 +60,72 @@ def test_each_rank_file_holds_its_coordinates_and_the_parameter_splits(tp2):
             assert "decoder.layers.0.input_layernorm.weight" not in splits  # replicated, not marked
             qkv = [r for r in cap.records(0) if r.phase == "weights" and r.module.endswith("0.self_attention.linear_qkv")]
             assert qkv[0].shape == (64, 64)  # (4 + 2*2) x 16 rows / TP 2
+
+
+# ----------------------------------------------------------------------------- merge on read
+def _torchrun(folder, name, nproc, *args):
+    out = folder / f"{name}.h5"
+    cmd = ([TORCHRUN, "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else [sys.executable]) + [
+        SCRIPT, "--capture", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def runs(tp2):
+    """TP=1 reference, and the layouts and faults of the issue: each captured by the script itself, one file per rank."""
+    folder = tp2[0].parent
+    return {"ref": _torchrun(folder, "ref", 1),
+            "tp2": str(folder / "tp2.rank*.h5"),
+            "dp2": _torchrun(folder, "dp2", 2, "--dp", "2").replace(".h5", ".rank*.h5"),
+            "tp2dp2": _torchrun(folder, "tp2dp2", 4, "--tp", "2", "--dp", "2").replace(".h5", ".rank*.h5"),
+            "qkv": _torchrun(folder, "qkv", 2, "--tp", "2", "--fault", "qkv-split").replace(".h5", ".rank*.h5"),
+            "dpsum": _torchrun(folder, "dpsum", 2, "--dp", "2", "--fault", "dp-sum").replace(".h5", ".rank*.h5")}
+
+
+def _diff(runs, b, tmp_path, *extra):
+    from tensordiff.cli import main
+
+    report = tmp_path / "r.json"
+    code = main(["diff", runs["ref"], runs[b], "--json", str(report), *extra])
+    return code, json.loads(report.read_text()) if report.exists() else None
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2", "tp2dp2"])
+def test_rank_files_of_any_layout_merge_on_read_and_agree_with_the_single_device_run(runs, layout, tmp_path):
+    code, report = _diff(runs, layout, tmp_path)
+    assert code == 0 and report["outcome"] == "agree", report["inconclusive_reasons"]
+    assert all(c["only_a"] == c["only_b"] == 0 and c["compared_a"] == c["recorded_a"]
+               for c in report["coverage"].values())
+    assert report["summary"]["shape_mismatch"] == 0 and report["summary"]["ok"] > 300
+
+
+def test_one_rank_file_against_another_layout_names_the_missing_ranks(runs, capsys):
+    from tensordiff.cli import main
+
+    rank0 = runs["tp2"].replace("rank*", "rank0")
+    assert main(["diff", runs["ref"], rank0]) == 2
+    err = capsys.readouterr().err
+    assert "rank 0 of a 2-rank run (TP 2)" in err and "missing ranks 1" in err and "tp2.rank*.h5" in err
+    assert main(["diff", runs["ref"], runs["tp2dp2"].replace("rank*", "rank[01]")]) == 2
+    assert "a run of 4 ranks needs one file per rank; missing rank(s) [2, 3]" in capsys.readouterr().err
+
+
+def test_a_wrong_qkv_split_is_found_at_linear_qkv_with_the_row_permutation_named(runs, tmp_path):
+    code, report = _diff(runs, "qkv", tmp_path)
+    first = report["first_divergence"]
+    assert code == 1 and (first["step"], first["phase"], first["module_a"]) == (
+        0, "weights", "decoder.layers.0.self_attention.linear_qkv")
+    top = report["hints"][0]
+    assert top["cause"] == "layout" and top["title"].startswith("B's rows are A's rows in another order")
+    assert "merged from tensor-parallel rank files" in top["evidence"]
+
+
+def test_dp_sum_instead_of_mean_is_the_gradient_reduction_with_factor_2(runs, tmp_path):
+    code, report = _diff(runs, "dpsum", tmp_path)
+    first = report["first_divergence"]
+    assert code == 1 and (first["step"], first["phase"]) == (0, "param_grad")
+    assert first["location"] == "in the gradient reduction" and first["where"]["reduction"] is True
+    top = report["hints"][0]
+    assert top["cause"] == "factor" and "B = 2 × A" in top["title"]

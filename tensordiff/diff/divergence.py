@@ -176,6 +176,16 @@ def _locate(row: Row, st: _Step, prev_step: _Step | None, complete: bool = True,
         return ("in the loss computation", "The model's outputs agree but the loss does not: the loss function or its "
                 "reduction differs (mean vs sum, masking, label shift).", {})
     if a.phase == "param_grad":
+        grads = [st.verdict[r.seq] for r in st.ordered if r.phase == "param_grad" and r.seq in st.verdict]
+        backward = [st.verdict[r.seq] for r in st.ordered if r.phase == "backward" and r.seq in st.verdict]
+        bad = sum(v == "diverged" for v in grads)
+        if len(grads) >= 2 and bad >= 0.9 * len(grads) and backward and "diverged" not in backward:
+            return ("in the gradient reduction",
+                    f"{bad} of the {len(grads)} parameter gradients differ while every activation gradient "
+                    f"{'agrees' if complete else 'agrees where compared'}: the gradients are reduced, scaled or "
+                    "accumulated differently after backward (the data-parallel all-reduce: sum vs mean, its dtype; "
+                    "gradient accumulation; a loss scale not undone), not computed differently by one module.",
+                    {"module": "", "reduction": True, "param_grads_differ": bad, "param_grads": len(grads)})
         return (f"in the weight gradient of {mod}.{a.slot}",
                 f"The activations and gradients around {mod} {agree}, but the gradient of its parameter {a.slot} does "
                 f"not{on_b}: "
