@@ -42,7 +42,7 @@ def test_capture_under_torchrun_finds_and_summarises_every_rank_file(tp2):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):
         assert f"tensordiff: wrote {out.parent / f'tp2.rank{rank}.h5'}: 2 step(s)" in proc.stdout
-    assert "tensordiff: 2 rank file(s)" in proc.stdout
+    assert "tensordiff: 2 rank file(s); diff them as one run, merged on read" in proc.stdout
     assert not out.exists()
 
 

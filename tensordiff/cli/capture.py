@@ -91,7 +91,9 @@ def run_capture(args: argparse.Namespace) -> int:
             print(f"tensordiff: wrote {path}: {len(cap.steps)} step(s), {sum(len(cap.records(s)) for s in cap.steps)} "
                   f"records, {cap.nbytes() / 1e6:.1f} MB")
     if ranks:
-        print(f"tensordiff: {len(ranks)} rank file(s); compare them rank by rank, or see docs/guide.md for distributed runs")
+        pattern = ranks[0].replace(".rank0.", ".rank*.") if ".rank0." in ranks[0] else out.replace("{rank}", "*")
+        print(f"tensordiff: {len(ranks)} rank file(s); diff them as one run, merged on read: tensordiff diff REF.h5 "
+              f"'{pattern}' (docs/distributed.md)")
     return 0
 
 
