@@ -129,3 +129,15 @@ def test_dp_sum_instead_of_mean_is_the_gradient_reduction_with_factor_2(runs, tm
     assert first["location"] == "in the gradient reduction" and first["where"]["reduction"] is True
     top = report["hints"][0]
     assert top["cause"] == "factor" and "B = 2 × A" in top["title"]
+
+
+def test_merge_writes_one_capture_that_diffs_like_the_rank_files(runs, tmp_path, capsys):
+    from tensordiff.cli import main
+
+    out = tmp_path / "tp2dp2.h5"
+    assert main(["merge", runs["tp2dp2"], "-o", str(out)]) == 0
+    assert "merged from 4 rank files (TP 2 x DP 2)" in capsys.readouterr().out
+    with CaptureFile(str(out)) as cap:
+        assert json.loads(cap.attrs["merged_from"]) == {"files": 4, "tp": 2, "dp": 2}
+    assert main(["diff", runs["ref"], str(out)]) == 0
+    assert main(["merge", runs["tp2dp2"], "-o", str(out)]) == 2  # never overwritten without --force

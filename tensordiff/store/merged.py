@@ -36,7 +36,9 @@ from .._yaml import load_yaml
 from ..errors import CaptureFileError
 from ..mappings import split_tables
 from ..record import Record
+from .format import ROW_FIELDS, shape_text
 from .reader import CaptureFile
+from .writer import CaptureWriter
 
 _GLOB = re.compile(r"[*?\[]")
 
@@ -107,6 +109,7 @@ class MergedCapture(CaptureFile):
 
     def __init__(self, paths: list[str], pattern: str = ""):
         self.path = pattern or paths[0]
+        self.paths = list(paths)
         self._files = [CaptureFile(p) for p in paths]
         try:
             self._setup(paths)
@@ -317,3 +320,30 @@ def _merged_record(rec: Record, parts: list[Record], spec: _Spec, tp: int, dp: i
                    l2=math.sqrt(sum(p.l2 ** 2 for p in used)) * abs(s), nan=sum(p.nan for p in used),
                    inf=sum(p.inf for p in used), has_data=all(p.has_data for p in used))
 
+
+
+def write_capture_copy(cap: CaptureFile, out: str) -> int:
+    """Write what ``cap`` reads (a merged run, say) into one capture file at ``out``; returns the records written."""
+    attrs = {k: v for k, v in cap.attrs.items() if k != "tensordiff_format"}
+    writer = CaptureWriter(out, attrs, background=False)
+    written = 0
+    try:
+        for step in cap.steps:
+            rows, data = [], {}
+            for rec in cap.records(step):
+                row = {name: getattr(rec, name) for name in ROW_FIELDS or () if name != "shape"}
+                row["shape"] = shape_text(rec.shape)
+                x = cap.array(rec) if rec.has_data and rec.same_as < 0 else None
+                if x is not None:
+                    data[rec.seq] = x
+                elif rec.same_as < 0:
+                    row["has_data"] = 0
+                rows.append(row)
+            writer.submit(step, rows, data, cap.step_attrs(step))
+            written += len(rows)
+        for name, values in cap.scalars().items():
+            for step, value in values.items():
+                writer.submit_scalars(step, {name: value})
+    finally:
+        writer.close()
+    return written
