@@ -1,0 +1,76 @@
+"""Rank files merged on read (tensordiff.store.merged), on synthetic captures of a column-parallel Linear.
+
+Full model: y = x @ W.T, W [4, 3] (out, in), x [S=2, B=4, 3] ([S, B, H] as megatron-core). TP=2 splits W's rows
+(partition_dim 0) and y's last dim; DP=2 splits the batch (dim 1) and scales activation gradients by 1/DP.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from helpers import T, write_capture
+
+from tensordiff.errors import CaptureFileError
+from tensordiff.store import CaptureFile, MergedCapture, open_capture
+
+RNG = np.random.default_rng(5)
+W = RNG.standard_normal((4, 3)).astype(np.float32)
+X = RNG.standard_normal((2, 4, 3)).astype(np.float32)
+IDS = np.arange(8, dtype=np.int64).reshape(4, 2)
+
+
+def recs(w, x, ids, dy):
+    y = x @ w.T
+    return [T("weights", "fc", "param", "weight", w, module_class="ColumnParallelLinear"),
+            T("forward", "", "input", "0", ids, module_class="Net"),
+            T("forward", "fc", "input", "0", x, module_class="ColumnParallelLinear"),
+            T("forward", "fc", "output", "0", y, module_class="ColumnParallelLinear"),
+            T("backward", "fc", "grad_output", "0", dy, module_class="ColumnParallelLinear"),
+            T("param_grad", "fc", "grad", "weight", np.ones_like(w), module_class="ColumnParallelLinear")]
+
+
+def write_run(tmp_path, name, tp, dp, drop=()):
+    dy_full = (X @ W.T) / 4.0  # the global run's gradient
+    paths = []
+    for rank in range(tp * dp):
+        t, d = rank % tp, rank // tp
+        if rank in drop:
+            continue
+        w = np.split(W, tp, axis=0)[t]
+        x = np.split(X, dp, axis=1)[d]
+        ids = np.split(IDS, dp, axis=0)[d]
+        dy = np.split(np.split(dy_full, tp, axis=-1)[t], dp, axis=1)[d] * dp  # a local mean: DP times the global
+        coords = {"world_size": tp * dp, "rank": rank, "tp": tp, "tp_rank": t, "dp": dp, "dp_rank": d, "pp": 1}
+        splits = {"fc.weight": {"tp": True, "sp": False, "dim": 0, "stride": 1}}
+        paths.append(write_capture(str(tmp_path / f"{name}.rank{rank}.h5"), [recs(w, x, ids, dy)],
+                                   parallel=json.dumps(coords), param_splits=json.dumps(splits)))
+    return str(tmp_path / f"{name}.rank*.h5")
+
+
+@pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2), (2, 2)])
+def test_rank_files_read_back_as_the_single_device_tensors(tmp_path, tp, dp):
+    full = {r.module + r.kind: r.value for r in recs(W, X, IDS, (X @ W.T) / 4.0)}
+    with open_capture(write_run(tmp_path, "run", tp, dp)) as cap:
+        assert isinstance(cap, MergedCapture) and (cap.tp, cap.dp) == (tp, dp)
+        for rec in cap.records(0):
+            expected = full[rec.module + rec.kind]
+            got = cap.array(rec)
+            assert rec.shape == expected.shape and got is not None
+            np.testing.assert_allclose(got, expected, rtol=1e-6)
+            assert rec.l2 == pytest.approx(float(np.linalg.norm(expected.astype(np.float64))), rel=1e-6)
+            assert rec.numel == expected.size
+
+
+def test_a_missing_rank_file_is_one_error_naming_it(tmp_path):
+    with pytest.raises(CaptureFileError, match=r"a run of 4 ranks needs one file per rank; missing rank\(s\) \[2\]"):
+        open_capture(write_run(tmp_path, "run", 2, 2, drop=(2,)))
+
+
+def test_a_plain_path_is_a_plain_capture_and_an_empty_glob_says_so(tmp_path):
+    pattern = write_run(tmp_path, "run", 2, 1)
+    with open_capture(pattern.replace("*", "0")) as cap:
+        assert type(cap) is CaptureFile
+    with pytest.raises(CaptureFileError, match="no file matches"):
+        open_capture(str(tmp_path / "other.rank*.h5"))
