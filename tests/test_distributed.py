@@ -81,7 +81,8 @@ def runs(tp2):
             "dp2": _torchrun(folder, "dp2", 2, "--dp", "2").replace(".h5", ".rank*.h5"),
             "tp2dp2": _torchrun(folder, "tp2dp2", 4, "--tp", "2", "--dp", "2").replace(".h5", ".rank*.h5"),
             "qkv": _torchrun(folder, "qkv", 2, "--tp", "2", "--fault", "qkv-split").replace(".h5", ".rank*.h5"),
-            "dpsum": _torchrun(folder, "dpsum", 2, "--dp", "2", "--fault", "dp-sum").replace(".h5", ".rank*.h5")}
+            "dpsum": _torchrun(folder, "dpsum", 2, "--dp", "2", "--fault", "dp-sum").replace(".h5", ".rank*.h5"),
+            "nored": _torchrun(folder, "nored", 2, "--dp", "2", "--fault", "dp-noreduce").replace(".h5", ".rank*.h5")}
 
 
 def _diff(runs, b, tmp_path, *extra):
@@ -141,3 +142,15 @@ def test_merge_writes_one_capture_that_diffs_like_the_rank_files(runs, tmp_path,
         assert json.loads(cap.attrs["merged_from"]) == {"files": 4, "tp": 2, "dp": 2}
     assert main(["diff", runs["ref"], str(out)]) == 0
     assert main(["merge", runs["tp2dp2"], "-o", str(out)]) == 2  # never overwritten without --force
+
+
+def test_a_missing_dp_all_reduce_is_found_by_the_cross_rank_check_with_no_reference_run(runs, tmp_path):
+    from tensordiff.cli import main
+
+    report = tmp_path / "self.json"
+    assert main(["diff", runs["nored"], runs["nored"], "--json", str(report)]) == 3  # the run against itself
+    doc = json.loads(report.read_text())
+    assert "A: embedding.word_embeddings grad weight: DP ranks 0/1 differ" in doc["rank_inconsistencies"]
+    assert any("must be identical on every rank holding them differ" in r for r in doc["inconclusive_reasons"])
+    code, _ = _diff(runs, "nored", tmp_path)
+    assert code != 0

@@ -74,6 +74,7 @@ FAULTS = {
     "none": "no fault",
     "qkv-split": "linear_qkv cut as [Q | K | V] sliced contiguously per rank (megatron packs per query group)",
     "dp-sum": "gradients summed over data-parallel ranks instead of averaged",
+    "dp-noreduce": "no data-parallel all-reduce of the gradients at all (each rank steps on its local gradient)",
 }
 
 
@@ -135,7 +136,7 @@ def main() -> None:
         for step in range(args.steps):
             loss = model(tokens, position_ids, causal, labels=labels).float().mean()
             loss.backward()
-            if dp > 1:  # average the gradients over data-parallel ranks
+            if dp > 1 and args.fault != "dp-noreduce":  # average the gradients over data-parallel ranks
                 for param in model.parameters():
                     dist.all_reduce(param.grad, group=parallel_state.get_data_parallel_group())
                     if args.fault != "dp-sum":

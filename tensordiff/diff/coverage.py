@@ -106,6 +106,11 @@ def judge_outcome(result: DiffResult) -> tuple[Outcome, list[str]]:
         if cov.recorded_a and not cov.compared:
             reasons.append(f"{phase}: A recorded {cov.recorded_a} record(s), B {cov.recorded_b}, and no pair was compared"
                            + ("" if cov.recorded_b else " (B did not record this phase)"))
+    if result.rank_inconsistencies:
+        n = len(result.rank_inconsistencies)
+        reasons.append(f"{n} record(s) that must be identical on every rank holding them differ across the rank files "
+                       f"(a missing or unwaited all-reduce, an unreduced sequence-parallel gradient): "
+                       f"{'; '.join(result.rank_inconsistencies[:3])}{' ...' if n > 3 else ''}")
     only_a = sum(c.only_a for c in result.coverage.values())
     only_b = sum(c.only_b for c in result.coverage.values())
     if only_a or only_b:

@@ -11,7 +11,7 @@ import re
 
 from .. import dtypes
 from ..errors import AlignmentError, UsageError
-from ..store import CaptureFile, open_capture
+from ..store import CaptureFile, MergedCapture, open_capture
 from .align import align_step
 from .autoselect import pick_mapping
 from .coverage import coverage, judge_outcome, mark_uncertain
@@ -78,6 +78,8 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
             first=first, options=options,
             only_a_steps=sorted(set(ca.steps) - set(cb.steps)), only_b_steps=sorted(set(cb.steps) - set(ca.steps)),
             coverage=coverage(rows), mapping_note=mapping_note,
+            rank_inconsistencies=[f"{side}: {line}" for side, cap in (("A", ca), ("B", cb))
+                                  if isinstance(cap, MergedCapture) for step in common for line in cap.inconsistencies(step)],
         )
         result.outcome, result.reasons = judge_outcome(result)
         return result

@@ -156,6 +156,9 @@ class DiffResult:
     """Why the outcome is 'inconclusive', one sentence each."""
     mapping_note: str = ""
     """Which mapping lined the captures up, when it was picked automatically (or why none was)."""
+    rank_inconsistencies: list[str] = field(default_factory=list)
+    """Records a side's rank files must hold identically (replicated, reduced) but do not: 'B: <label>: TP ranks 0/1
+    differ'. The merged view reads the first rank's copy, so these are never passed over."""
 
     @property
     def exit_code(self) -> int:

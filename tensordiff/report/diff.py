@@ -41,6 +41,10 @@ class DiffReport:
         yield Text.assemble(("B ", "tensordiff.title"), f"{res.path_b} ({_who(res.attrs_b)})")
         if res.mapping_note:
             yield Text.assemble(("mapping ", "tensordiff.title"), (res.mapping_note, "tensordiff.dim"))
+        if res.rank_inconsistencies:
+            n = len(res.rank_inconsistencies)
+            yield Text(f"cross-rank check: {n} record(s) that must be identical on every rank differ: "
+                       f"{'; '.join(res.rank_inconsistencies[:3])}{' ...' if n > 3 else ''}", style="tensordiff.diverged")
         first = res.first
         first_key = (first.step, first.phase, first.label_a) if first else None
         for step, phase, rows in phase_rows(res):
@@ -266,6 +270,7 @@ class DiffReport:
             "first_divergence": res.first.as_dict() if res.first else None,
             "outcome": res.outcome, "exit_code": res.exit_code, "inconclusive_reasons": res.reasons,
             "mapping_note": res.mapping_note or None,
+            "rank_inconsistencies": res.rank_inconsistencies,
             "coverage": {phase: cov.as_dict() for phase, cov in res.coverage.items()},
             "rows": rows,
         }

@@ -226,6 +226,40 @@ class MergedCapture(CaptureFile):
             out = (out.astype(np.float64) * spec.scale).astype(out.dtype)
         return out
 
+    def inconsistencies(self, step: int) -> list[str]:
+        """Records that must be identical on the ranks that hold them (replicated across TP, parameters and reduced
+        parameter gradients across DP) but differ, judged from their statistics: '<label>: TP ranks 0/1 differ'.
+        An unreduced gradient or a missing all-reduce shows here with no reference run at all."""
+        self.records(step)
+        shards = self._shards[step]
+        out = []
+        for rec in self._grid[0][0].records(step):
+            spec = self._specs.get((step, rec.seq))
+            if spec is None or rec.same_as >= 0:
+                continue
+            key = _key(rec)
+            groups: list[tuple[str, list[int]]] = []
+            if spec.tp_dim is None and self.tp > 1:
+                groups += [("TP", [d * self.tp + t for t in range(self.tp)]) for d in range(self.dp)]
+            if spec.dp_dim is None and not spec.dp_mean and self.dp > 1:
+                groups += [("DP", [d * self.tp + t for d in range(self.dp)]) for t in range(self.tp)]
+            for name, members in groups:
+                stats = [shards[i][key] for i in members]
+                first = stats[0]
+                bad = [i for i, r in zip(members, stats) if not _same_stats(first, r)]
+                if bad:
+                    ranks = "/".join(str(self._rank_of(i)) for i in [members[0], *bad])
+                    out.append(f"{rec.label}: {name} ranks {ranks} differ")
+                    break
+        return out
+
+    def _rank_of(self, index: int) -> int:
+        cap = self._grid[index // self.tp][index % self.tp]
+        try:
+            return int(json.loads(str(cap.attrs.get("parallel", "{}"))).get("rank", index))
+        except ValueError:
+            return index
+
     # ------------------------------------------------------------------ merging
     def _merge_step(self, step: int) -> list[Record]:
         per_file = [[self._grid[d][t].records(step) for t in range(self.tp)] for d in range(self.dp)]
@@ -274,6 +308,14 @@ class MergedCapture(CaptureFile):
                 dp_dim = bdim
         scale = 1.0 / self.dp if self.dp > 1 and rec.phase == "backward" and dp_dim is not None else 1.0
         return _Spec(tp_dim=tp_dim, tp_stride=stride, dp_dim=dp_dim, scale=scale)
+
+
+def _same_stats(a: Record, b: Record, rtol: float = 1e-6) -> bool:
+    if a.numel != b.numel or a.nan != b.nan or a.inf != b.inf:
+        return False
+    scale = max(abs(a.l2), abs(b.l2), 1e-30)
+    return all(abs(x - y) <= rtol * max(abs(x), abs(y), scale / max(a.numel, 1) ** 0.5)
+               for x, y in ((a.l2, b.l2), (a.mean, b.mean), (a.min, b.min), (a.max, b.max)))
 
 
 def _key(rec: Record) -> tuple:
