@@ -145,8 +145,9 @@ class MergedCapture(CaptureFile):
                                    "expert parallelism is not merged yet)")
         # grid[dp_rank][tp_rank] -> file
         self._grid: list[list[CaptureFile]] = [[None] * self.tp for _ in range(self.dp)]  # type: ignore[list-item]
-        for cap, c in zip(self._files, coords):
-            self._grid[int(c.get("dp_rank", 0))][int(c.get("tp_rank", 0))] = cap
+        for cap, c in zip(self._files, coords):  # without megatron's coordinates: every rank is a DP rank
+            rank = int(c.get("rank", 0))
+            self._grid[int(c.get("dp_rank", rank // self.tp))][int(c.get("tp_rank", rank % self.tp))] = cap
         first = self._grid[0][0]
         self.attrs: dict[str, Any] = dict(first.attrs)
         self.attrs["merged_from"] = json.dumps({"files": len(self._files), "tp": self.tp, "dp": self.dp})
@@ -158,7 +159,10 @@ class MergedCapture(CaptureFile):
         self.incomplete_steps = sorted(set(first.steps) - common)
         splits = json.loads(str(first.attrs.get("param_splits", "") or "{}"))
         self._param_splits: dict[str, dict[str, Any]] = splits if isinstance(splits, dict) else {}
-        self._rules = _load_rules()
+        # megatron-core's activations are [S, B, ...]; a run without its parallel_state (plain torch DDP) is taken
+        # as batch first, and the megatron-core class rules do not apply to it
+        self._megatron = coords[0].get("source") == "megatron.core.parallel_state"
+        self._rules = _load_rules() if self._megatron else []
         self._records: dict[int, list[Record]] = {}
         self._specs: dict[tuple[int, int], _Spec] = {}  # (step, seq) -> spec
         self._shards: dict[int, list[dict[tuple, Record]]] = {}  # step -> per file (grid order) key -> record
@@ -303,7 +307,7 @@ class MergedCapture(CaptureFile):
                     stride = int(split.get("stride", 1))
         dp_dim: int | None = None
         if self.dp > 1 and rec.shape:
-            bdim = 0 if batch_first or len(rec.shape) < 2 else 1
+            bdim = 0 if batch_first or not self._megatron or len(rec.shape) < 2 else 1
             if local_batch is not None and bdim < len(rec.shape) and rec.shape[bdim] == local_batch:
                 dp_dim = bdim
         scale = 1.0 / self.dp if self.dp > 1 and rec.phase == "backward" and dp_dim is not None else 1.0

@@ -42,7 +42,8 @@ def write_run(tmp_path, name, tp, dp, drop=()):
         x = np.split(X, dp, axis=1)[d]
         ids = np.split(IDS, dp, axis=0)[d]
         dy = np.split(np.split(dy_full, tp, axis=-1)[t], dp, axis=1)[d] * dp  # a local mean: DP times the global
-        coords = {"world_size": tp * dp, "rank": rank, "tp": tp, "tp_rank": t, "dp": dp, "dp_rank": d, "pp": 1}
+        coords = {"world_size": tp * dp, "rank": rank, "tp": tp, "tp_rank": t, "dp": dp, "dp_rank": d, "pp": 1,
+                  "source": "megatron.core.parallel_state"}
         splits = {"fc.weight": {"tp": True, "sp": False, "dim": 0, "stride": 1}}
         paths.append(write_capture(str(tmp_path / f"{name}.rank{rank}.h5"), [recs(w, x, ids, dy)],
                                    parallel=json.dumps(coords), param_splits=json.dumps(splits)))
@@ -74,3 +75,20 @@ def test_a_plain_path_is_a_plain_capture_and_an_empty_glob_says_so(tmp_path):
         assert type(cap) is CaptureFile
     with pytest.raises(CaptureFileError, match="no file matches"):
         open_capture(str(tmp_path / "other.rank*.h5"))
+
+
+def test_a_plain_torch_ddp_run_is_merged_batch_first(tmp_path):
+    x = RNG.standard_normal((4, 3)).astype(np.float32)  # [B, H]: no megatron, the batch comes first
+    paths = []
+    for rank in range(2):
+        local = np.split(x, 2, axis=0)[rank]
+        coords = {"world_size": 2, "rank": rank, "source": "torch.distributed"}
+        paths.append(write_capture(str(tmp_path / f"ddp.rank{rank}.h5"), [[
+            T("weights", "fc", "param", "weight", W, module_class="Linear"),
+            T("forward", "", "input", "0", local, module_class="Net"),
+            T("forward", "fc", "output", "0", local @ W.T, module_class="Linear")]], parallel=json.dumps(coords)))
+    with open_capture(str(tmp_path / "ddp.rank*.h5")) as cap:
+        assert (cap.tp, cap.dp) == (1, 2)
+        out = next(r for r in cap.records(0) if r.kind == "output")
+        np.testing.assert_allclose(cap.array(out), x @ W.T, rtol=1e-6)
+        assert cap.inconsistencies(0) == []
