@@ -82,9 +82,10 @@ def test_halved_gradient_is_a_constant_factor(gpt):
 
 def test_scaled_checkpoint_names_the_parameter(gpt):
     result = diff(gpt("none"), gpt("ckpt"))
-    assert [h.cause for h in result.hints] == ["checkpoint", "factor"]
-    assert result.hints[0].details["parameters"] == ["decoder.layers.0.self_attention.linear_qkv.weight"]
-    assert result.hints[1].details["factor"] == pytest.approx(1.01, rel=1e-6)
+    # both explain it all; the specific cause (the scale) comes first, then which parameters differ
+    assert [h.cause for h in result.hints] == ["factor", "checkpoint"]
+    assert result.hints[1].details["parameters"] == ["decoder.layers.0.self_attention.linear_qkv.weight"]
+    assert result.hints[0].details["factor"] == pytest.approx(1.01, rel=1e-6)
 
 
 def test_rope_interleaved_pairs(llama):
@@ -154,7 +155,7 @@ def test_bf16_weights_are_recognised_as_bf16(llama):
     result = diff(llama("none"), llama("bf16"), DiffOptions(tolerances=Tolerances(override=1e-6)))
     assert result.first.phase == "weights"
     causes = [h.cause for h in result.hints]
-    assert causes[:2] == ["checkpoint", "dtype"] and result.hints[1].details["dtype"] == "BF16"
+    assert causes[:2] == ["dtype", "checkpoint"] and result.hints[0].details["dtype"] == "BF16"
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
