@@ -122,13 +122,14 @@ class Rule:
                 text = f"{text}(dim={dim})"
         return parse_split(text, "join")
 
+    def _admits(self, rec: Record) -> bool:
+        """The rule's phase, kind and slot limits let ``rec`` through."""
+        return ((self.phases is None or rec.phase in self.phases) and (self.kinds is None or rec.kind in self.kinds)
+                and (self.only_slots is None or rec.kind in _PARAM_KINDS or rec.slot in self.only_slots))
+
     def target(self, rec: Record, module: str | None = None) -> tuple[tuple, tuple[Op, ...]] | None:
         """Where B's record goes in A (and B's transforms), or None; ``module``: B's name with the mapping's prefixes stripped."""
-        if self.phases is not None and rec.phase not in self.phases:
-            return None
-        if self.kinds is not None and rec.kind not in self.kinds:
-            return None
-        if self.only_slots is not None and rec.kind not in _PARAM_KINDS and rec.slot not in self.only_slots:
+        if not self._admits(rec):
             return None
         if self.parts and rec.kind not in _INPUT_KINDS:
             return None  # a join's outputs, gradients and parameters are paired by ``join_target``
@@ -136,22 +137,11 @@ class Rule:
         if not m:
             return None
         name = m.expand(self.a)
-        slot = self.slots.get(rec.slot, rec.slot)
-        if rec.kind in _PARAM_KINDS:
-            ops = self.params.get(rec.slot, ())
-        else:
-            ops = self.inputs if rec.kind in ("input", "grad_input") else self.outputs
-        return (rec.phase, name, rec.call, rec.kind, slot), ops
+        return (rec.phase, name, rec.call, rec.kind, self.slots.get(rec.slot, rec.slot)), self.ops_for(rec)
 
     def join_target(self, rec: Record, module: str) -> tuple[tuple, int] | None:
         """For a join: (A's key, which part) of B's output, gradient or parameter record, or None."""
-        if not self.parts or rec.kind in _INPUT_KINDS:
-            return None
-        if self.phases is not None and rec.phase not in self.phases:
-            return None
-        if self.kinds is not None and rec.kind not in self.kinds:
-            return None
-        if self.only_slots is not None and rec.kind not in _PARAM_KINDS and rec.slot not in self.only_slots:
+        if not self.parts or rec.kind in _INPUT_KINDS or not self._admits(rec):
             return None
         for i, pattern in enumerate(self.parts):
             m = pattern.fullmatch(module)

@@ -71,13 +71,13 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         if options.reference:
             judge_against_reference(rows, ca, cb, common, options)
         mark_uncertain(rows)
-        coverage(rows)  # marks the records compared under another record of their side (``Row.linked``)
+        covered = coverage(rows)  # also marks the records compared under another record of their side (Row.linked)
         first = find_first_divergence(rows, records_a, options.jump, records_b)
         result = DiffResult(
             path_a=path_a, path_b=path_b, attrs_a=dict(ca.attrs), attrs_b=dict(cb.attrs), rows=rows, steps=common,
             first=first, options=options,
             only_a_steps=sorted(set(ca.steps) - set(cb.steps)), only_b_steps=sorted(set(cb.steps) - set(ca.steps)),
-            coverage=coverage(rows), mapping_note=mapping_note,
+            coverage=covered, mapping_note=mapping_note,  # 'drift' set since is still compared: the counts hold
             rank_inconsistencies=[f"{side}: {line}" for side, cap in (("A", ca), ("B", cb))
                                   if isinstance(cap, MergedCapture) for step in common for line in cap.inconsistencies(step)],
         )

@@ -32,6 +32,7 @@ import numpy as np
 from ..record import Record
 from ..store import open_capture
 from ..transforms import Chunk, QkvGroups, Split, parse_op
+from .autoselect import _config, _first
 from .result import DiffOptions, DiffResult
 
 #: Two parameters are the same checkpoint tensor when their relative L2 difference is below this
@@ -218,14 +219,9 @@ def _inside(child: str, parent: str) -> bool:
 
 
 def _config_heads(attrs: dict) -> tuple[int, int] | None:
-    import json
-
-    try:
-        cfg = json.loads(str(attrs.get("model_config", "") or "{}"))
-    except ValueError:
-        return None
-    heads = cfg.get("num_attention_heads") or cfg.get("num_heads") or cfg.get("n_head")
-    groups = cfg.get("num_query_groups") or cfg.get("num_key_value_heads") or cfg.get("n_kv_heads") or heads
+    cfg = _config(attrs)
+    heads = _first(cfg, "num_attention_heads", "num_heads", "n_head")
+    groups = _first(cfg, "num_query_groups", "num_key_value_heads", "n_kv_heads") or heads
     return (int(heads), int(groups)) if heads else None
 
 

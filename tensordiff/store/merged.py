@@ -209,7 +209,7 @@ class MergedCapture(CaptureFile):
         shards = self._shards.get(record.step)
         if spec is None or shards is None:
             return None
-        key = _key(record)
+        key = record.key
         pieces = []
         for d in range(self.dp if spec.dp_dim is not None or spec.dp_mean else 1):
             parts = []
@@ -241,7 +241,7 @@ class MergedCapture(CaptureFile):
             spec = self._specs.get((step, rec.seq))
             if spec is None or rec.same_as >= 0:
                 continue
-            key = _key(rec)
+            key = rec.key
             groups: list[tuple[str, list[int]]] = []
             if spec.tp_dim is None and self.tp > 1:
                 groups += [("TP", [d * self.tp + t for t in range(self.tp)]) for d in range(self.dp)]
@@ -269,11 +269,11 @@ class MergedCapture(CaptureFile):
         per_file = [[self._grid[d][t].records(step) for t in range(self.tp)] for d in range(self.dp)]
         flat = [recs for row in per_file for recs in row]
         base = flat[0]
-        keys = [_key(r) for r in base]
-        shards = [{_key(r): r for r in recs} for recs in flat]
+        keys = [r.key for r in base]
+        shards = [{r.key: r for r in recs} for recs in flat]
         for i, recs in enumerate(flat[1:], 1):
             if len(recs) != len(base) or any(k not in shards[i] for k in keys):
-                cap = self._files[self._files.index(self._grid[i // self.tp][i % self.tp])]
+                cap = self._grid[i // self.tp][i % self.tp]
                 raise CaptureFileError(f"{cap.path}: step {step} holds other records than {self._grid[0][0].path} "
                                        f"({len(recs)} vs {len(base)}): the rank files are not of one run")
         self._shards[step] = shards
@@ -282,7 +282,7 @@ class MergedCapture(CaptureFile):
         for rec in base:
             spec = self._spec(rec, local_batch)
             self._specs[(step, rec.seq)] = spec
-            parts = [s[_key(rec)] for s in shards]
+            parts = [s[rec.key] for s in shards]
             out.append(_merged_record(rec, parts, spec, self.tp, self.dp))
         return out
 
@@ -320,10 +320,6 @@ def _same_stats(a: Record, b: Record, rtol: float = 1e-6) -> bool:
     scale = max(abs(a.l2), abs(b.l2), 1e-30)
     return all(abs(x - y) <= rtol * max(abs(x), abs(y), scale / max(a.numel, 1) ** 0.5)
                for x, y in ((a.l2, b.l2), (a.mean, b.mean), (a.min, b.min), (a.max, b.max)))
-
-
-def _key(rec: Record) -> tuple:
-    return (rec.phase, rec.module, rec.call, rec.kind, rec.slot)
 
 
 def _local_batch(records: list[Record]) -> int | None:
