@@ -80,7 +80,10 @@ def runs(tp2):
             "tp2": str(folder / "tp2.rank*.h5"),
             "dp2": _torchrun(folder, "dp2", 2, "--dp", "2").replace(".h5", ".rank*.h5"),
             "tp2dp2": _torchrun(folder, "tp2dp2", 4, "--tp", "2", "--dp", "2").replace(".h5", ".rank*.h5"),
+            "sp2": _torchrun(folder, "sp2", 2, "--tp", "2", "--sp").replace(".h5", ".rank*.h5"),
             "qkv": _torchrun(folder, "qkv", 2, "--tp", "2", "--fault", "qkv-split").replace(".h5", ".rank*.h5"),
+            "fc1": _torchrun(folder, "fc1", 2, "--tp", "2", "--fault", "fc1-split").replace(".h5", ".rank*.h5"),
+            "spnr": _torchrun(folder, "spnr", 2, "--tp", "2", "--sp", "--fault", "sp-noreduce").replace(".h5", ".rank*.h5"),
             "dpsum": _torchrun(folder, "dpsum", 2, "--dp", "2", "--fault", "dp-sum").replace(".h5", ".rank*.h5"),
             "nored": _torchrun(folder, "nored", 2, "--dp", "2", "--fault", "dp-noreduce").replace(".h5", ".rank*.h5")}
 
@@ -93,7 +96,7 @@ def _diff(runs, b, tmp_path, *extra):
     return code, json.loads(report.read_text()) if report.exists() else None
 
 
-@pytest.mark.parametrize("layout", ["tp2", "dp2", "tp2dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "sp2", "dp2", "tp2dp2"])
 def test_rank_files_of_any_layout_merge_on_read_and_agree_with_the_single_device_run(runs, layout, tmp_path):
     code, report = _diff(runs, layout, tmp_path)
     assert code == 0 and report["outcome"] == "agree", report["inconclusive_reasons"]
@@ -121,6 +124,37 @@ def test_a_wrong_qkv_split_is_found_at_linear_qkv_with_the_row_permutation_named
     top = report["hints"][0]
     assert top["cause"] == "layout" and top["title"].startswith("B's rows are A's rows in another order")
     assert "merged from tensor-parallel rank files" in top["evidence"]
+
+
+def test_a_wrong_gated_fc1_split_is_found_at_linear_fc1_with_the_row_permutation_named(runs, tmp_path):
+    code, report = _diff(runs, "fc1", tmp_path)
+    first = report["first_divergence"]
+    assert code == 1 and (first["step"], first["phase"], first["module_a"]) == (
+        0, "weights", "decoder.layers.0.mlp.linear_fc1")
+    top = report["hints"][0]
+    assert top["cause"] == "layout" and "B 64-127 = A 128-191, B 128-191 = A 64-127" in top["title"]
+
+
+def test_sequence_parallel_norm_grads_not_all_reduced_are_a_tp_partial_sum(runs, tmp_path):
+    code, report = _diff(runs, "spnr", tmp_path)
+    first = report["first_divergence"]
+    assert code == 1 and (first["step"], first["phase"], first["module_a"]) == (
+        0, "param_grad", "decoder.layers.0.input_layernorm")
+    top = report["hints"][0]
+    assert top["cause"] == "tp-partial" and top["explained"] > 0.99
+    assert "the sum over its 2 tensor-parallel ranks reproduces A" in top["title"]
+
+
+def test_the_cross_rank_check_alone_finds_unreduced_sequence_parallel_grads(runs, capsys):
+    from tensordiff.cli import main
+
+    assert main(["check", runs["spnr"], "--no-color"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "step 0: 5 record(s) that must be identical differ across ranks" in out
+    assert "param_grad decoder.layers.0.input_layernorm grad weight: TP ranks 0/1 differ" in out
+    assert "the gradients of 5 parameter(s) marked sequence_parallel differ across tensor-parallel ranks" in out
+    assert main(["check", runs["sp2"], "--no-color"]) == 0
+    assert "Consistent: every record that must be identical across ranks is." in capsys.readouterr().out
 
 
 def test_dp_sum_instead_of_mean_is_the_gradient_reduction_with_factor_2(runs, tmp_path):

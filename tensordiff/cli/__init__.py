@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from .._text import first_line
 from .._version import __version__
 from ..errors import TensordiffError
-from . import batch, capture, ckpt, diff, inspect, map, merge, replay, runs
+from . import batch, capture, check, ckpt, diff, inspect, map, merge, replay, runs
 
 EXAMPLE = "example: tensordiff capture -o a.h5 --steps 2 -- python train.py; tensordiff diff a.h5 b.h5 --first-divergence"
 #: The commands, in the order ``--help`` lists them.
-COMMANDS = (capture, diff, map, merge, replay, runs, batch, inspect, ckpt)
+COMMANDS = (capture, diff, map, merge, check, replay, runs, batch, inspect, ckpt)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -111,3 +111,33 @@ def init_megatron_cpu(seed: int = 1234) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(
             seed, inference_rng_tracker=True, force_reset_rng=True
         )
+
+
+@contextlib.contextmanager
+def sequence_parallel_torch_norms() -> Iterator[None]:
+    """Let the local layer spec's torch norms be built under ``sequence_parallel=True`` (inside the block only).
+
+    megatron-core's ``WrappedTorchNorm`` refuses sequence parallelism (its fused norms are CUDA-only). Inside this
+    block it builds the torch ``LayerNorm``/``RMSNorm`` and marks their parameters ``sequence_parallel = True``, as
+    megatron's fused norms do: their gradients are partial sums over the sequence shards until the training script
+    (megatron's ``finalize_model_grads``) all-reduces them over the tensor-parallel group. Restored on exit.
+    """
+    from megatron.core.transformer import torch_norm
+
+    original = torch_norm.WrappedTorchNorm.__dict__["__new__"]  # the staticmethod object itself
+
+    def build(cls: Any, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> Any:
+        import torch
+
+        kind = getattr(config, "normalization", "LayerNorm")
+        norm_cls = torch.nn.RMSNorm if kind == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(build)
+    try:
+        yield
+    finally:
+        torch_norm.WrappedTorchNorm.__new__ = original

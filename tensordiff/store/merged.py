@@ -59,37 +59,43 @@ def open_capture(path: str) -> CaptureFile:
 @dataclass(frozen=True)
 class _Rule:
     module: re.Pattern | None
-    cls: str | None
+    classes: frozenset[str] | None
     kinds: frozenset[str] | None
     slots: frozenset[str] | None
     tp_dim: int | None
     tp_stride: str  # "" or "weight": the stride of the module's weight
     batch_first: bool
+    swap01: bool = False  # sequence parallel: the single-device run holds the merged tensor with dims 0, 1 swapped
 
     def hits(self, rec: Record) -> bool:
         return ((self.module is None or self.module.fullmatch(rec.module) is not None)
-                and (self.cls is None or rec.module_class == self.cls)
+                and (self.classes is None or rec.module_class in self.classes)
                 and (self.kinds is None or rec.kind in self.kinds)
                 and (self.slots is None or rec.slot in self.slots))
 
 
-def _load_rules(name: str = "megatron-core") -> list[_Rule]:
+def _load_rules(name: str = "megatron-core") -> tuple[list[_Rule], list[_Rule]]:
+    """The table's tensor-parallel rules and its sequence-parallel rules."""
     path = split_tables()[name]
     with open(path, encoding="utf-8") as fh:
         doc = load_yaml(fh.read(), path, "split table")
-    rules = []
-    for raw in doc.get("rules") or []:
-        tp = raw.get("tp") or {}
-        rules.append(_Rule(
+
+    def rule(raw: dict[str, Any], key: str) -> _Rule:
+        split = raw.get(key) or {}
+        cls = raw.get("class")
+        return _Rule(
             module=re.compile(raw["module"]) if raw.get("module") is not None else None,
-            cls=raw.get("class"),
+            classes=None if cls is None else frozenset([cls] if isinstance(cls, str) else cls),
             kinds=frozenset(raw["kinds"]) if raw.get("kinds") else None,
             slots=frozenset(str(s) for s in raw["slots"]) if raw.get("slots") else None,
-            tp_dim=int(tp["dim"]) if "dim" in tp else None,
-            tp_stride=str(tp.get("stride", "")),
+            tp_dim=int(split["dim"]) if "dim" in split else None,
+            tp_stride=str(split.get("stride", "")),
             batch_first=bool(raw.get("batch_first", False)),
-        ))
-    return rules
+            swap01=bool(split.get("swap01", False)),
+        )
+
+    return ([rule(raw, "tp") for raw in doc.get("rules") or []],
+            [rule(raw, "sp") for raw in doc.get("sequence_parallel") or []])
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,7 @@ class _Spec:
     dp_dim: int | None = None
     scale: float = 1.0
     dp_mean: bool = False
+    swap01: bool = False
 
 
 class MergedCapture(CaptureFile):
@@ -162,7 +169,8 @@ class MergedCapture(CaptureFile):
         # megatron-core's activations are [S, B, ...]; a run without its parallel_state (plain torch DDP) is taken
         # as batch first, and the megatron-core class rules do not apply to it
         self._megatron = coords[0].get("source") == "megatron.core.parallel_state"
-        self._rules = _load_rules() if self._megatron else []
+        self._rules, self._sp_rules = _load_rules() if self._megatron else ([], [])
+        self.sp = bool(coords[0].get("sequence_parallel", False)) and self.tp > 1
         self._records: dict[int, list[Record]] = {}
         self._specs: dict[tuple[int, int], _Spec] = {}  # (step, seq) -> spec
         self._shards: dict[int, list[dict[tuple, Record]]] = {}  # step -> per file (grid order) key -> record
@@ -228,12 +236,39 @@ class MergedCapture(CaptureFile):
             out = pieces[0]
         if spec.scale != 1.0:
             out = (out.astype(np.float64) * spec.scale).astype(out.dtype)
+        if spec.swap01 and out.ndim >= 2:
+            out = np.ascontiguousarray(np.swapaxes(out, 0, 1))
+        return out
+
+    def tp_copies(self, record: Record) -> list[np.ndarray] | None:
+        """The copies each tensor-parallel rank (of the first data-parallel rank) holds of a record the merge reads
+        as replicated, or None (a split record, a single TP rank, tensors not stored)."""
+        if self.tp < 2:
+            return None
+        if record.step not in self._records and record.step in self.steps:
+            self.records(record.step)
+        spec = self._specs.get((record.step, record.seq))
+        shards = self._shards.get(record.step)
+        if spec is None or shards is None or spec.tp_dim is not None:
+            return None
+        out = []
+        for t in range(self.tp):
+            rec = shards[t].get(record.key)
+            x = self._grid[0][t].array(rec) if rec is not None else None
+            if x is None:
+                return None
+            out.append(x)
         return out
 
     def inconsistencies(self, step: int) -> list[str]:
         """Records that must be identical on the ranks that hold them (replicated across TP, parameters and reduced
         parameter gradients across DP) but differ, judged from their statistics: '<label>: TP ranks 0/1 differ'.
         An unreduced gradient or a missing all-reduce shows here with no reference run at all."""
+        return [f"{rec.label}: {group} ranks {'/'.join(map(str, ranks))} differ"
+                for rec, group, ranks in self.inconsistent_records(step)]
+
+    def inconsistent_records(self, step: int) -> list[tuple[Record, str, list[int]]]:
+        """``inconsistencies`` as (record, "TP" or "DP", [the group's first rank, the ranks that differ from it])."""
         self.records(step)
         shards = self._shards[step]
         out = []
@@ -252,10 +287,13 @@ class MergedCapture(CaptureFile):
                 first = stats[0]
                 bad = [i for i, r in zip(members, stats) if not _same_stats(first, r)]
                 if bad:
-                    ranks = "/".join(str(self._rank_of(i)) for i in [members[0], *bad])
-                    out.append(f"{rec.label}: {name} ranks {ranks} differ")
+                    out.append((rec, name, [self._rank_of(i) for i in [members[0], *bad]]))
                     break
         return out
+
+    def param_split(self, module: str, slot: str) -> dict[str, Any]:
+        """How megatron split a parameter (``tp``, ``dim``, ``stride``, ``sp``), from the rank files; {} if unmarked."""
+        return dict(self._param_splits.get(f"{module}.{slot}" if module else slot, {}))
 
     def _rank_of(self, index: int) -> int:
         cap = self._grid[index // self.tp][index % self.tp]
@@ -305,13 +343,18 @@ class MergedCapture(CaptureFile):
                 if rule.tp_stride == "weight":
                     split = self._param_splits.get(f"{rec.module}.weight", {})
                     stride = int(split.get("stride", 1))
+        swap01 = False
+        if tp_dim is None and self.sp:
+            sp_rule = next((r for r in self._sp_rules if r.hits(rec)), None)
+            if sp_rule is not None and sp_rule.tp_dim is not None:
+                tp_dim, swap01, batch_first = sp_rule.tp_dim, sp_rule.swap01, False  # [S/T, B, ...]
         dp_dim: int | None = None
         if self.dp > 1 and rec.shape:
             bdim = 0 if batch_first or not self._megatron or len(rec.shape) < 2 else 1
             if local_batch is not None and bdim < len(rec.shape) and rec.shape[bdim] == local_batch:
                 dp_dim = bdim
         scale = 1.0 / self.dp if self.dp > 1 and rec.phase == "backward" and dp_dim is not None else 1.0
-        return _Spec(tp_dim=tp_dim, tp_stride=stride, dp_dim=dp_dim, scale=scale)
+        return _Spec(tp_dim=tp_dim, tp_stride=stride, dp_dim=dp_dim, scale=scale, swap01=swap01)
 
 
 def _same_stats(a: Record, b: Record, rtol: float = 1e-6) -> bool:
@@ -341,7 +384,7 @@ def _join_tp(parts: list[np.ndarray], dim: int, stride: int) -> np.ndarray:
 
 def _merged_record(rec: Record, parts: list[Record], spec: _Spec, tp: int, dp: int) -> Record:
     """``rec`` with the merged shape and statistics (exact from each shard's numel, min, max, mean and L2)."""
-    if spec.tp_dim is None and spec.dp_dim is None and not spec.dp_mean and spec.scale == 1.0:
+    if spec.tp_dim is None and spec.dp_dim is None and not spec.dp_mean and spec.scale == 1.0 and not spec.swap01:
         return rec
     grid = [[parts[d * tp + t] for t in range(tp)] for d in range(dp)]
     used = [grid[d][t] for d in range(dp if spec.dp_dim is not None or spec.dp_mean else 1)
@@ -351,6 +394,8 @@ def _merged_record(rec: Record, parts: list[Record], spec: _Spec, tp: int, dp: i
         shape[spec.tp_dim % len(shape)] *= tp
     if spec.dp_dim is not None and shape:
         shape[spec.dp_dim] *= dp
+    if spec.swap01 and len(shape) >= 2:
+        shape[0], shape[1] = shape[1], shape[0]
     if spec.dp_mean:  # the loss: a scalar per rank
         mean = float(np.mean([p.mean for p in used]))
         return replace(rec, mean=mean, min=mean, max=mean, l2=abs(mean))

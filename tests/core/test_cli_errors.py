@@ -38,7 +38,8 @@ def test_a_bug_is_one_line_and_the_traceback_only_on_request(monkeypatch, capsys
 def test_every_command_has_a_runner():
     parser = cli.parser()
     commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-    assert sorted(commands) == ["batch", "capture", "ckpt", "diff", "ls", "map", "merge", "noise", "replay", "runs", "show"]
+    assert sorted(commands) == ["batch", "capture", "check", "ckpt", "diff", "ls", "map", "merge", "noise", "replay", "runs",
+                               "show"]
     for name, sub in commands.items():
         assert callable(sub.get_default("run")), name
 

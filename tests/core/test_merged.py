@@ -31,7 +31,7 @@ def recs(w, x, ids, dy):
             T("param_grad", "fc", "grad", "weight", np.ones_like(w), module_class="ColumnParallelLinear")]
 
 
-def write_run(tmp_path, name, tp, dp, drop=()):
+def write_run(tmp_path, name, tp, dp, drop=(), skew_rank=None):
     dy_full = (X @ W.T) / 4.0  # the global run's gradient
     paths = []
     for rank in range(tp * dp):
@@ -39,7 +39,7 @@ def write_run(tmp_path, name, tp, dp, drop=()):
         if rank in drop:
             continue
         w = np.split(W, tp, axis=0)[t]
-        x = np.split(X, dp, axis=1)[d]
+        x = np.split(X, dp, axis=1)[d] * (1.01 if rank == skew_rank else 1.0)
         ids = np.split(IDS, dp, axis=0)[d]
         dy = np.split(np.split(dy_full, tp, axis=-1)[t], dp, axis=1)[d] * dp  # a local mean: DP times the global
         coords = {"world_size": tp * dp, "rank": rank, "tp": tp, "tp_rank": t, "dp": dp, "dp_rank": d, "pp": 1,
@@ -92,3 +92,17 @@ def test_a_plain_torch_ddp_run_is_merged_batch_first(tmp_path):
         out = next(r for r in cap.records(0) if r.kind == "output")
         np.testing.assert_allclose(cap.array(out), x @ W.T, rtol=1e-6)
         assert cap.inconsistencies(0) == []
+
+
+def test_check_says_consistent_or_names_the_records_that_differ_across_ranks(tmp_path, capsys):
+    from tensordiff.cli import main
+
+    assert main(["check", write_run(tmp_path, "good", 2, 1), "--no-color"]) == 0
+    assert "Consistent: every record that must be identical across ranks is." in capsys.readouterr().out
+    assert main(["check", write_run(tmp_path, "bad", 2, 1, skew_rank=1), "--no-color"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "step 0: 1 record(s) that must be identical differ across ranks" in out
+    assert "forward fc input.0: TP ranks 0/1 differ" in out
+    assert "a collective in the forward pass is missing or wrong" in out
+    assert main(["check", str(tmp_path / "good.rank0.h5")]) == 2
+    assert "names one file; give the rank files of a run as a quoted glob" in capsys.readouterr().err

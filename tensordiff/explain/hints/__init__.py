@@ -31,6 +31,7 @@ from .dtype import check_dtype
 from .factor import check_factor
 from .layout import check_layout, check_missing_bias
 from .norm import check_norm_epsilon
+from .parallel import check_partial_sum
 from .rope import check_rope
 
 __all__ = ["CHECKED", "CHECKS", "MIN_EXPLAINED", "CheckStatus", "Hint", "NotApplicable", "find_hints",
@@ -79,6 +80,10 @@ def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
     found: list[Hint] = []
     status: dict[str, CheckStatus] = {}
     checks: list[tuple[str, Callable[[Site], Iterator[Hint]]]] = list(CHECKS)
+    causes = list(CHECKED)
+    if getattr(cb, "tp", 1) > 1 and hasattr(cb, "tp_copies"):  # B merged from tensor-parallel rank files
+        checks.append(("partial sum", check_partial_sum))
+        causes.insert(causes.index("checkpoint"), "partial sum")
     if result is not None:
         checks.append(("checkpoint", lambda s: check_checkpoint(s, result)))  # ties: the specific cause (layout) first
     else:
@@ -94,7 +99,7 @@ def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
     found.sort(key=lambda h: -round(h.explained, 3))  # ties: the more specific check (CHECKS order) first
     if found:  # a hint far behind the best one is a side effect of the same cause
         found = [h for h in found if h.explained >= found[0].explained - 0.2]
-    return found, [status[c] for c in CHECKED]
+    return found, [status[c] for c in causes]
 
 
 def hints_for_row(row: Row, ca: CaptureFile, cb: CaptureFile, result: DiffResult | None = None) -> list[Hint]:
