@@ -280,3 +280,28 @@ def test_rel_l2_agrees_with_compare_arrays_when_matching_nans_sit_beside_a_diffe
     a = np.array([np.nan, 3.0, 4.0])
     b = np.array([np.nan, 3.0, 4.5])
     assert rel_l2(a, b) == pytest.approx(compare_arrays(a, b, "float64").rel_l2)
+
+
+@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("noise", [0.0, 1e-6, 1e-2])
+def test_the_float32_path_agrees_with_the_float64_path(name, noise):
+    from tensordiff.diff.metrics import _compare_f64
+
+    dt = dtypes.NUMPY_DTYPES.get(name)
+    if dt is None:
+        pytest.skip(f"{name} needs ml_dtypes")
+    rng = np.random.default_rng(7)
+    a32 = rng.standard_normal(300_001).astype(np.float32)  # more than one float32 chunk, not a multiple of it
+    a, b = a32.astype(dt), (a32 + np.float32(noise) * rng.standard_normal(a32.size).astype(np.float32)).astype(dt)
+    fast, slow = compare_arrays(a, b, name), _compare_f64(a, b, name)
+    assert fast.rel_l2 == pytest.approx(slow.rel_l2, rel=1e-6, abs=1e-12)
+    assert fast.ulp_share == slow.ulp_share and fast.max_abs == slow.max_abs
+    assert fast.max_rel == pytest.approx(slow.max_rel, rel=1e-6) and fast.cosine == pytest.approx(slow.cosine, abs=1e-9)
+
+
+def test_a_float32_pair_with_nan_in_one_place_takes_the_float64_path():
+    a = np.ones(1000, dtype=np.float32)
+    b = a.copy()
+    b[500] = np.nan
+    m = compare_arrays(a, b, "float32")
+    assert m.nonfinite_mismatch == 1 and m.rel_l2 == math.inf
