@@ -2,11 +2,13 @@
 
 A step is written whole and flushed, then marked ``complete``; readers ignore incomplete
 steps, so a crash loses at most the step in flight. Per-step scalars are appended and
-flushed as they come.
+flushed as they come, on their own path: ``submit_scalars`` never waits behind a step being written.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import queue
 import threading
@@ -59,6 +61,7 @@ class CaptureWriter:
         self._closed = False
         self._scalars: h5py.Dataset | None = None
         self._queue: queue.Queue | None = None
+        self._scalar_jobs: collections.deque = collections.deque()  # appended by the training thread, never full
         self._thread: threading.Thread | None = None
         if background:
             self._queue = queue.Queue(maxsize=max_pending)
@@ -71,10 +74,17 @@ class CaptureWriter:
         self._enqueue((step, rows, data, attrs))
 
     def submit_scalars(self, step: int, values: dict[str, float]) -> None:
-        """Append per-step scalars (written and flushed off the training thread)."""
+        """Append per-step scalars (written and flushed off the training thread). Never blocks: they wait in their
+        own unbounded line (a few bytes each), which the writer empties between steps."""
         if self.error is not None or self._closed:
             return
-        self._enqueue(("scalars", step, values))
+        if self._queue is None:
+            self._write_guarded(("scalars", step, values))
+            return
+        self._scalar_jobs.append(("scalars", step, values))
+        if self._queue.empty():  # an idle writer wakes up; one with work queued drains them after its next job
+            with contextlib.suppress(queue.Full):
+                self._queue.put_nowait(("wake",))
 
     def _enqueue(self, job: tuple) -> None:
         if self._queue is None:
@@ -97,9 +107,12 @@ class CaptureWriter:
         assert self._queue is not None
         while True:
             job = self._queue.get()
+            if job is not None and job[0] != "wake":
+                self._write_guarded(job)
+            while self._scalar_jobs:
+                self._write_guarded(self._scalar_jobs.popleft())
             if job is None:
                 return
-            self._write_guarded(job)
 
     def _write_guarded(self, job: tuple) -> None:
         if self.error is not None:
@@ -128,7 +141,7 @@ class CaptureWriter:
         rows = np.array([(step, _cut(name), value) for name, value in values.items()], dtype=SCALAR_DTYPE)
         ds.resize((n + len(rows),))
         ds[n:] = rows
-        if self._queue is None or self._queue.empty():  # else the job behind it (a step: flushed) is on its way
+        if self._queue is None or (self._queue.empty() and not self._scalar_jobs):  # else a flush follows soon
             self._file.flush()
 
     def _write(self, step: int, rows: list[dict[str, Any]], data: dict[int, np.ndarray], attrs: dict[str, Any]) -> None:

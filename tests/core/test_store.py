@@ -158,6 +158,32 @@ def test_scalars_are_read_per_name_and_step_and_a_later_value_of_a_step_wins(tmp
             assert cap.steps == []
 
 
+def test_scalars_never_wait_behind_a_step_being_written(tmp_path):
+    import threading
+
+    path = str(tmp_path / "slow.h5")
+    writer = CaptureWriter(path, {"framework": "torch"}, max_pending=1)
+    disk_free = threading.Event()
+    write_step = writer._write
+
+    def slow_disk(*job):  # the writer thread holds each step until the test lets it go
+        disk_free.wait(30)
+        write_step(*job)
+
+    writer._write = slow_disk  # type: ignore[method-assign]
+    rows, data = rows_of([T("forward", "fc", "output", "0", np.ones(4, np.float32))])
+    writer.submit(0, rows, data, {})  # taken by the writer thread, which now waits
+    writer.submit(1, rows, data, {})  # fills the one-deep queue: a third step would block
+    logged = threading.Thread(target=lambda: [writer.submit_scalars(s, {"loss": float(s)}) for s in range(100)])
+    logged.start()
+    logged.join(5)
+    assert not logged.is_alive()  # 100 scalars submitted while both steps wait
+    disk_free.set()
+    writer.close()
+    with CaptureFile(path) as cap:
+        assert cap.steps == [0, 1] and cap.scalars()["loss"] == {s: float(s) for s in range(100)}
+
+
 def test_a_capture_without_scalars_has_none(tmp_path):
     path = str(tmp_path / "n.h5")
     write(path, {0: [T("forward", "m", "output", "0", np.ones(2, np.float32))]}, background=False)
