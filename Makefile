@@ -18,7 +18,7 @@ $(VENV)/.done: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch pinned: 2.13.0 is the CPU build on this machine's disk (an unpinned torch pulls CUDA)
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[megatron,transformers,mindformers,safetensors,plot,wikitext,dev]"
+	$(PY) -m pip install -q -e ".[megatron,transformers,mindformers,safetensors,plot,wikitext,dask,dev]"
 	touch $@
 
 setup: $(VENV)/.done

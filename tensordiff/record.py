@@ -8,6 +8,7 @@ gradients).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +64,15 @@ class Record:
     def tensor_label(self) -> str:
         if self.kind in ("param", "grad", "loss"):
             return self.slot if self.kind != "grad" else f"grad {self.slot}"
+        if self.kind == "grad_local":
+            return f"local grad {self.slot}"
         return f"{self.kind}.{self.slot}" if self.slot else self.kind
+
+    @property
+    def stats_known(self) -> bool:
+        """False for a record whose statistics could not be known: a data-parallel mean of local gradients merged
+        from rank files that hold statistics only (min, max, mean and L2 are NaN, with no NaN element counted)."""
+        return math.isfinite(self.l2) or self.nan > 0 or self.inf > 0 or self.has_data
 
 
 def module_label(name: str) -> str:

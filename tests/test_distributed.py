@@ -160,10 +160,11 @@ def test_the_cross_rank_check_alone_finds_unreduced_sequence_parallel_grads(runs
 def test_dp_sum_instead_of_mean_is_the_gradient_reduction_with_factor_2(runs, tmp_path):
     code, report = _diff(runs, "dpsum", tmp_path)
     first = report["first_divergence"]
-    assert code == 1 and (first["step"], first["phase"]) == (0, "param_grad")
-    assert first["location"] == "in the gradient reduction" and first["where"]["reduction"] is True
+    assert code == 1 and (first["step"], first["phase"], first["kind"]) == (0, "param_grad", "grad")
+    assert first["location"] == "in the data-parallel gradient reduction" and first["where"]["reduction"] is True
+    assert first["where"]["local_grads_agree"] == first["where"]["local_grads"] == 15  # the local gradients agree
     top = report["hints"][0]
-    assert top["cause"] == "factor" and "B = 2 × A" in top["title"]
+    assert top["cause"] == "factor" and top["title"].startswith("B = 2 × A (≈ 2, B's data-parallel size")
 
 
 def test_merge_writes_one_capture_that_diffs_like_the_rank_files(runs, tmp_path, capsys):
@@ -188,3 +189,162 @@ def test_a_missing_dp_all_reduce_is_found_by_the_cross_rank_check_with_no_refere
     assert any("must be identical on every rank holding them differ" in r for r in doc["inconclusive_reasons"])
     code, _ = _diff(runs, "nored", tmp_path)
     assert code != 0
+
+
+# ----------------------------------------------------------------------------- pipeline parallelism
+@pytest.fixture(scope="module")
+def pp_runs(tp2):
+    """PP=2 (megatron's pipeline schedule, one stage per rank) against the TP=1 reference of ``runs``: clean, and two
+    faults."""
+    folder = tp2[0].parent
+    ref = str(folder / "ref.h5") if (folder / "ref.h5").exists() else _torchrun(folder, "ref", 1)
+
+    def pp(name, *args):
+        return _torchrun(folder, name, 2, "--pp", "2", *args).replace(".h5", ".rank*.h5")
+
+    return {"ref": ref, "pp2": pp("pp2"), "ppbf": pp("ppbf", "--fault", "pp-batch-first"),
+            "ppoff": pp("ppoff", "--fault", "pp-layer-offset")}
+
+
+def test_pipeline_stage_files_hold_their_stage_its_layer_offset_and_the_loss(pp_runs, capsys):
+    from tensordiff.cli import main
+
+    with CaptureFile(pp_runs["ref"]) as ref:
+        ref_losses = [ref.step_attrs(step)["loss"] for step in ref.steps]
+    for rank in (0, 1):
+        with CaptureFile(pp_runs["pp2"].replace("rank*", f"rank{rank}")) as cap:
+            coords = json.loads(cap.attrs["parallel"])
+            assert (coords["world_size"], coords["rank"], coords["pp"], coords["pp_rank"], coords["layer_offset"],
+                    coords["tp"], coords["dp"], coords["pp_group"]) == (2, rank, 2, rank, rank, 1, 1, [0, 1])
+            weights = {r.module for r in cap.records(0) if r.phase == "weights"}
+            assert "decoder.layers.0.mlp.linear_fc1" in weights  # stage-local numbers on every stage
+            assert not any(m.startswith("decoder.layers.1") for m in weights)
+            assert ("embedding.word_embeddings" in weights, "output_layer" in weights) == (rank == 0, rank == 1)
+            # the loss, computed on the last stage and broadcast to the first, is the TP=1 run's
+            assert [cap.step_attrs(step)["loss"] for step in cap.steps] == pytest.approx(ref_losses, abs=1e-6)
+    assert main(["diff", pp_runs["ref"], pp_runs["pp2"].replace("rank*", "rank1")]) == 2
+    assert "rank 1 of a 2-rank run (PP 2)" in capsys.readouterr().err
+
+
+def test_pipeline_stages_merge_on_read_and_agree_with_the_single_device_run(pp_runs, tmp_path):
+    from tensordiff.store import PipelineCapture, open_capture
+
+    code, report = _diff(pp_runs, "pp2", tmp_path)
+    assert code == 0 and report["outcome"] == "agree", report["inconclusive_reasons"]
+    assert all(c["only_a"] == c["only_b"] == 0 and c["compared_a"] == c["recorded_a"] == c["recorded_b"]
+               for c in report["coverage"].values())
+    assert report["summary"]["shape_mismatch"] == 0 and report["summary"]["ok"] > 300
+    assert report["rank_inconsistencies"] == []
+    with open_capture(pp_runs["pp2"]) as cap, CaptureFile(pp_runs["ref"]) as ref:
+        assert isinstance(cap, PipelineCapture) and cap.offsets == [0, 1]
+        for step in ref.steps:  # the stages joined in the single-device run's own order, under its names
+            assert [r.key for r in cap.records(step)] == [r.key for r in ref.records(step)]
+            assert cap.step_attrs(step)["loss"] == pytest.approx(ref.step_attrs(step)["loss"], abs=1e-6)
+
+
+def test_a_stage_handing_its_hidden_state_on_batch_first_is_found_where_the_next_stage_receives_it(pp_runs, tmp_path):
+    code, report = _diff(pp_runs, "ppbf", tmp_path)
+    first = report["first_divergence"]
+    assert code == 1 and (first["step"], first["phase"], first["module_a"], first["kind"], first["slot"]) == (
+        0, "forward", "decoder.layers.1", "input", "hidden_states")
+    assert first["location"] == "between decoder.layers.0 and decoder.layers.1"
+    top = report["hints"][0]
+    assert top["cause"] == "pp-boundary" and top["explained"] > 0.99
+    assert "handed over between pipeline stages (batch first)" in top["title"]
+    assert (top["details"]["sender_stage"], top["details"]["receiver_stage"]) == (0, 1)
+
+
+def test_a_stage_loading_its_layers_by_stage_local_numbers_is_found_at_layer_1s_weights(pp_runs, tmp_path):
+    code, report = _diff(pp_runs, "ppoff", tmp_path)
+    first = report["first_divergence"]
+    assert code == 1 and (first["step"], first["phase"]) == (0, "weights")
+    assert first["module_a"].startswith("decoder.layers.1.")
+    top = report["hints"][0]
+    assert top["cause"] == "pp-layer-offset" and top["explained"] > 0.99
+    assert f"holds A's {first['module_a'].replace('layers.1', 'layers.0')}.weight as {first['module_a']}.weight" \
+        in top["title"]
+
+
+# ----------------------------------------------------------------------------- gradients before and after the DP reduction
+@pytest.fixture(scope="module")
+def dp_runs(tp2):
+    """DP=2 with megatron-core's and torch's DistributedDataParallel, the BF16 all-reduce fault under each of the
+    three reductions, and DP sum instead of mean at 4 ranks (TP=2 x DP=2); the TP=1 reference of ``runs``."""
+    folder = tp2[0].parent
+    ref = str(folder / "ref.h5") if (folder / "ref.h5").exists() else _torchrun(folder, "ref", 1)
+
+    def dp(name, nproc, *args):
+        return _torchrun(folder, name, nproc, *args).replace(".h5", ".rank*.h5")
+
+    return {"ref": ref,
+            "dp2-megatron": dp("dp2meg", 2, "--dp", "2", "--ddp", "megatron"),
+            "dp2-torch": dp("dp2torch", 2, "--dp", "2", "--ddp", "torch"),
+            **{f"bf16-{ddp}": dp(f"bf16{ddp}", 2, "--dp", "2", "--ddp", ddp, "--fault", "bf16-allreduce")
+               for ddp in ("manual", "megatron", "torch")},
+            "tp2dp2sum": dp("tp2dp2sum", 4, "--tp", "2", "--dp", "2", "--fault", "dp-sum")}
+
+
+@pytest.mark.parametrize("ddp", ["megatron", "torch"])
+def test_dp2_under_megatron_or_torch_ddp_records_local_gradients_and_agrees_with_the_single_device_run(
+        dp_runs, ddp, tmp_path):
+    code, report = _diff(dp_runs, f"dp2-{ddp}", tmp_path)
+    assert code == 0 and report["outcome"] == "agree", report["inconclusive_reasons"]
+    assert all(c["only_a"] == c["only_b"] == 0 and c["compared_a"] == c["recorded_a"]
+               and c["compared_b"] == c["recorded_b"] for c in report["coverage"].values())
+    assert report["summary"]["shape_mismatch"] == 0 and report["rank_inconsistencies"] == []
+    grads = report["coverage"]["param_grad"]
+    assert (grads["recorded_a"], grads["recorded_b"]) == (2 * 15, 2 * 30)  # 2 steps of 15 (A), 15 local + 15 (B)
+    with CaptureFile(dp_runs[f"dp2-{ddp}"].replace("rank*", "rank1")) as cap:
+        local = [r for r in cap.records(1) if r.kind == "grad_local"]
+        assert len(local) == 15 and all(r.has_data and r.dtype == "float32" for r in local)  # stored at every step
+        assert local[0].label == "module.embedding.word_embeddings local grad weight"
+        info = json.loads(cap.step_attrs(0)["grad_reduction"])
+        assert info["by"] == f"{ddp} DDP" and info["dp"] == 2
+        if ddp == "megatron":
+            assert info["buffer_dtype"] == ["float32"] and info["scale"] == [0.5]
+
+
+@pytest.mark.parametrize("ddp", ["manual", "megatron", "torch"])
+def test_a_bf16_all_reduce_is_named_as_the_dp_reduction_with_its_dtype(dp_runs, ddp, tmp_path):
+    code, report = _diff(dp_runs, f"bf16-{ddp}", tmp_path)
+    first = report["first_divergence"]
+    assert code == 1 and (first["step"], first["phase"], first["kind"]) == (0, "param_grad", "grad")
+    assert first["location"] == "in the data-parallel gradient reduction" and first["where"]["data_parallel"] is True
+    assert first["where"]["local_grads_agree"] == first["where"]["local_grads"] == 15  # the local gradients agree
+    assert first["incoming_rel_l2"] < 1e-6 < 1e-3 < first["rel_l2"]
+    local = [r for r in report["rows"] if r["step"] == 0 and r["stand_in"] == "a"]  # A's gradient vs B's local one
+    assert len(local) == 15 and all(r["verdict"] == "ok" and r["b"].endswith("local grad weight") for r in local)
+    top = report["hints"][0]
+    assert top["cause"] == "dtype" and top["title"] == ("B reduces gradients in BF16; reduce in FP32 (megatron "
+                                                        "grad_reduce_in_fp32, torch DDP without the bf16 compress hook)")
+    assert top["explained"] > 0.99 and top["details"]["dp"] == 2 and top["details"]["share_local"] < 0.5
+    by = {"manual": "the program, after backward", "megatron": "megatron DDP, gradient buffer float32",
+          "torch": "torch DDP, comm hook bf16_compress_hook_gloo"}[ddp]
+    assert f"B's reduction: {by}" in top["evidence"]
+
+
+def test_dp_sum_at_4_ranks_is_the_reduction_with_the_factor_of_dp(dp_runs, tmp_path):
+    code, report = _diff(dp_runs, "tp2dp2sum", tmp_path)
+    first = report["first_divergence"]
+    assert code == 1 and (first["step"], first["phase"]) == (0, "param_grad")
+    assert first["location"] == "in the data-parallel gradient reduction"
+    assert first["where"]["local_grads_agree"] == first["where"]["local_grads"] == 15
+    top = report["hints"][0]
+    assert top["cause"] == "factor" and top["details"]["factor"] == pytest.approx(2.0, rel=1e-5)
+    assert top["title"].startswith("B = 2 × A (≈ 2, B's data-parallel size: B sums the gradients over its 2")
+
+
+def test_capturing_local_gradients_changes_no_number_and_leaves_nothing_behind():
+    """tests/scripts/dp_local_grads.py: each reduction trained 3 steps bare and with a 1-step capture."""
+    if TORCHRUN is None:
+        pytest.skip("torchrun is not installed next to this python")
+    script = os.path.join(TESTS, "scripts", "dp_local_grads.py")
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node", "2", script], capture_output=True, text=True,
+                          env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(cases) == 6
+    for case in cases:
+        assert case["same_weights"] is True, case
+        assert (case["post_accumulate_grad_hooks"], case["bucket_group_attrs"]) == (0, 0), case
+        assert (case["local_records"], case["steps"]) == (15, 1), case

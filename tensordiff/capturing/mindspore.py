@@ -19,6 +19,7 @@ PyNative. Everything is removed after the last captured step or on exit.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ import numpy as np
 from ..errors import UsageError
 from ..frameworks.mindspore import check_pynative, dtype_name, host_view, to_numpy
 from .backend import TensorBackend
+from .mindspore_parallel import layout as parallel_layout
 from .model_config import model_config_attr
 from .options import CaptureOptions, base_attrs, rank_path
 from .recorder import Recorder
@@ -138,8 +140,11 @@ class MindSporeCapture(Recorder):
             pass
         assert options.path is not None
         path = rank_path(options.path, rank, world)
+        coords = parallel_layout()
+        dist = {"parallel": json.dumps(coords, sort_keys=True)} if coords else {}
         attrs = base_attrs("mindspore", ms.__version__, options, rank=rank, world_size=world,
-                           model_class=type(cell).__name__, model_config=model_config_attr(cell), **(meta or {}))
+                           model_class=type(cell).__name__, model_config=model_config_attr(cell), **dist,
+                           **(meta or {}))
         params = []
         self._param_ids: dict[int, tuple[str, str]] = {}
         for full, p in cell.parameters_and_names():

@@ -66,6 +66,10 @@ class Recorder:
     def _remove_framework_hooks(self) -> None:
         """Undo anything beyond the handles (subclasses that need it)."""
 
+    def _step_attrs(self) -> dict[str, Any]:
+        """Attributes of the step being written, beyond its wall time and loss (subclasses that have some)."""
+        return {}
+
     # public API ---------------------------------------------------------------
     @property
     def active(self) -> bool:
@@ -318,6 +322,7 @@ class Recorder:
         attrs: dict[str, Any] = {"wall_time": time.perf_counter() - self._t0}
         if self._loss is not None:
             attrs["loss"] = self._loss
+        attrs.update(self._step_attrs())
         self._writer.submit(self._step, rows, data, attrs)
         self._step += 1
         self._in_step = False

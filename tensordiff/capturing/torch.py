@@ -18,8 +18,10 @@ them in place). Everything is removed after the last captured step or on exit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import warnings
 from collections import defaultdict
 from collections.abc import Sequence
 from functools import partial
@@ -34,6 +36,7 @@ from .backend import TensorBackend
 from .model_config import model_config_attr
 from .options import CaptureOptions, base_attrs, rank_path
 from .recorder import Recorder
+from .torch_dp import LocalGrads, data_parallel_size
 
 
 class TorchTensors(TensorBackend):
@@ -125,6 +128,7 @@ class TorchCapture(Recorder):
         classes = {name: type(m).__name__ for name, m in model.named_modules()}
         super().__init__(TorchTensors(), options, path, attrs, params, classes)
         self._grad_snapshots: dict[int, torch.Tensor] = {}
+        self._local: LocalGrads | None = None
         self._install()
 
     # hooks --------------------------------------------------------------------
@@ -141,6 +145,15 @@ class TorchCapture(Recorder):
             for _, _, p in self._params:
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated_hook))
+        dp = data_parallel_size(self.model)
+        if dp > 1:  # the gradients before the data-parallel reduction: kind grad_local (torch_dp.py)
+            try:
+                self._local = LocalGrads(self.model, self._params, dp, lambda: self.active and self._in_step,
+                                         self._fail)
+            except Exception as err:  # the rest of the capture goes on without them
+                with contextlib.suppress(Exception):  # warnings turned into errors (-W error) must not reach the run
+                    warnings.warn(f"tensordiff: gradients before the data-parallel reduction not recorded "
+                                  f"({type(err).__name__}: {err}); the capture goes on", RuntimeWarning, stacklevel=3)
 
     def _pre_hook(self, name: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         self._on_call(name, args, kwargs)
@@ -169,6 +182,26 @@ class TorchCapture(Recorder):
     def _reset_step(self) -> None:
         super()._reset_step()
         self._grad_snapshots = {}
+        local = getattr(self, "_local", None)
+        if local is not None:
+            local.forget()
+
+    def _param_grads(self, grads: Sequence[tuple[str, str, Any]]) -> None:
+        if self._local is not None:  # before the reduction, then after it (grad)
+            # stored at every step unless --tensors none: a data-parallel mean of local gradients (the merged run's)
+            # has no statistics without the tensors (store/merged.py)
+            full = self.options.tensors != "none"
+            for mod, pname, grad in self._local.take():
+                self._record("param_grad", "grad_local", mod, 0, pname, self._classes.get(mod, ""), grad, track=False,
+                             full=full)
+        super()._param_grads(grads)
+
+    def _step_attrs(self) -> dict[str, Any]:
+        return {"grad_reduction": json.dumps(self._local.info(), sort_keys=True)} if self._local is not None else {}
+
+    def _remove_framework_hooks(self) -> None:
+        if self._local is not None:
+            self._local.remove()
 
     def _take_param_grads(self) -> None:
         grads = []

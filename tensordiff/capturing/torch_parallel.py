@@ -2,8 +2,9 @@
 
 * ``layout()``: world size and rank from ``torch.distributed``; with megatron-core's ``parallel_state``
   initialised (looked up in ``sys.modules``, never imported here), the tensor-, pipeline-, data-, context- and
-  expert-parallel sizes, this rank's place in each, the ranks of its groups, and ``sequence_parallel`` from the
-  model's config; for a pipeline stage, the offset of its first layer.
+  expert-parallel sizes, this rank's place in each, the ranks of its groups, the virtual pipeline size (``vpp``,
+  when used), and ``sequence_parallel`` from the model's config; for a pipeline stage, the offset of its first
+  layer (``layer_offset``: the global number of its local layer 0).
 * ``param_splits(model)``: for each parameter megatron marks, ``tensor_model_parallel``, ``partition_dim``,
   ``partition_stride`` and ``sequence_parallel`` (its gradient is a partial sum until the TP all-reduce).
 
@@ -55,6 +56,12 @@ def layout(model: Any = None) -> dict[str, Any]:
                         out[f"{key}_group"] = ranks
             except Exception:
                 continue
+        try:  # virtual pipeline stages (model chunks): None when not used
+            vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+            if vpp:
+                out["vpp"] = int(vpp)
+        except Exception:
+            pass
         config = _config(model)
         if config is not None:
             out["sequence_parallel"] = bool(getattr(config, "sequence_parallel", False))

@@ -71,3 +71,19 @@ def program_failed(code: int) -> int:
     """Say that the training program failed; the exit code to pass on."""
     print(f"tensordiff: the training command exited with code {code}", file=sys.stderr)
     return code if 0 < code < 256 else 2
+
+
+def add_jobs(parser: argparse.ArgumentParser) -> None:
+    """``--jobs`` and ``--dask``: how many rank files' indexes are read at once (tensordiff/store/fanout.py)."""
+    parser.add_argument("--jobs", type=int, default=None, metavar="N",
+                        help="worker processes reading rank files (default: 1 below 16 rank files, else up to 8; "
+                             "env TENSORDIFF_JOBS)")
+    parser.add_argument("--dask", metavar="ADDRESS", default=None,
+                        help="read rank files on a Dask distributed cluster (e.g. tcp://host:8786; needs "
+                             "tensordiff[dask] and a filesystem the workers share; env TENSORDIFF_DASK)")
+
+
+def apply_jobs(args: argparse.Namespace) -> None:
+    from ..store.fanout import configure
+
+    configure(getattr(args, "jobs", None), getattr(args, "dask", None))

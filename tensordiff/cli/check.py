@@ -9,7 +9,7 @@ from ..errors import UsageError
 from ..explain.ranks import inconsistency_cause
 from ..store import open_capture
 from ..store.merged import MergedCapture
-from ._args import add_output, console
+from ._args import add_jobs, add_output, apply_jobs, console
 
 
 def add_parsers(sub: Any) -> None:
@@ -22,16 +22,18 @@ def add_parsers(sub: Any) -> None:
     c.add_argument("files", help="the rank files of one run, as a quoted glob: 'run.rank*.h5'")
     c.add_argument("--show", type=int, default=8, help="records listed per step (default 8)")
     add_output(c)
+    add_jobs(c)
     c.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    apply_jobs(args)
     out = console(args)
     with open_capture(args.files) as cap:
         if not isinstance(cap, MergedCapture):
             raise UsageError(f"{args.files}: names one file; give the rank files of a run as a quoted glob, "
                              "e.g. 'run.rank*.h5'")
-        layout = " x ".join(f"{k} {v}" for k, v in (("TP", cap.tp), ("DP", cap.dp)))
+        layout = " x ".join(f"{k} {v}" for k, v in (("TP", cap.tp), ("DP", cap.dp), ("PP", cap.pp)) if k != "PP" or v > 1)
         sp = ", sequence parallel" if cap.sp else ""
         out.print(f"{args.files}: {len(cap.paths)} rank files ({layout}{sp}), {len(cap.steps)} step(s)")
         bad_steps = 0

@@ -11,7 +11,7 @@ from ..diff.result import DiffOptions
 from ..diff.tolerance import Tolerances
 from ..explain import diagnose
 from ..report.diff import DiffReport
-from ._args import add_output, add_var, console, parse_vars, write_json
+from ._args import add_jobs, add_output, add_var, apply_jobs, console, parse_vars, write_json
 
 
 def add_parsers(sub: Any) -> None:
@@ -47,10 +47,12 @@ def add_parsers(sub: Any) -> None:
     d.add_argument("--max-rows", type=int, default=40, help="rows per table before ok rows collapse (0: all)")
     d.add_argument("--json", metavar="FILE", help="also write a machine-readable report")
     add_output(d)
+    add_jobs(d)
     d.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    apply_jobs(args)
     variables = parse_vars(args.var)
     mapping = RenameRules.load(args.mapping, variables) if args.mapping else None
     tolerances = Tolerances(override=args.rtol, noise_factor=args.noise_factor)

@@ -20,6 +20,14 @@ megatron-core assumes CUDA. To run a tiny ``GPTModel`` (local layer spec) on the
 Not shimmed (avoid instead): ``attention_mask=None`` with a causal mask type builds the mask
 with ``device="cuda"`` -- pass an explicit bool mask ``[1, 1, S, S]`` (True = masked).
 
+3. Pipeline parallelism (``pipeline_cpu()``, a context manager, only when CUDA is unavailable):
+   ``LanguageModule.setup_embeddings_and_output_layer`` moves the embedding to ``.cuda()``, the
+   schedule allocates its token counter with ``device="cuda"`` and ``p2p_communication`` calls
+   ``torch.cuda.synchronize()``. Inside the block ``torch.Tensor.cuda`` is the identity,
+   ``torch.cuda.synchronize`` a no-op, and a ``TorchFunctionMode`` rewrites a CUDA ``device=``
+   (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``, an index) to the CPU; the exact original
+   objects are put back on exit.
+
 torch and megatron are imported lazily; importing this module costs nothing.
 """
 from __future__ import annotations
@@ -141,3 +149,76 @@ def sequence_parallel_torch_norms() -> Iterator[None]:
         yield
     finally:
         torch_norm.WrappedTorchNorm.__new__ = original
+
+
+class _CudaDeviceToCpu:
+    """A ``torch.overrides.TorchFunctionMode`` (built lazily: torch is imported on use) that sends every
+    ``device="cuda"`` of a factory function or ``Tensor.to`` to the CPU."""
+
+    @staticmethod
+    def build() -> Any:
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        def cpu_if_cuda(device: Any) -> Any:
+            if isinstance(device, torch.device):
+                return torch.device("cpu") if device.type == "cuda" else device
+            if isinstance(device, str):
+                return "cpu" if device.split(":")[0] == "cuda" else device
+            if isinstance(device, int) and not isinstance(device, bool):
+                return "cpu"  # a bare index is a CUDA device
+            return device
+
+        class CudaDeviceToCpu(TorchFunctionMode):
+            def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+                kwargs = dict(kwargs or {})
+                if "device" in kwargs:
+                    kwargs["device"] = cpu_if_cuda(kwargs["device"])
+                if func is torch.Tensor.to and len(args) > 1 and isinstance(args[1], (str, torch.device, int)) \
+                        and not isinstance(args[1], bool):
+                    args = (args[0], cpu_if_cuda(args[1]), *args[2:])
+                return func(*args, **kwargs)
+
+        return CudaDeviceToCpu()
+
+
+_MISSING = object()
+
+
+def _identity_cuda(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """Replacement for ``torch.Tensor.cuda`` on CPU-only machines: the tensor itself."""
+    return self
+
+
+def _no_synchronize(device: Any = None) -> None:
+    """Replacement for ``torch.cuda.synchronize`` on CPU-only machines: nothing to wait for."""
+    return None
+
+
+@contextlib.contextmanager
+def pipeline_cpu() -> Iterator[None]:
+    """Run megatron-core's pipeline-parallel code on the CPU inside the block (shim 3 of the module docstring):
+    ``Tensor.cuda`` -> identity, ``torch.cuda.synchronize`` -> no-op, ``device="cuda"`` -> CPU. Does nothing when
+    CUDA is available; restores the exact original objects on exit. Wrap the model's construction (the embedding
+    setup) and each ``get_forward_backward_func()(...)`` call; also enables shim 1 for the block if it is off."""
+    import torch
+
+    if torch.cuda.is_available():
+        yield
+        return
+    # torch.Tensor inherits ``cuda`` from torch._C.TensorBase: an own attribute only while shimmed (deleted after),
+    # unless something had set one on torch.Tensor itself (put back as it was)
+    own_cuda = torch.Tensor.__dict__.get("cuda", _MISSING)
+    original_sync = torch.cuda.synchronize
+    with megatron_cpu():
+        torch.Tensor.cuda = _identity_cuda
+        torch.cuda.synchronize = _no_synchronize
+        try:
+            with _CudaDeviceToCpu.build():
+                yield
+        finally:
+            if own_cuda is _MISSING:
+                del torch.Tensor.cuda
+            else:
+                torch.Tensor.cuda = own_cuda
+            torch.cuda.synchronize = original_sync

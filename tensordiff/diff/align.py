@@ -42,7 +42,7 @@ from ..transforms import Op, Split, apply, apply_stats, parse_op, parse_split
 
 _WRAPPERS = ("module.", "_orig_mod.")
 MatchHow = Literal["exact", "prefix", "rule", "tensor", "order", ""]
-_PARAM_KINDS = ("param", "grad")
+_PARAM_KINDS = ("param", "grad", "grad_local")
 _INPUT_KINDS = ("input", "grad_input")
 
 
@@ -59,6 +59,10 @@ class Pair:
     parts: tuple[Record, ...] = ()
     """a join: B's records whose tensors, joined with ``join``, are B's tensor (``b`` then describes the joined tensor)."""
     join: Split | None = None
+    stand_in: Literal["", "a", "b"] = ""
+    """'a': A's parameter gradient stands in for the local (pre-reduction) gradient A did not record, paired with B's
+    local one (a run without data parallelism: its gradient is both); 'b': the same with the sides swapped. That
+    side's record is also in its own pair: coverage counts it once."""
 
     @property
     def matched(self) -> bool:
@@ -371,6 +375,55 @@ def _follow(ignored: set[int], recs: list[Record], paired: set[int]) -> set[int]
     return out
 
 
+def _local_stand_ins(a_list: list[Record], b_list: list[Record],
+                     partner: dict[int, tuple[Record, MatchHow, tuple[Op, ...]]],
+                     joins: dict[int, tuple[Record, tuple[Record, ...], Split, tuple[Op, ...]]],
+                     taken_b: set[int]) -> tuple[list[Pair], set[int]]:
+    """Local gradients (kind ``grad_local``, before the data-parallel reduction) of one side only: each is paired with
+    the other side's gradient of the same parameter, found through the pair of the two sides' gradients (``grad``), so
+    renames, joins and transforms carry over. A run without data parallelism records only ``grad``: its gradient is
+    both the local and the reduced one. Returns the pairs and A's local records in them; B's join ``taken_b``."""
+    local_a = [r for r in a_list if r.kind == "grad_local" and r.seq not in partner]
+    local_b = [r for r in b_list if r.kind == "grad_local" and r.seq not in taken_b]
+    if any(r.kind == "grad_local" for r in a_list) == any(r.kind == "grad_local" for r in b_list):
+        return [], set()  # both sides have local gradients (paired by name) or neither has
+    out: list[Pair] = []
+    used_a: set[int] = set()
+    grads_a = {(r.module, r.call, r.slot): r for r in a_list if r.kind == "grad"}
+    for la in local_a:  # A's local gradient with B's gradient (B has none of its own)
+        ga = grads_a.get((la.module, la.call, la.slot))
+        hit = partner.get(ga.seq) if ga is not None else None
+        if ga is None or hit is None:
+            continue
+        if ga.seq in joins:
+            joined, parts, split, ops = joins[ga.seq]
+            out.append(Pair(la, joined, "rule", ops, parts, split, stand_in="b"))
+        else:
+            out.append(Pair(la, hit[0], hit[1], hit[2], stand_in="b"))
+        used_a.add(la.seq)
+    if not local_b:
+        return out, used_a
+    by_b = {(r.module, r.call, r.slot): r for r in local_b}
+    by_seq = {r.seq: r for r in a_list}
+    for a_seq, (rb, how, ops) in sorted(partner.items()):
+        ga = by_seq.get(a_seq)
+        if ga is None or ga.kind != "grad":
+            continue
+        if a_seq in joins:  # B's parts joined into A's one gradient: their local gradients join the same way
+            _, parts, split, ops = joins[a_seq]
+            local_parts = tuple(by_b.get((p.module, p.call, p.slot)) for p in parts)
+            if all(p is not None for p in local_parts):
+                found = tuple(p for p in local_parts if p is not None)
+                out.append(Pair(ga, joined_record(found, split), "rule", ops, found, split, stand_in="a"))
+                taken_b.update(p.seq for p in found)
+            continue
+        lb = by_b.get((rb.module, rb.call, rb.slot))
+        if lb is not None and rb.kind == "grad":
+            out.append(Pair(ga, lb, how, ops, stand_in="a"))
+            taken_b.add(lb.seq)
+    return out, used_a
+
+
 def align_step(recs_a: list[Record], recs_b: list[Record], mapping: RenameRules | None = None,
                order_fallback: bool = True) -> list[Pair]:
     """Pairs for one step, in A's order; unmatched B records appended per phase."""
@@ -468,8 +521,12 @@ def align_step(recs_a: list[Record], recs_b: list[Record], mapping: RenameRules 
 
     ignored_a = _follow(ignored_a, recs_a, set(partner))
     ignored_b = _follow(ignored_b, recs_b, taken_b)
+    stand_ins, stood_in = _local_stand_ins(a_list, b_list, partner, joins, taken_b)
+    ignored_a |= stood_in  # paired in ``stand_ins`` only
     pairs: list[Pair] = []
     for phase in PHASES:
+        if phase == "param_grad":  # the local gradients first, as a run records them (before the reduction)
+            pairs.extend(stand_ins)
         for ra in recs_a:
             if ra.phase != phase:
                 continue

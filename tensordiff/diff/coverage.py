@@ -63,11 +63,14 @@ def coverage(rows: list[Row]) -> dict[str, PhaseCoverage]:
     for row in rows:
         cov = out[row.phase]
         a, b = row.pair.a, row.pair.b
-        cov.recorded_a += a is not None
-        cov.recorded_b += len(row.pair.b_records)  # a join's parts are records of B's each
+        # a side's gradient standing in for the local gradient it did not record is counted in its own pair only
+        own_a = a is not None and row.pair.stand_in != "a"
+        own_b = len(row.pair.b_records) if row.pair.stand_in != "b" else 0
+        cov.recorded_a += own_a
+        cov.recorded_b += own_b  # a join's parts are records of B's each
         if row.verdict in COMPARED:
-            cov.compared_a += 1
-            cov.compared_b += len(row.pair.b_records)
+            cov.compared_a += own_a
+            cov.compared_b += own_b
         elif row.verdict == "unmatched":
             if a is not None and _tensor(a) in seen_a:
                 cov.compared_a += 1
@@ -100,7 +103,8 @@ def judge_outcome(result: DiffResult) -> tuple[Outcome, list[str]]:
                            "layout transform is missing or wrong; see the SHAPE rows)")
         if cov.stats_only:
             reasons.append(f"{phase}: {cov.stats_only} pair(s) not compared: statistics cannot follow their layout "
-                           "transform; capture with --tensors all to compare them")
+                           "transform (or a data-parallel mean of local gradients); capture with --tensors all to "
+                           "compare them")
         if cov.uncertain:
             reasons.append(f"{phase}: {cov.uncertain} pair(s) matched by order only differ (see the 'uncertain' rows)")
         if cov.recorded_a and not cov.compared:

@@ -54,9 +54,18 @@ class _Step:
         self.verdict: dict[int, str] = {}
         self.tensor_err: dict[int, float] = {}  # by the seq that first held the tensor: a link shares its source's
         self.own_row: set[int] = set()  # A's records paired (or not) in their own right: not vouched for by a link
+        #: each parameter's local gradient (before the data-parallel reduction) as compared: (module, call, slot) ->
+        #: (verdict, rel L2); A's own ``grad_local`` or, where A has none, A's gradient standing in for it
+        self.local: dict[tuple[str, int, str], tuple[str, float]] = {}
         for row in rows:
             if row.pair.a is None:
                 continue
+            if _is_local(row):
+                key = (row.pair.a.module, row.pair.a.call, row.pair.a.slot)
+                if row.metrics is not None and row.verdict != "uncertain":
+                    self.local[key] = (row.verdict, row.metrics.rel_l2)
+                if row.pair.stand_in == "a":
+                    continue  # A's gradient has its own row
             if not (row.verdict == "unmatched" and row.linked):
                 self.own_row.add(row.pair.a.seq)
             if row.metrics is not None and row.verdict != "uncertain":
@@ -64,6 +73,10 @@ class _Step:
                 self.verdict[row.pair.a.seq] = row.verdict
                 canon = self.canonical(row.pair.a)
                 self.tensor_err[canon] = max(self.tensor_err.get(canon, 0.0), row.metrics.rel_l2)
+
+    def local_of(self, a: Record) -> tuple[str, float] | None:
+        """(verdict, rel L2) of the local gradient of the parameter whose gradient ``a`` is, when compared."""
+        return self.local.get((a.module, a.call, a.slot)) if a.kind == "grad" else None
 
     @staticmethod
     def canonical(rec: Record) -> int:
@@ -89,7 +102,7 @@ class _Step:
                 errs.append(self.err[s])
             elif s not in self.own_row and canon in self.tensor_err:
                 errs.append(self.tensor_err[canon])
-            elif rec.kind in ("input", "output", "param", "grad", "grad_input", "grad_output"):
+            elif rec.kind in ("input", "output", "param", "grad", "grad_local", "grad_input", "grad_output"):
                 uncompared.append(rec)
         if not errs and uncompared:
             return NOTHING_COMPARED, uncompared
@@ -103,6 +116,12 @@ class _Step:
             if r.module == module and r.phase == "forward" and r.enter <= before:
                 best = max(best, r.enter)
         return best
+
+
+def _is_local(row: Row) -> bool:
+    """The row compares a local gradient (before the data-parallel reduction): A's own, or A's gradient standing in
+    for the one A did not record."""
+    return row.pair.a is not None and (row.pair.a.kind == "grad_local" or row.pair.stand_in == "a")
 
 
 def _source_output(a: Record, st: _Step) -> Record | None:
@@ -130,6 +149,9 @@ def _incoming(row: Row, st: _Step, prev_step: _Step | None) -> tuple[float, list
         seqs = [r.seq for r in st.ordered if r.phase == "forward" and start <= r.seq < a.seq and r.module != a.module]
         if seqs:
             return st.incoming(seqs, a)
+    local = st.local_of(a) if a.phase == "param_grad" and not _is_local(row) else None
+    if local is not None:
+        return local[1], []  # what came into the reduction: the local gradient
     if a.phase == "param_grad":
         seqs = [r.seq for r in st.ordered
                 if r.module == a.module and (r.phase == "backward" or (r.phase == "forward" and r.kind == "input"))]
@@ -175,17 +197,38 @@ def _locate(row: Row, st: _Step, prev_step: _Step | None, complete: bool = True,
     if a.phase == "loss":
         return ("in the loss computation", "The model's outputs agree but the loss does not: the loss function or its "
                 "reduction differs (mean vs sum, masking, label shift).", {})
+    if a.phase == "param_grad" and not _is_local(row) and (st.local_of(a) or ("",))[0] == "ok":
+        reduced = [st.verdict[r.seq] for r in st.ordered if r.phase == "param_grad" and r.kind == "grad"
+                   and r.seq in st.verdict]
+        bad = sum(v == "diverged" for v in reduced)
+        local_ok = sum(v == "ok" for v, _ in st.local.values())
+        return ("in the data-parallel gradient reduction",
+                f"{bad} of the {len(reduced)} parameter gradients differ after the data-parallel reduction while "
+                f"{local_ok} of the {len(st.local)} local gradients (before it) agree, {mod}.{a.slot}'s among them: "
+                "the reduction changes them (its dtype, sum vs mean, the ranks or parameters it covers), not the "
+                "backward pass.",
+                {"module": "", "reduction": True, "data_parallel": True, "param": f"{a.module}.{a.slot}",
+                 "param_grads_differ": bad, "param_grads": len(reduced), "local_grads_agree": local_ok,
+                 "local_grads": len(st.local)})
     if a.phase == "param_grad":
-        grads = [st.verdict[r.seq] for r in st.ordered if r.phase == "param_grad" and r.seq in st.verdict]
+        local = _is_local(row)
+        grads = [st.verdict[r.seq] for r in st.ordered if r.phase == "param_grad" and r.seq in st.verdict
+                 and r.kind != "grad_local"]  # the reduced gradients (a run without local ones: its only ones)
         backward = [st.verdict[r.seq] for r in st.ordered if r.phase == "backward" and r.seq in st.verdict]
         bad = sum(v == "diverged" for v in grads)
-        if len(grads) >= 2 and bad >= 0.9 * len(grads) and backward and "diverged" not in backward:
+        if not local and len(grads) >= 2 and bad >= 0.9 * len(grads) and backward and "diverged" not in backward:
             return ("in the gradient reduction",
                     f"{bad} of the {len(grads)} parameter gradients differ while every activation gradient "
                     f"{'agrees' if complete else 'agrees where compared'}: the gradients are reduced, scaled or "
                     "accumulated differently after backward (the data-parallel all-reduce: sum vs mean, its dtype; "
                     "gradient accumulation; a loss scale not undone), not computed differently by one module.",
                     {"module": "", "reduction": True, "param_grads_differ": bad, "param_grads": len(grads)})
+        if local:
+            return (f"in the weight gradient of {mod}.{a.slot}",
+                    f"The activations and gradients around {mod} {agree}, but the local gradient of its parameter "
+                    f"{a.slot} (before the data-parallel reduction) does not{on_b}: the weight-gradient computation, "
+                    "its scaling or accumulation differs there.",
+                    {"module": a.module, "param": a.slot, "local": True})
         return (f"in the weight gradient of {mod}.{a.slot}",
                 f"The activations and gradients around {mod} {agree}, but the gradient of its parameter {a.slot} does "
                 f"not{on_b}: "
@@ -211,6 +254,14 @@ def _locate(row: Row, st: _Step, prev_step: _Step | None, complete: bool = True,
             return ("in the model input", f"The model input {a.slot} differs: the two runs were not fed the same "
                                        "batch.", {"input": a.slot})
         src = _source_output(a, st)
+        if src is not None and st.verdict.get(src.seq) == "ok":  # the very same tensor in A, and B's agrees there
+            smod = module_label(src.module)
+            return (f"between {smod} and {mod}",
+                    f"In A, {mod}'s input.{a.slot} is the very output of {smod} ({src.module_class or '?'}); B's "
+                    f"output of {smod} agrees with A's, but what {mod} receives on B does not: B changes the tensor on "
+                    f"its way from {smod} to {mod} (a copy or a transfer between devices or pipeline stages, a "
+                    "reshape or layout change, an in-place update between the two modules).",
+                    {"module": a.module, "handed_over_from": src.module})
         if src is not None:
             smod = module_label(src.module)
             return (f"in {smod}",
@@ -297,7 +348,8 @@ def find_first_divergence(rows: list[Row], records_a: dict[int, list[Record]], j
                 r.verdict = "drift"
                 r.note = "differs, but nothing computed in this step differs"
             candidates = []
-        candidates.sort(key=lambda r: (PHASE_RANK[r.phase], r.pair.a.seq))  # type: ignore[union-attr]
+        # local gradients (before the data-parallel reduction) before the reduced ones, as a run records them
+        candidates.sort(key=lambda r: (PHASE_RANK[r.phase], not _is_local(r), r.pair.a.seq))  # type: ignore[union-attr]
         for row in candidates:
             came_in = _incoming(row, st, prev)
             if row.err > jump * came_in[0]:

@@ -50,6 +50,9 @@ def compare_pair(ca: CaptureFile, cb: CaptureFile, pair: Pair, tolerances: Toler
             note = ""
         metrics = compare_arrays(xa, xb, judged, ulp_k)
     else:
+        if not (a.stats_known and all(r.stats_known for r in pair.b_records)):
+            return None, tol, "skipped", ("statistics of a data-parallel mean cannot be merged from each rank's "
+                                          "statistics; store tensors (--tensors all) to compare this step")
         st = pair.b_stats()
         if st is None:
             return None, tol, "skipped", (f"statistics cannot follow {' '.join(map(str, pair.ops))}; "

@@ -46,7 +46,7 @@ class DiffReport:
             yield Text(f"cross-rank check: {n} record(s) that must be identical on every rank differ: "
                        f"{'; '.join(res.rank_inconsistencies[:3])}{' ...' if n > 3 else ''}", style="tensordiff.diverged")
         first = res.first
-        first_key = (first.step, first.phase, first.label_a) if first else None
+        first_key = (first.step, first.phase, first.label_a, first.label_b) if first else None
         for step, phase, rows in phase_rows(res):
             if self.phases is not None and phase not in self.phases:
                 continue
@@ -108,7 +108,8 @@ class DiffReport:
         after = after_bad = 0
         if self.first_only and self.max_rows > 0 and first_key is not None:
             at = next((i for i, r in enumerate(rows) if r.pair.a is not None
-                       and (r.step, r.phase, r.pair.a.label) == first_key), None)
+                       and (r.step, r.phase, r.pair.a.label, r.pair.b.label if r.pair.b else None) == first_key),
+                      None)
             if at is not None and len(rows) > at + 4:
                 after = len(rows) - (at + 4)
                 after_bad = sum(1 for r in rows[at + 4:] if r.verdict == "diverged")
@@ -122,11 +123,13 @@ class DiffReport:
             row = item
             rec = row.pair.a or row.pair.b
             assert rec is not None
-            is_first = first_key is not None and row.pair.a is not None and (row.step, row.phase, row.pair.a.label) == first_key
+            is_first = first_key is not None and row.pair.a is not None and (
+                row.step, row.phase, row.pair.a.label, row.pair.b.label if row.pair.b else None) == first_key
             name = Text(module_label(rec.module) + (f"[{rec.call}]" if rec.call else ""))
             name.append(f" {rec.tensor_label}", style="tensordiff.dim")
             if (row.pair.a is not None and row.pair.b is not None and row.pair.b.label != row.pair.a.label
-                    and row.pair.how != "prefix"):  # a wrapper prefix (module., _orig_mod.) is not worth a line
+                    and (row.pair.how != "prefix" or row.pair.stand_in)):  # a wrapper prefix is not worth a line;
+                # a gradient standing in for a local one (before the DP reduction) is
                 name.append(f"\n  B: {row.pair.b.label}", style="tensordiff.dim")
             elif row.pair.a is None:
                 name.append("  (B only)", style="tensordiff.unmatched")
@@ -247,7 +250,7 @@ class DiffReport:
             a, b = row.pair.a, row.pair.b
             rows.append({
                 "step": row.step, "phase": row.phase, "verdict": row.verdict, "how": row.pair.how or None,
-                "linked": row.linked,
+                "linked": row.linked, "stand_in": row.pair.stand_in or None,
                 "a": a.label if a else None, "b": b.label if b else None,
                 "module_a": a.module if a else None, "module_b": b.module if b else None,
                 "kind": (a or b).kind, "slot": (a or b).slot,  # type: ignore[union-attr]

@@ -3,18 +3,20 @@
 * ``format``: the HDF5 layout (``/steps/NNNNNN/index`` rows, ``data/<seq>`` tensors, ``/scalars``);
 * ``writer``: ``CaptureWriter``, fed by the recorder, writing off the training thread;
 * ``reader``: ``CaptureFile``, a streaming reader (one tensor in memory at a time);
-* ``merged``: ``open_capture(path)``: a file, or a glob of one distributed run's rank files merged on read
-  (``MergedCapture``).
+* ``opener``: ``open_capture(path)``: a file, or a glob of one distributed run's rank files merged on read
+  (``merged``: ``MergedCapture``, tensor and data parallel; ``pipeline``: ``PipelineCapture``, its stages joined).
 
 Needs numpy and h5py only. See docs/format.md.
 """
 
 from .format import FORMAT_VERSION
-from .merged import MergedCapture, open_capture
+from .merged import MergedCapture
+from .opener import open_capture
+from .pipeline import PipelineCapture
 from .reader import CaptureFile
 from .writer import CaptureWriter
 
 #: The reader's earlier name (``tensordiff.store.Capture``), kept for scripts that use it.
 Capture = CaptureFile
 
-__all__ = ["FORMAT_VERSION", "Capture", "CaptureFile", "CaptureWriter", "MergedCapture", "open_capture"]
+__all__ = ["FORMAT_VERSION", "Capture", "CaptureFile", "CaptureWriter", "MergedCapture", "PipelineCapture", "open_capture"]

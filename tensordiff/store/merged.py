@@ -1,8 +1,9 @@
 """Rank files of one distributed run read as one capture, in the logical single-device space (merge on read).
 
-``open_capture(path)`` is what every reader calls: a plain capture file, or a glob (``'run.rank*.h5'``) of the
-rank files of one run, which ``MergedCapture`` presents with ``CaptureFile``'s API (``attrs``, ``steps``,
-``records(step)``, ``array(record)``), so alignment, comparison, divergence and hints run unchanged.
+``open_capture(path)`` (``opener.py``) is what every reader calls: a plain capture file, or a glob
+(``'run.rank*.h5'``) of the rank files of one run, which ``MergedCapture`` presents with ``CaptureFile``'s API
+(``attrs``, ``steps``, ``records(step)``, ``array(record)``), so alignment, comparison, divergence and hints run
+unchanged.
 
 How each record merges comes from the files themselves and a rule table shipped as data
 (``tensordiff/mappings/splits/megatron-core.yaml``), never from importing megatron:
@@ -17,12 +18,12 @@ How each record merges comes from the files themselves and a rule table shipped 
   loss is its local mean); the loss is the mean over DP; parameters and their reduced gradients are replicated.
 
 Statistics merge exactly from each shard's (numel, min, max, mean, L2). A missing rank file, or rank files of two
-runs, is a ``CaptureFileError`` naming what is missing. Pipeline parallelism is not merged yet (one error line).
+runs, is a ``CaptureFileError`` naming what is missing. Pipeline-parallel runs: each stage's TP x DP rank files are
+merged here (``stage=k``) and ``PipelineCapture`` (``pipeline.py``) joins the stages.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import re
@@ -36,24 +37,10 @@ from .._yaml import load_yaml
 from ..errors import CaptureFileError
 from ..mappings import split_tables
 from ..record import Record
+from .fanout import prefetch
 from .format import ROW_FIELDS, shape_text
 from .reader import CaptureFile
 from .writer import CaptureWriter
-
-_GLOB = re.compile(r"[*?\[]")
-
-
-def open_capture(path: str) -> CaptureFile:
-    """A capture file, or the rank files a glob names merged into one (see the module docstring)."""
-    if not _GLOB.search(path):
-        return CaptureFile(path)
-    paths = sorted(glob.glob(path))
-    if not paths:
-        raise CaptureFileError(f"{path}: no file matches; rank files are named RUN.rankN.h5 (check the pattern and "
-                               "quote it so the shell does not expand it)")
-    if len(paths) == 1:
-        return CaptureFile(paths[0])
-    return MergedCapture(paths, path)
 
 
 @dataclass(frozen=True)
@@ -68,10 +55,18 @@ class _Rule:
     swap01: bool = False  # sequence parallel: the single-device run holds the merged tensor with dims 0, 1 swapped
 
     def hits(self, rec: Record) -> bool:
-        return ((self.module is None or self.module.fullmatch(rec.module) is not None)
+        return ((self.module is None or self.module.fullmatch(_unwrapped(rec.module)) is not None)
                 and (self.classes is None or rec.module_class in self.classes)
                 and (self.kinds is None or rec.kind in self.kinds)
                 and (self.slots is None or rec.slot in self.slots))
+
+
+def _unwrapped(name: str) -> str:
+    """A module name without the data-parallel wrapper's prefix: megatron's and torch's DDP hold the model as
+    ``module`` ('module.decoder...' is the model's 'decoder...', 'module' its root)."""
+    while name == "module" or name.startswith("module."):
+        name = name[len("module."):]
+    return name
 
 
 def _load_rules(name: str = "megatron-core") -> tuple[list[_Rule], list[_Rule]]:
@@ -108,17 +103,22 @@ class _Spec:
     scale: float = 1.0
     dp_mean: bool = False
     swap01: bool = False
+    tp_sum: bool = False
 
 
 class MergedCapture(CaptureFile):
     """The rank files of one run as one capture: ``CaptureFile``'s reading API, every method overridden (no one
     HDF5 file behind it)."""
 
-    def __init__(self, paths: list[str], pattern: str = ""):
+    pp = 1  # pipeline stages: PipelineCapture (pipeline.py) joins more than one
+
+    def __init__(self, paths: list[str], pattern: str = "", stage: int | None = None):
         self.path = pattern or paths[0]
         self.paths = list(paths)
+        self._stage = stage  # a pipeline stage's rank files (PipelineCapture joins the stages), or the whole run
         self._files = [CaptureFile(p) for p in paths]
         try:
+            prefetch(self._files)  # many rank files: their index tables read in a process pool (store/fanout.py)
             self._setup(paths)
         except Exception:
             self.close()
@@ -139,12 +139,14 @@ class MergedCapture(CaptureFile):
         size = int(next(iter(world)))
         ranks = [int(c.get("rank", -1)) for c in coords]
         missing = sorted(set(range(size)) - set(ranks))
-        if missing or len(set(ranks)) != len(ranks):
+        if self._stage is not None:
+            size = len(paths)  # the stage's ranks; PipelineCapture checked the whole run's
+        elif missing or len(set(ranks)) != len(ranks):
             raise CaptureFileError(f"{self.path}: a run of {size} ranks needs one file per rank; missing rank(s) "
                                    f"{missing or 'none, but some appear twice'} ({len(paths)} file(s) given)")
-        if any(int(c.get("pp", 1)) > 1 for c in coords):
-            raise CaptureFileError(f"{self.path}: pipeline-parallel runs (PP > 1) are not merged yet; compare stage "
-                                   "files against a run of the same layout")
+        elif any(int(c.get("pp", 1)) > 1 for c in coords):
+            raise CaptureFileError(f"{self.path}: pipeline-parallel stage files: read them with open_capture() or "
+                                   "PipelineCapture, which join the stages")
         self.tp = int(coords[0].get("tp", 1))
         self.dp = int(coords[0].get("dp", size // self.tp if self.tp else size))
         if self.tp * self.dp != size:
@@ -221,13 +223,14 @@ class MergedCapture(CaptureFile):
         pieces = []
         for d in range(self.dp if spec.dp_dim is not None or spec.dp_mean else 1):
             parts = []
-            for t in range(self.tp if spec.tp_dim is not None else 1):
+            for t in range(self.tp if spec.tp_dim is not None or spec.tp_sum else 1):
                 rec = shards[d * self.tp + t].get(key)
                 x = self._grid[d][t].array(rec) if rec is not None else None
                 if x is None:
                     return None
                 parts.append(x)
-            pieces.append(_join_tp(parts, spec.tp_dim, spec.tp_stride) if spec.tp_dim is not None else parts[0])
+            pieces.append(_join_tp(parts, spec.tp_dim, spec.tp_stride) if spec.tp_dim is not None else
+                          _sum(parts) if spec.tp_sum else parts[0])
         if spec.dp_mean:
             out = np.mean(np.stack([p.astype(np.float64) for p in pieces]), axis=0).astype(pieces[0].dtype)
         elif spec.dp_dim is not None:
@@ -260,6 +263,28 @@ class MergedCapture(CaptureFile):
             out.append(x)
         return out
 
+    def dp_copies(self, record: Record) -> list[np.ndarray] | None:
+        """Each data-parallel rank's own tensor of a record the merge averages over DP (a local gradient, kind
+        ``grad_local``), TP-joined as the merge joins it, or None (another record, tensors not stored)."""
+        if record.step not in self._records and record.step in self.steps:
+            self.records(record.step)
+        spec = self._specs.get((record.step, record.seq))
+        shards = self._shards.get(record.step)
+        if spec is None or shards is None or not spec.dp_mean or record.kind != "grad_local":
+            return None
+        out = []
+        for d in range(self.dp):
+            parts = []
+            for t in range(self.tp if spec.tp_dim is not None or spec.tp_sum else 1):
+                rec = shards[d * self.tp + t].get(record.key)
+                x = self._grid[d][t].array(rec) if rec is not None else None
+                if x is None:
+                    return None
+                parts.append(x)
+            out.append(_join_tp(parts, spec.tp_dim, spec.tp_stride) if spec.tp_dim is not None else
+                       _sum(parts) if spec.tp_sum else parts[0])
+        return out
+
     def inconsistencies(self, step: int) -> list[str]:
         """Records that must be identical on the ranks that hold them (replicated across TP, parameters and reduced
         parameter gradients across DP) but differ, judged from their statistics: '<label>: TP ranks 0/1 differ'.
@@ -278,7 +303,7 @@ class MergedCapture(CaptureFile):
                 continue
             key = rec.key
             groups: list[tuple[str, list[int]]] = []
-            if spec.tp_dim is None and self.tp > 1:
+            if spec.tp_dim is None and not spec.tp_sum and self.tp > 1:
                 groups += [("TP", [d * self.tp + t for t in range(self.tp)]) for d in range(self.dp)]
             if spec.dp_dim is None and not spec.dp_mean and self.dp > 1:
                 groups += [("DP", [d * self.tp + t for d in range(self.dp)]) for t in range(self.tp)]
@@ -316,22 +341,58 @@ class MergedCapture(CaptureFile):
                                        f"({len(recs)} vs {len(base)}): the rank files are not of one run")
         self._shards[step] = shards
         local_batch = _local_batch(base)
+        local_tokens = _local_tokens(base)
         out = []
         for rec in base:
-            spec = self._spec(rec, local_batch)
+            spec = self._spec(rec, local_batch, local_tokens)
             self._specs[(step, rec.seq)] = spec
             parts = [s[rec.key] for s in shards]
-            out.append(_merged_record(rec, parts, spec, self.tp, self.dp))
+            out.append(self._local_grad(rec, parts, spec) if rec.kind == "grad_local" else
+                       _merged_record(rec, parts, spec, self.tp, self.dp))
         return out
 
-    def _spec(self, rec: Record, local_batch: int | None) -> _Spec:
+    def _local_grad(self, rec: Record, parts: list[Record], spec: _Spec) -> Record:
+        """A parameter's gradient before the data-parallel reduction (kind ``grad_local``) of the merged run: the mean
+        over the DP ranks of their local gradients (each rank's loss is its local mean), TP-concatenated as ``grad``
+        is, summed over TP for a sequence-parallel parameter (a partial sum on each TP rank). The statistics of a mean
+        do not follow from each rank's statistics: they are computed from the tensors, and where a rank stored
+        statistics only they are NaN (``Record.stats_known`` is False) and the pair is not compared, never passed."""
+        shape = list(rec.shape)
+        if spec.tp_dim is not None and shape:
+            shape[spec.tp_dim % len(shape)] *= self.tp
+        if not all(p.has_data for p in parts):
+            nan = math.nan
+            return replace(rec, shape=tuple(shape), numel=int(np.prod(shape, dtype=np.int64)), min=nan, max=nan,
+                           mean=nan, l2=nan, nan=0, inf=0, has_data=False)
+        pieces = []
+        for d in range(self.dp):
+            xs = []
+            for t in range(self.tp):
+                x = self._grid[d][t].array(parts[d * self.tp + t])
+                if x is None:
+                    raise CaptureFileError(f"{self._grid[d][t].path}: {rec.label} of step {rec.step} is marked stored "
+                                           "but holds no tensor; re-run the capture")
+                xs.append(x)
+            pieces.append(_join_tp(xs, spec.tp_dim, spec.tp_stride) if spec.tp_dim is not None else
+                          _sum(xs) if spec.tp_sum else xs[0])
+        mean = np.mean(np.stack([p.astype(np.float64) for p in pieces]), axis=0)
+        finite = mean[np.isfinite(mean)]
+        return replace(rec, shape=tuple(shape), numel=int(mean.size), mean=float(mean.sum() / mean.size) if mean.size else 0.0,
+                       min=float(finite.min()) if finite.size else 0.0, max=float(finite.max()) if finite.size else 0.0,
+                       l2=float(np.sqrt(np.dot(finite.ravel(), finite.ravel()))), nan=int(np.isnan(mean).sum()),
+                       inf=int(np.isinf(mean).sum()), has_data=True)
+
+    def _spec(self, rec: Record, local_batch: int | None, local_tokens: int | None = None) -> _Spec:
         tp_dim: int | None = None
         stride = 1
         batch_first = False
-        if rec.kind in ("param", "grad"):
+        if rec.kind in ("param", "grad", "grad_local"):
             split = self._param_splits.get(f"{rec.module}.{rec.slot}" if rec.module else rec.slot)
             if split and split.get("tp") and self.tp > 1:
                 tp_dim, stride = int(split.get("dim", 0)), int(split.get("stride", 1))
+            if rec.kind == "grad_local":  # before the DP reduction: the mean over DP (a TP partial sum under SP)
+                return _Spec(tp_dim=tp_dim, tp_stride=stride, dp_mean=self.dp > 1,
+                             tp_sum=bool(split and split.get("sp") and tp_dim is None and self.tp > 1))
             return _Spec(tp_dim=tp_dim, tp_stride=stride)
         if rec.phase == "loss":
             return _Spec(dp_mean=self.dp > 1)
@@ -349,10 +410,19 @@ class MergedCapture(CaptureFile):
             if sp_rule is not None and sp_rule.tp_dim is not None:
                 tp_dim, swap01, batch_first = sp_rule.tp_dim, sp_rule.swap01, False  # [S/T, B, ...]
         dp_dim: int | None = None
-        if self.dp > 1 and rec.shape:
-            bdim = 0 if batch_first or not self._megatron or len(rec.shape) < 2 else 1
-            if local_batch is not None and bdim < len(rec.shape) and rec.shape[bdim] == local_batch:
-                dp_dim = bdim
+        if self.dp > 1 and rec.shape and local_batch is not None:
+            if self._megatron:  # megatron-core: [S, B, ...] unless the table says batch first
+                bdim = 0 if batch_first or len(rec.shape) < 2 else 1
+                dp_dim = bdim if rec.shape[bdim] == local_batch else None
+            else:  # no rule table: the batch is dim 0 ([B, S, ...]) or dim 1 (Megatron-style [S, B, ...]), or
+                # dim 0 holds the tokens flattened batch first ([B*S, V] logits of a loss)
+                fits = [d for d in (0, 1) if d < len(rec.shape) and rec.shape[d] == local_batch]
+                if not fits and local_tokens and rec.shape[0] == local_tokens:
+                    fits = [0]
+                dp_dim = fits[0] if fits else None
+        if (dp_dim is None and self.dp > 1 and rec.numel == 1 and rec.phase in ("forward", "backward")
+                and rec.dtype.startswith(("float", "bfloat"))):
+            return _Spec(tp_dim=tp_dim, tp_stride=stride, dp_mean=True)  # a scalar per rank (a local mean loss)
         scale = 1.0 / self.dp if self.dp > 1 and rec.phase == "backward" and dp_dim is not None else 1.0
         return _Spec(tp_dim=tp_dim, tp_stride=stride, dp_dim=dp_dim, scale=scale, swap01=swap01)
 
@@ -371,6 +441,19 @@ def _local_batch(records: list[Record]) -> int | None:
         if r.phase == "forward" and r.module == "" and r.kind == "input" and r.shape:
             return int(r.shape[0])
     return None
+
+
+def _local_tokens(records: list[Record]) -> int | None:
+    """The local number of tokens, B x S, from the model's first argument [B, S]."""
+    for r in records:
+        if r.phase == "forward" and r.module == "" and r.kind == "input" and r.shape:
+            return int(r.shape[0] * r.shape[1]) if len(r.shape) == 2 else None
+    return None
+
+
+def _sum(parts: list[np.ndarray]) -> np.ndarray:
+    """The sum of partial sums (one per TP rank), in float64, in the parts' dtype."""
+    return np.sum(np.stack([p.astype(np.float64) for p in parts]), axis=0).astype(parts[0].dtype)
 
 
 def _join_tp(parts: list[np.ndarray], dim: int, stride: int) -> np.ndarray:

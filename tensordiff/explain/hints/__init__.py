@@ -32,6 +32,7 @@ from .factor import check_factor
 from .layout import check_layout, check_missing_bias
 from .norm import check_norm_epsilon
 from .parallel import check_partial_sum
+from .pipeline import check_pipeline
 from .rope import check_rope
 
 __all__ = ["CHECKED", "CHECKS", "MIN_EXPLAINED", "CheckStatus", "Hint", "NotApplicable", "find_hints",
@@ -84,6 +85,9 @@ def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
     if getattr(cb, "tp", 1) > 1 and hasattr(cb, "tp_copies"):  # B merged from tensor-parallel rank files
         checks.append(("partial sum", check_partial_sum))
         causes.insert(causes.index("checkpoint"), "partial sum")
+    if getattr(cb, "pp", 1) > 1 and hasattr(cb, "received_from"):  # B merged from pipeline-parallel stage files
+        checks.insert(0, ("pipeline stages", check_pipeline))  # ties: the handover before a factor of 0 or layout
+        causes.insert(causes.index("checkpoint"), "pipeline stages")
     if result is not None:
         checks.append(("checkpoint", lambda s: check_checkpoint(s, result)))  # ties: the specific cause (layout) first
     else:
@@ -115,7 +119,7 @@ def find_hints(result: DiffResult, ca: CaptureFile | None = None,
     if first is None:
         return [], "", []
     row = next((r for r in result.rows if r.pair.a is not None and r.step == first.step and r.phase == first.phase
-                and r.pair.a.label == first.label_a), None)
+                and r.pair.a.label == first.label_a and (r.pair.b is None or r.pair.b.label == first.label_b)), None)
     if row is None or row.pair.b is None:
         return [], "", _none_ran("no matched pair at the first divergence")
     if not (row.pair.a.has_data and row.pair.b.has_data):  # type: ignore[union-attr]

@@ -4,11 +4,25 @@ See docs/hints/factor.md."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 from .base import MIN_EXPLAINED, Hint, NotApplicable, Site, explained_share, make_hint, rel_l2
+
+
+def _data_parallel(cap: Any) -> int:
+    """The data-parallel size of a run: merged rank files know it, a rank file says it in its ``parallel`` attribute."""
+    dp = getattr(cap, "dp", None)
+    if isinstance(dp, int):
+        return dp
+    try:
+        coords = json.loads(str(cap.attrs.get("parallel", "") or "{}"))
+        return int(coords.get("dp") or coords.get("world_size") or 1) if isinstance(coords, dict) else 1
+    except (ValueError, TypeError):
+        return 1
 
 
 def check_factor(site: Site) -> Iterator[Hint]:
@@ -28,5 +42,13 @@ def check_factor(site: Site) -> Iterator[Hint]:
     why = (f"≈ {names[0]}: a sum vs mean over {names[0].split('/')[-1]} (tokens, micro-batches, ranks), "
            "DP averaging, gradient accumulation or a loss scale not undone" if names else
            "a scale applied on one side only (loss scale, learning-rate-like factor, init or checkpoint scaling)")
+    dp_b, dp_a = _data_parallel(site.cb), _data_parallel(site.ca)
+    if site.a.phase == "param_grad" and site.a.kind == "grad" and dp_b > 1 and abs(c - dp_b) <= 0.02 * dp_b:
+        why = (f"≈ {dp_b}, B's data-parallel size: B sums the gradients over its {dp_b} data-parallel ranks instead "
+               "of averaging them; the reduction's 1/DP is missing (megatron's gradient_scaling_factor, the division "
+               "in a DDP comm hook or a hand-written all-reduce)")
+    elif site.a.phase == "param_grad" and site.a.kind == "grad" and dp_a > 1 and abs(c * dp_a - 1) <= 0.02:
+        why = (f"≈ 1/{dp_a}, 1 over A's data-parallel size: A sums the gradients over its {dp_a} data-parallel ranks "
+               "instead of averaging them")
     yield make_hint("factor", f"B = {c:.6g} × A ({why})", site, after,
                 f"the least-squares factor {c:.6g} reproduces B to rel L2 {after:.1e}", factor=c)

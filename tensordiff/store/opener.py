@@ -1,0 +1,30 @@
+"""``open_capture(path)``: what every reader calls. A capture file, or a glob (``'run.rank*.h5'``) naming the rank
+files of one distributed run, read as one capture in the single-device space: ``MergedCapture`` (tensor and data
+parallel, ``merged.py``), or ``PipelineCapture`` when the files are pipeline stages (``pipeline.py``)."""
+
+from __future__ import annotations
+
+import glob
+import re
+
+from ..errors import CaptureFileError
+from .merged import MergedCapture
+from .pipeline import PipelineCapture, pipeline_stages
+from .reader import CaptureFile
+
+_GLOB = re.compile(r"[*?\[]")
+
+
+def open_capture(path: str) -> CaptureFile:
+    """A capture file, or the rank files a glob names merged into one (see the module docstring)."""
+    if not _GLOB.search(path):
+        return CaptureFile(path)
+    paths = sorted(glob.glob(path))
+    if not paths:
+        raise CaptureFileError(f"{path}: no file matches; rank files are named RUN.rankN.h5 (check the pattern and "
+                               "quote it so the shell does not expand it)")
+    if len(paths) == 1:
+        return CaptureFile(paths[0])
+    if pipeline_stages(paths) > 1:
+        return PipelineCapture(paths, path)
+    return MergedCapture(paths, path)
