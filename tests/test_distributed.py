@@ -348,3 +348,13 @@ def test_capturing_local_gradients_changes_no_number_and_leaves_nothing_behind()
         assert case["same_weights"] is True, case
         assert (case["post_accumulate_grad_hooks"], case["bucket_group_attrs"]) == (0, 0), case
         assert (case["local_records"], case["steps"]) == (15, 1), case
+
+
+def test_the_gradient_of_an_input_a_module_modifies_in_place_is_still_recorded(runs):
+    # megatron's FP32 softmax masks its scores in place, on a view: the gradient hook on the input's old autograd
+    # node never runs; the capture hooks the modified tensor too (BF16 runs copy first and always recorded it)
+    with CaptureFile(runs["ref"]) as cap:
+        grads = [r for r in cap.records(0) if r.kind == "grad_input" and r.module.endswith("scale_mask_softmax")]
+        assert [r.module for r in grads] == [f"decoder.layers.{i}.self_attention.core_attention.scale_mask_softmax"
+                                             for i in (1, 0)]
+        assert all(r.numel == 4 * 4 * 16 * 16 and r.l2 > 0 for r in grads)

@@ -172,6 +172,8 @@ class Recorder:
         self._data: dict[int, Any] = {}
         self._seen: dict[int, tuple[Any, int, int]] = {}
         self._stack: list[tuple[str, int, int, str]] = []
+        # inputs whose gradient is hooked, per open call (its enter seq): (tensor ref, version, hook)
+        self._watched: dict[int, list[tuple[Any, int, Any]]] = {}
         self._calls: dict[str, int] = defaultdict(int)
         self._loss = None
         self._grads_taken = False
@@ -235,14 +237,28 @@ class Recorder:
         if not self._stack:
             return
         _, call, enter, parent = self._stack.pop()
+        self._rehook_modified_inputs(enter)
         cls = self._classes.get(name, "")
         for slot, t in flatten(output, "", self._t.is_tensor):
             self._record("forward", "output", name, call, slot or "0", cls, t, enter=enter, parent=parent,
                          grad_kind="grad_output")
 
+    def _rehook_modified_inputs(self, enter: int) -> None:
+        """A module that modified an input in place (megatron's FP32 softmax masks its scores in place, on a view)
+        leaves the gradient hook on that input's old autograd node, which may never run: hook the modified tensor
+        too. The gradient is recorded once, by whichever hook runs first."""
+        for ref, version, hook in self._watched.pop(enter, ()):
+            t = ref()
+            if t is None or self._t.version(t) == version:
+                continue
+            handle = self._t.hook_grad(t, hook)
+            if handle is not None:
+                self._tensor_handles.append(handle)
+
     def _grad_hook(self, step_id: int, fwd: dict, grad: Any) -> None:
-        if not self.active or step_id != self._step_id or grad is None:
+        if not self.active or step_id != self._step_id or grad is None or fwd.get("done"):
             return
+        fwd["done"] = True
         try:
             self._record("backward", fwd["grad_kind"], fwd["module"], fwd["call"], fwd["slot"], fwd["module_class"],
                          grad, enter=fwd["enter"], parent=fwd["parent"], grad_of=fwd["seq"], track=False)
@@ -291,9 +307,16 @@ class Recorder:
                 fwd = {"seq": seq, "module": module, "call": call, "slot": slot, "module_class": module_class,
                        "enter": enter, "parent": parent, "grad_kind": grad_kind}
                 step_id = self._step_id
-                handle = self._t.hook_grad(t, lambda grad: self._grad_hook(step_id, fwd, grad))
+
+                def hook(grad: Any, step_id: int = step_id, fwd: dict = fwd) -> None:
+                    self._grad_hook(step_id, fwd, grad)
+
+                handle = self._t.hook_grad(t, hook)
                 if handle is not None:
                     self._tensor_handles.append(handle)
+                    if kind == "input" and enter >= 0:
+                        with contextlib.suppress(TypeError):
+                            self._watched.setdefault(enter, []).append((weakref.ref(t), self._t.version(t), hook))
         return seq
 
     def _end_step(self) -> None:

@@ -232,7 +232,11 @@ class MergedCapture(CaptureFile):
             pieces.append(_join_tp(parts, spec.tp_dim, spec.tp_stride) if spec.tp_dim is not None else
                           _sum(parts) if spec.tp_sum else parts[0])
         if spec.dp_mean:
-            out = np.mean(np.stack([p.astype(np.float64) for p in pieces]), axis=0).astype(pieces[0].dtype)
+            mean = np.mean(np.stack([p.astype(np.float64) for p in pieces]), axis=0)
+            # the mean of narrow floats (BF16 local gradients) stays float32: rounding it back to BF16 would add
+            # the very rounding a BF16 reduction is judged by
+            wide = pieces[0].dtype if pieces[0].dtype.itemsize >= 4 or pieces[0].dtype.kind not in "fV" else np.float32
+            out = mean.astype(wide)
         elif spec.dp_dim is not None:
             out = np.concatenate(pieces, axis=spec.dp_dim)
         else:

@@ -177,3 +177,22 @@ def test_a_local_gradient_that_differs_is_the_weight_gradient_not_the_reduction(
     first = result.first
     assert first is not None and first.location == "in the weight gradient of fc.weight"
     assert first.label_b == "fc local grad weight" and first.where["local"]
+
+
+@needs_ml_dtypes
+def test_the_dp_mean_of_bf16_local_gradients_is_not_rounded_back_to_bf16(tmp_path):
+    import ml_dtypes
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    g0 = np.array([1.0, 1.0078125], dtype=bf16)  # neighbours on the BF16 grid: their mean lies between them
+    g1 = np.array([1.0078125, 1.0], dtype=bf16)
+    for rank, g in enumerate((g0, g1)):
+        coords = {"world_size": 2, "rank": rank, "tp": 1, "tp_rank": 0, "dp": 2, "dp_rank": rank, "pp": 1,
+                  "source": "megatron.core.parallel_state"}
+        recs = [T("forward", "", "input", "0", np.zeros((1, 2), np.int64), module_class="Net"),
+                T("param_grad", "fc", "grad_local", "weight", g, module_class="Linear")]
+        write_capture(str(tmp_path / f"b.rank{rank}.h5"), [recs], parallel=json.dumps(coords))
+    with open_capture(str(tmp_path / "b.rank*.h5")) as cap:
+        rec = next(r for r in cap.records(0) if r.kind == "grad_local")
+        got = cap.array(rec)
+        assert got.dtype == np.float32 and got.tolist() == [1.00390625, 1.00390625]

@@ -18,7 +18,15 @@ KEY = ("forward", "fc", 0, "output", "0")
     ("float8_e4m3fn", 2.5e-1), ("float8_e5m2", 5e-1),
 ])
 def test_each_float_dtype_has_its_own_limit(dtype, limit):
-    assert Tolerances().limit(dtype, dtype) == limit
+    assert Tolerances().limit(dtype, "float64") == limit  # against a wide reference: the dtype's own limit
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float8_e4m3fn"])
+def test_two_narrow_tensors_of_one_dtype_are_allowed_sqrt2_times_the_limit(dtype):
+    assert Tolerances().limit(dtype, dtype) == pytest.approx(DEFAULT_RTOL[dtype] * 2 ** 0.5)
+    assert Tolerances().limit(dtype, "float32") == DEFAULT_RTOL[dtype]
+    assert Tolerances(override=1e-3).limit(dtype, dtype) == 1e-3  # --rtol is taken as given
+    assert Tolerances().limit("float32", "float32") == DEFAULT_RTOL["float32"]
 
 
 def test_limits_loosen_as_precision_drops():
