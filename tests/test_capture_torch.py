@@ -1,5 +1,7 @@
 """Capture on plain torch modules: nothing left behind, numbers unchanged, storage exact."""
 
+import json
+
 import h5py
 import ml_dtypes
 import numpy as np
@@ -152,3 +154,28 @@ def test_no_path_means_capture_is_off(tmp_path, monkeypatch):
         _train(model, 1, cap)
     with CaptureFile(str(tmp_path / "env.h5")) as c:
         assert c.steps == [0] and c.attrs["steps_requested"] == 1
+
+
+def test_two_runs_that_crash_in_their_first_forward_are_never_a_pass(tmp_path):
+    from tensordiff.cli import main
+
+    def crash(module, args, output):
+        raise RuntimeError("CUDA out of memory (as the run reported it)")
+
+    paths = []
+    for name in ("a", "b"):
+        torch.manual_seed(0)
+        model = TiedTwice()
+        model.out.register_forward_hook(crash)  # the run dies in its first forward, inside the capture block
+        path = str(tmp_path / f"{name}.h5")
+        with pytest.raises(RuntimeError, match="out of memory"), tensordiff.capture(model, path, steps=2):
+            model(torch.randn(4, 8))
+        paths.append(path)
+    with CaptureFile(paths[1]) as cap:
+        assert cap.steps == [0]
+        assert cap.step_attrs(0)["interrupted"] == "RuntimeError: CUDA out of memory (as the run reported it)"
+    report = tmp_path / "r.json"
+    assert main(["diff", *paths, "--json", str(report)]) == 3
+    reasons = json.loads(report.read_text())["inconclusive_reasons"]
+    assert any("the run stopped on an exception inside a compared step" in r and "A step 0: RuntimeError" in r
+               for r in reasons)

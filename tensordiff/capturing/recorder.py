@@ -59,6 +59,7 @@ class Recorder:
         self._failed = False
         self._iteration = 0  # step() calls: the training step in flight, for scalars
         self._closed = False
+        self._interrupted = ""  # the exception that ended the run inside the capture block, if one did
         self._loss: float | None = None
         self._reset_step()
 
@@ -78,7 +79,9 @@ class Recorder:
     def __enter__(self) -> Recorder:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: Any = None, exc: Any = None, tb: Any = None) -> None:
+        if exc_type is not None:  # the step in flight is written, marked as cut short: a diff never passes it
+            self._interrupted = f"{getattr(exc_type, '__name__', exc_type)}: {exc}"[:300]
         self.close()
 
     def loss(self, value: Any) -> None:
@@ -345,6 +348,8 @@ class Recorder:
         attrs: dict[str, Any] = {"wall_time": time.perf_counter() - self._t0}
         if self._loss is not None:
             attrs["loss"] = self._loss
+        if self._interrupted:
+            attrs["interrupted"] = self._interrupted
         attrs.update(self._step_attrs())
         self._writer.submit(self._step, rows, data, attrs)
         self._step += 1

@@ -115,6 +115,9 @@ def judge_outcome(result: DiffResult) -> tuple[Outcome, list[str]]:
         reasons.append(f"{n} record(s) that must be identical on every rank holding them differ across the rank files "
                        f"(a missing or unwaited all-reduce, an unreduced sequence-parallel gradient): "
                        f"{'; '.join(result.rank_inconsistencies[:3])}{' ...' if n > 3 else ''}")
+    if result.interrupted:
+        reasons.append(f"the run stopped on an exception inside a compared step, so that step holds only what ran "
+                       f"before it: {'; '.join(result.interrupted[:2])}")
     only_a = sum(c.only_a for c in result.coverage.values())
     only_b = sum(c.only_b for c in result.coverage.values())
     if only_a or only_b:

@@ -80,6 +80,8 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
             coverage=covered, mapping_note=mapping_note,  # 'drift' set since is still compared: the counts hold
             rank_inconsistencies=[f"{side}: {line}" for side, cap in (("A", ca), ("B", cb))
                                   if isinstance(cap, MergedCapture) for step in common for line in cap.inconsistencies(step)],
+            interrupted=[f"{side} step {step}: {why}" for side, cap in (("A", ca), ("B", cb)) for step in common
+                         for why in [cap.step_attrs(step).get("interrupted")] if why],
         )
         result.outcome, result.reasons = judge_outcome(result)
         return result
