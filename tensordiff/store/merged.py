@@ -222,15 +222,10 @@ class MergedCapture(CaptureFile):
         key = record.key
         pieces = []
         for d in range(self.dp if spec.dp_dim is not None or spec.dp_mean else 1):
-            parts = []
-            for t in range(self.tp if spec.tp_dim is not None or spec.tp_sum else 1):
-                rec = shards[d * self.tp + t].get(key)
-                x = self._grid[d][t].array(rec) if rec is not None else None
-                if x is None:
-                    return None
-                parts.append(x)
-            pieces.append(_join_tp(parts, spec.tp_dim, spec.tp_stride) if spec.tp_dim is not None else
-                          _sum(parts) if spec.tp_sum else parts[0])
+            piece = self._dp_piece(spec, shards, d, key)
+            if piece is None:
+                return None
+            pieces.append(piece)
         if spec.dp_mean:
             mean = np.mean(np.stack([p.astype(np.float64) for p in pieces]), axis=0)
             # the mean of narrow floats (BF16 local gradients) stays float32: rounding it back to BF16 would add
@@ -278,16 +273,24 @@ class MergedCapture(CaptureFile):
             return None
         out = []
         for d in range(self.dp):
-            parts = []
-            for t in range(self.tp if spec.tp_dim is not None or spec.tp_sum else 1):
-                rec = shards[d * self.tp + t].get(record.key)
-                x = self._grid[d][t].array(rec) if rec is not None else None
-                if x is None:
-                    return None
-                parts.append(x)
-            out.append(_join_tp(parts, spec.tp_dim, spec.tp_stride) if spec.tp_dim is not None else
-                       _sum(parts) if spec.tp_sum else parts[0])
+            piece = self._dp_piece(spec, shards, d, record.key)
+            if piece is None:
+                return None
+            out.append(piece)
         return out
+
+    def _dp_piece(self, spec: _Spec, shards: list[dict[tuple, Record]], d: int, key: tuple) -> np.ndarray | None:
+        """Data-parallel rank d's tensor of a record: its TP shards joined (or summed), or rank 0's copy."""
+        parts = []
+        for t in range(self.tp if spec.tp_dim is not None or spec.tp_sum else 1):
+            rec = shards[d * self.tp + t].get(key)
+            x = self._grid[d][t].array(rec) if rec is not None else None
+            if x is None:
+                return None
+            parts.append(x)
+        if spec.tp_dim is not None:
+            return _join_tp(parts, spec.tp_dim, spec.tp_stride)
+        return _sum(parts) if spec.tp_sum else parts[0]
 
     def inconsistencies(self, step: int) -> list[str]:
         """Records that must be identical on the ranks that hold them (replicated across TP, parameters and reduced
