@@ -69,6 +69,9 @@ SIZES = {
     "tiny": dict(vocab=128, hidden=64, ffn=128, layers=2, heads=4, groups=2, seq=32, batch=4),
     "small": dict(vocab=512, hidden=128, ffn=352, layers=4, heads=8, groups=4, seq=64, batch=2),
     "250m": dict(vocab=32000, hidden=1024, ffn=4096, layers=12, heads=16, groups=4, seq=1024, batch=1),
+    # issue 13 (performance): 134M and 1.03B parameters, seq 2048, micro-batch 2
+    "125m": dict(vocab=32000, hidden=768, ffn=2048, layers=12, heads=12, groups=4, seq=2048, batch=2),
+    "1b": dict(vocab=32000, hidden=2048, ffn=5632, layers=20, heads=16, groups=4, seq=2048, batch=2),
 }
 STD = 0.02
 
@@ -225,13 +228,48 @@ def timing(trainer: Trainer, args: argparse.Namespace, device: torch.device, ran
     plain = timed(trainer, args.time, device)
     path = args.capture or f"/tmp/gpu_gpt_timing_{os.getpid()}.h5"
     t0 = time.perf_counter()
-    with tensordiff.capture(trainer.model, path, steps=args.time + 1, optimizer=trainer.opt, tensors="none") as cap:
+    with tensordiff.capture(trainer.model, path, steps=args.time + 3, optimizer=trainer.opt, tensors="none") as cap:
         first = timed(trainer, 1, device, cap)  # step 0 of the capture also records the weights' statistics
         captured = timed(trainer, args.time, device, cap)
+        if args.profile and rank == 0:  # where the host time of a captured step goes (after the timed steps)
+            import cProfile
+            import io
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            timed(trainer, 2, device, cap)
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+            with open(args.profile, "w") as f:
+                f.write(text.getvalue())
         t_close = time.perf_counter()
     close_s = time.perf_counter() - t_close
     total_capture_s = time.perf_counter() - t0
     after = timed(trainer, args.time, device)
+    full: dict = {}
+    if args.time_full:  # full tensors of one step, then statistics: does training wait on the copies or the writer?
+        full_path = path.replace(".h5", "") + "_full.h5"
+        t0 = time.perf_counter()
+        with tensordiff.capture(trainer.model, full_path, steps=3, optimizer=trainer.opt, tensors="first") as cap:
+            steps = timed(trainer, 3, device, cap)
+            t_close = time.perf_counter()
+        full_file = tensordiff_rank_path(full_path)
+        full = {"steps_s": steps, "close_s": time.perf_counter() - t_close, "total_s": time.perf_counter() - t0,
+                "file_bytes": os.path.getsize(full_file) if os.path.exists(full_file) else None}
+        if rank == 0 and os.path.exists(full_file):
+            from tensordiff.store import CaptureFile
+
+            with CaptureFile(full_file) as c:
+                recs = c.records(0)
+                full["records"] = len(recs)
+                full["stored_records"] = sum(1 for r in recs if r.has_data and r.same_as < 0)
+                full["tensor_bytes"] = sum(r.numel * (2 if r.dtype in ("bfloat16", "float16") else 4) for r in recs
+                                           if r.has_data and r.same_as < 0)
+                full["all_tensor_bytes"] = sum(r.numel * (2 if r.dtype in ("bfloat16", "float16") else 4)
+                                               for r in recs if r.same_as < 0)
+            os.remove(full_file)
     med = {k: statistics.median(v) for k, v in (("plain", plain), ("captured", captured), ("plain_after", after))}
     base = min(med["plain"], med["plain_after"])
     report = {
@@ -248,6 +286,7 @@ def timing(trainer: Trainer, args: argparse.Namespace, device: torch.device, ran
         "capture_file_bytes": os.path.getsize(tensordiff_rank_path(path)) if os.path.exists(tensordiff_rank_path(path))
         else None,
         "steps_s": {"plain": plain, "captured": captured, "plain_after": after},
+        "full_tensors": full,
     }
     if args.report:
         out = tensordiff_rank_path(args.report)
@@ -256,6 +295,11 @@ def timing(trainer: Trainer, args: argparse.Namespace, device: torch.device, ran
     print(f"rank {rank}: step median plain {med['plain'] * 1e3:.1f} ms, stats-only capture {med['captured'] * 1e3:.1f} "
           f"ms ({report['overhead_pct_vs_plain']:+.1f}%), plain after {med['plain_after'] * 1e3:.1f} ms; capture's "
           f"first step {first[0] * 1e3:.1f} ms, close {close_s * 1e3:.1f} ms", flush=True)
+    if full:
+        print(f"rank {rank}: full tensors of step 0: steps {', '.join(f'{t * 1e3:.0f}' for t in full['steps_s'])} ms, "
+              f"close {full['close_s']:.1f} s; file {(full['file_bytes'] or 0) / 1e9:.2f} GB; stored "
+              f"{full.get('stored_records')} of {full.get('records')} records, {full.get('tensor_bytes', 0) / 1e9:.2f} "
+              f"GB of {full.get('all_tensor_bytes', 0) / 1e9:.2f} GB", flush=True)
 
 
 def tensordiff_rank_path(path: str) -> str:
@@ -285,7 +329,10 @@ def main() -> None:
     p.add_argument("--capture", help="capture file (one per rank: .rankN added)")
     p.add_argument("--time", type=int, default=0, help="measure step times over this many steps (see above)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--time-full", action="store_true",
+                   help="--time: also capture one step's full tensors, then two steps of statistics (times, bytes)")
     p.add_argument("--report", help="--time: JSON report per rank")
+    p.add_argument("--profile", help="--time: cProfile of two captured steps on rank 0, top 30 by own time, to this file")
     args = p.parse_args()
     for key, value in SIZES[args.size].items():
         if getattr(args, key) is None:

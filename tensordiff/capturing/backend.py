@@ -46,7 +46,16 @@ class TensorBackend(ABC):
 
     @abstractmethod
     def to_numpy(self, copy: Any) -> np.ndarray:
-        """A host copy as numpy, in its own dtype (BF16/FP8 as ``ml_dtypes``)."""
+        """A host copy as numpy, in its own dtype (BF16/FP8 as ``ml_dtypes``). Called on the writer's thread: it may
+        wait for a copy still under way."""
+
+    def copy_nbytes(self, copy: Any) -> int:
+        """The bytes of a host copy (what the writer's queue counts)."""
+        return int(getattr(copy, "nbytes", 0))
+
+    def close(self) -> None:
+        """Release what the backend holds (after the writer has taken every copy)."""
+        return None
 
     def version(self, t: Any) -> int:
         """In-place modification counter (0 where the framework has none): a changed tensor is recorded anew."""

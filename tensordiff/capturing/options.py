@@ -7,7 +7,7 @@ import os
 import platform
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._version import __version__
@@ -19,6 +19,12 @@ ENV_TENSORS = "TENSORDIFF_TENSORS"
 ENV_DISABLE = "TENSORDIFF_DISABLE"
 ENV_STATUS = "TENSORDIFF_STATUS"
 ENV_PERTURB = "TENSORDIFF_PERTURB"
+ENV_TENSORS_MAX_MB = "TENSORDIFF_TENSORS_MAX_MB"
+ENV_TENSORS_MATCH = "TENSORDIFF_TENSORS_MATCH"
+
+#: Models of at least this many parameters store full tensors only up to BIG_MODEL_MAX_MB each unless told otherwise.
+BIG_MODEL_PARAMS = 1_000_000_000
+BIG_MODEL_MAX_MB = 64.0
 
 TENSOR_MODES = ("first", "all", "none")
 
@@ -44,12 +50,33 @@ class CaptureOptions:
     """Write on a background thread (off the training thread)."""
     perturb: int | None = None
     """Seed: move every float parameter by one ulp before the first step (only ``tensordiff noise`` sets it)."""
+    tensors_max_mb: float | None = None
+    """Full tensors only for records up to this many MiB (statistics for larger ones); 0: no limit. Default: no limit,
+    64 for models of 1B parameters or more."""
+    tensors_match: str | None = None
+    """Full tensors only for modules whose name matches this regular expression (statistics for the rest)."""
+    _match: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise UsageError(f"steps={self.steps}: capture needs at least 1 step")
         if self.tensors not in TENSOR_MODES:
             raise UsageError(f"tensors={self.tensors!r}: expected one of {', '.join(TENSOR_MODES)}")
+        if self.tensors_max_mb is not None and not (self.tensors_max_mb >= 0):
+            raise UsageError(f"tensors_max_mb={self.tensors_max_mb}: expected a size in MiB, 0 for no limit")
+        if self.tensors_match is not None:
+            import re
+
+            try:
+                self._match = re.compile(self.tensors_match)
+            except re.error as err:
+                raise UsageError(f"tensors_match={self.tensors_match!r}: not a regular expression ({err})") from None
+
+    def full_tensor_selected(self, module: str, nbytes: int) -> bool:
+        """Whether a record of ``module`` holding ``nbytes`` is stored in full (in a step that stores tensors)."""
+        if self.tensors_max_mb and nbytes > self.tensors_max_mb * (1 << 20):
+            return False
+        return self.tensors_match is None or self._match.search(module) is not None
 
     def full_tensors_at(self, step: int) -> bool:
         return self.tensors == "all" or (self.tensors == "first" and step == 0)
@@ -73,6 +100,15 @@ def options_from_env(path: str | None, steps: int | None, tensors: str | None, *
         except ValueError:
             raise UsageError(f"{ENV_STEPS}={env_steps!r}: expected a whole number of steps") from None
     tensors = os.environ.get(ENV_TENSORS) or tensors or "first"
+    max_mb = os.environ.get(ENV_TENSORS_MAX_MB)
+    if max_mb:
+        try:
+            kw["tensors_max_mb"] = float(max_mb)
+        except ValueError:
+            raise UsageError(f"{ENV_TENSORS_MAX_MB}={max_mb!r}: expected a size in MiB") from None
+    match = os.environ.get(ENV_TENSORS_MATCH)
+    if match:
+        kw["tensors_match"] = match
     perturb = os.environ.get(ENV_PERTURB)
     if perturb:
         try:
@@ -131,6 +167,10 @@ def base_attrs(framework: str, framework_version: str, options: CaptureOptions, 
         "steps_requested": options.steps,
         "tensors": options.tensors,
     }
+    if options.tensors_max_mb:
+        attrs["tensors_max_mb"] = options.tensors_max_mb
+    if options.tensors_match is not None:
+        attrs["tensors_match"] = options.tensors_match
     for pkg, mod in (("megatron_core_version", "megatron.core"), ("transformers_version", "transformers"),
                      ("mindformers_version", "mindformers")):
         module = sys.modules.get(mod)

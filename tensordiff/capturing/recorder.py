@@ -10,21 +10,24 @@ background writer. ``NullCapture`` stands in when capture is off.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 import warnings
 import weakref
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 
+from .. import dtypes
 from .._text import first_line
 from ..record import flatten
 from ..store.format import shape_text
 from ..store.writer import CaptureWriter
 from .backend import TensorBackend
-from .options import CaptureOptions, report_status
+from .options import BIG_MODEL_MAX_MB, BIG_MODEL_PARAMS, CaptureOptions, report_status
 
 STAT_KEYS = ("min", "max", "mean", "l2", "nan", "inf")
 
@@ -61,7 +64,24 @@ class Recorder:
         self._closed = False
         self._interrupted = ""  # the exception that ended the run inside the capture block, if one did
         self._loss: float | None = None
+        self._default_size_limit()
         self._reset_step()
+
+    def _default_size_limit(self) -> None:
+        """Models of 1B parameters or more store full tensors up to 64 MiB a record unless told otherwise: at 1B the
+        [batch, heads, seq, seq] attention scores alone are tens of GB a step (docs/performance.md)."""
+        if self.options.tensors_max_mb is not None or self.options.tensors == "none":
+            return
+        count = 0
+        for _, _, p in self._params:
+            shape = self._t.describe(p)[1]
+            count += math.prod(shape)
+        if count >= BIG_MODEL_PARAMS:
+            self.options.tensors_max_mb = BIG_MODEL_MAX_MB
+            with contextlib.suppress(Exception):
+                warnings.warn(f"tensordiff: {count / 1e9:.1f}B parameters: full tensors stored up to "
+                              f"{BIG_MODEL_MAX_MB:g} MiB a record, statistics for larger ones; "
+                              "set tensors_max_mb=0 (--tensors-max-mb 0) to store all", RuntimeWarning, stacklevel=3)
 
     # subclasses ---------------------------------------------------------------
     def _remove_framework_hooks(self) -> None:
@@ -142,6 +162,8 @@ class Recorder:
         self._remove_hooks()
         self._closed = True
         self._writer.close()
+        with contextlib.suppress(Exception):
+            self._t.close()
 
     # bookkeeping --------------------------------------------------------------
     def _remove_hooks(self) -> None:
@@ -287,7 +309,7 @@ class Recorder:
         dtype, shape = self._t.describe(t)
         if dtype is None:
             self._late[seq] = t
-        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        numel = math.prod(shape)
         row: dict[str, Any] = {
             "seq": seq, "phase": phase, "module": module, "call": call, "kind": kind, "slot": slot,
             "module_class": module_class, "dtype": dtype, "shape": shape_text(shape),
@@ -300,7 +322,9 @@ class Recorder:
             row["same_as"] = seen[2]
             return seq
         self._pending.append((seq, self._t.stats(t)))
-        if self._full if full is None else full:
+        if full is None:
+            full = self._full and self.options.full_tensor_selected(module, numel * _itemsize(dtype))
+        if full:
             self._data[seq] = self._t.copy(t)
             row["has_data"] = 1
         if track:
@@ -344,7 +368,8 @@ class Recorder:
                 src = rows[row["same_as"]]
                 for key in STAT_KEYS + ("has_data",):
                     row[key] = src[key]
-        data = {seq: self._t.to_numpy(t) for seq, t in self._data.items()}
+        # resolved on the writer's thread: a copy still on its way to the host never holds up the training step
+        data = {seq: Deferred(partial(self._t.to_numpy, t), self._t.copy_nbytes(t)) for seq, t in self._data.items()}
         attrs: dict[str, Any] = {"wall_time": time.perf_counter() - self._t0}
         if self._loss is not None:
             attrs["loss"] = self._loss
@@ -361,6 +386,24 @@ class Recorder:
 
 
 _OPEN: weakref.WeakSet[Recorder] = weakref.WeakSet()
+
+
+def _itemsize(dtype: str | None) -> int:
+    np_dtype = dtypes.NUMPY_DTYPES.get(dtype or "")
+    return np_dtype.itemsize if np_dtype is not None else 4
+
+
+class Deferred:
+    """A full tensor handed to the writer before it reached the host: ``nbytes`` now, the array when called."""
+
+    __slots__ = ("_get", "nbytes")
+
+    def __init__(self, get: Callable[[], np.ndarray], nbytes: int):
+        self._get = get
+        self.nbytes = nbytes
+
+    def __call__(self) -> np.ndarray:
+        return self._get()
 
 
 class NullCapture:

@@ -22,7 +22,6 @@ import contextlib
 import json
 import math
 import warnings
-from collections import defaultdict
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -30,7 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..frameworks.torch import dtype_name, reduce_stats, to_numpy
+from ..frameworks.torch import dtype_name, to_numpy
+from ..frameworks.torch_copies import HostCopier, HostCopy
+from ..frameworks.torch_stats import StatsCollector
 from . import torch_parallel as parallel
 from .backend import TensorBackend
 from .model_config import model_config_attr
@@ -40,7 +41,13 @@ from .torch_dp import LocalGrads, data_parallel_size
 
 
 class TorchTensors(TensorBackend):
-    """Reads torch tensors for the recorder (statistics on the tensor's device, one sync per step)."""
+    """Reads torch tensors for the recorder: fused statistics on the tensor's device, brought to the host once per
+    step (``frameworks/torch_stats.py``); full tensors staged on the device and moved to the host by a background
+    thread (``frameworks/torch_copies.py``)."""
+
+    def __init__(self) -> None:
+        self._stats = StatsCollector()
+        self._copier = HostCopier()
 
     def is_tensor(self, value: Any) -> bool:
         return isinstance(value, torch.Tensor)
@@ -48,26 +55,23 @@ class TorchTensors(TensorBackend):
     def describe(self, t: torch.Tensor) -> tuple[str, tuple[int, ...]]:
         return dtype_name(t.dtype), tuple(t.shape)
 
-    def stats(self, t: torch.Tensor) -> torch.Tensor:
-        return reduce_stats(t)
+    def stats(self, t: torch.Tensor) -> Any:
+        return self._stats.add(t)
 
-    def host_stats(self, pending: list[torch.Tensor]) -> list[Sequence[float]]:
-        # one host sync per device for the whole step
-        out: list[Sequence[float]] = [()] * len(pending)
-        by_device: dict[torch.device, list[int]] = defaultdict(list)
-        for i, stats in enumerate(pending):
-            by_device[stats.device].append(i)
-        for indices in by_device.values():
-            host = torch.stack([pending[i] for i in indices]).cpu().numpy()
-            for i, values in zip(indices, host):
-                out[i] = values.tolist()
-        return out
+    def host_stats(self, pending: list[Any]) -> list[Sequence[float]]:
+        return self._stats.collect(pending)
 
-    def copy(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to("cpu", copy=True)
+    def copy(self, t: torch.Tensor) -> HostCopy:
+        return self._copier.copy(t)
 
-    def to_numpy(self, copy: torch.Tensor) -> np.ndarray:
-        return to_numpy(copy)
+    def copy_nbytes(self, copy: HostCopy) -> int:
+        return copy.nbytes
+
+    def to_numpy(self, copy: HostCopy) -> np.ndarray:
+        return to_numpy(copy.result())
+
+    def close(self) -> None:
+        self._copier.close()
 
     def version(self, t: torch.Tensor) -> int:
         return t._version

@@ -11,7 +11,18 @@ import sys
 import tempfile
 from typing import Any
 
-from ..capturing.options import AUTO_MODULE, ENV_OUTPUT, ENV_PERTURB, ENV_STATUS, ENV_STEPS, ENV_TENSORS, TENSOR_MODES, rank_files
+from ..capturing.options import (
+    AUTO_MODULE,
+    ENV_OUTPUT,
+    ENV_PERTURB,
+    ENV_STATUS,
+    ENV_STEPS,
+    ENV_TENSORS,
+    ENV_TENSORS_MATCH,
+    ENV_TENSORS_MAX_MB,
+    TENSOR_MODES,
+    rank_files,
+)
 from ..diff import noise as noises
 from ..errors import UsageError
 from ..report.capture import NoiseSummary
@@ -33,6 +44,11 @@ def add_parsers(sub: Any) -> None:
     c.add_argument("--steps", type=int, default=1, help="training steps to capture (default 1)")
     c.add_argument("--tensors", choices=TENSOR_MODES, default="first",
                    help="store full tensors for the first step (default), all steps, or none")
+    c.add_argument("--tensors-max-mb", type=float, default=None, metavar="MIB",
+                   help="store full tensors only for records up to MIB each, statistics for larger ones; 0: no limit "
+                        "(default: no limit; 64 for models of 1B parameters or more)")
+    c.add_argument("--tensors-match", default=None, metavar="REGEX",
+                   help="store full tensors only for modules whose name matches REGEX (statistics for the rest)")
     c.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the training command")
     c.set_defaults(run=run_capture)
 
@@ -67,6 +83,16 @@ def run_capture(args: argparse.Namespace) -> int:
         os.remove(status)
     env = dict(os.environ, **{ENV_OUTPUT: out, ENV_STEPS: str(args.steps), ENV_TENSORS: args.tensors,
                               ENV_STATUS: status})
+    if args.tensors_max_mb is not None:
+        if not args.tensors_max_mb >= 0:
+            raise UsageError(f"--tensors-max-mb {args.tensors_max_mb:g}: expected a size in MiB, 0 for no limit")
+        env[ENV_TENSORS_MAX_MB] = f"{args.tensors_max_mb:g}"
+    if args.tensors_match is not None:
+        try:
+            re.compile(args.tensors_match)
+        except re.error as err:
+            raise UsageError(f"--tensors-match {args.tensors_match!r}: not a regular expression ({err})") from None
+        env[ENV_TENSORS_MATCH] = args.tensors_match
     for path in rank_files(out):  # a rank file left by an earlier run would pass for this run's
         os.remove(path)
     code = run_program(cmd, env)

@@ -30,9 +30,15 @@ _NUMPY_NARROW = {np.dtype(np_dtype): (raw, torch_dtype) for torch_dtype, (raw, n
 _BITS = {1: np.uint8, 2: np.int16}
 
 
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """'torch.bfloat16' -> 'bfloat16' (the names of ``tensordiff.dtypes``)."""
-    return str(dtype).replace("torch.", "")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -55,43 +61,6 @@ def from_numpy(x: np.ndarray) -> torch.Tensor:
     if narrow is not None:
         return torch.from_numpy(x.view(_BITS[x.dtype.itemsize])).view(narrow[1])
     return torch.from_numpy(x)
-
-
-def reduce_stats(t: torch.Tensor) -> torch.Tensor:
-    """[min, max, sum, l2, nan, inf] in float64, computed on the tensor's device."""
-    x = t.detach()
-    if x.numel() == 0:
-        return torch.zeros(6, dtype=torch.float64, device=x.device)
-    if x.is_complex():
-        x = torch.view_as_real(x)
-    if not x.is_floating_point():
-        x = x.to(torch.float64)
-    mn, mx = torch.aminmax(x)
-    if x.device.type == "cpu":
-        # CPU: branching costs no device sync, and float64 BLAS beats the reductions' dtype path
-        d = x.reshape(-1).to(torch.float64)
-        finite = bool(torch.isfinite(mn)) and bool(torch.isfinite(mx))
-        zero = torch.zeros((), dtype=torch.float64)
-        return torch.stack(
-            [
-                mn.to(torch.float64),
-                mx.to(torch.float64),
-                d.sum(),
-                torch.dot(d, d).sqrt() if finite else torch.linalg.vector_norm(d),
-                zero if finite else torch.isnan(d).sum().to(torch.float64),
-                zero if finite else torch.isinf(d).sum().to(torch.float64),
-            ]
-        )
-    return torch.stack(
-        [
-            mn.to(torch.float64),
-            mx.to(torch.float64),
-            x.sum(dtype=torch.float64),
-            torch.linalg.vector_norm(x, dtype=torch.float64),
-            torch.isnan(x).sum().to(torch.float64),
-            torch.isinf(x).sum().to(torch.float64),
-        ]
-    )
 
 
 # ------------------------------------------------------------------------------------ checkpoints

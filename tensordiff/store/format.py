@@ -74,7 +74,7 @@ def decode(value: Any) -> str:
 
 def shape_text(shape: Iterable[int]) -> str:
     """The index's shape column: '4,8' ('' for a scalar)."""
-    return ",".join(str(int(s)) for s in shape)
+    return ",".join(map(str, map(int, shape)))
 
 
 def parse_shape(text: str) -> tuple[int, ...]:

@@ -68,7 +68,9 @@ class CaptureWriter:
             self._thread = threading.Thread(target=self._run, name="tensordiff-writer", daemon=True)
             self._thread.start()
 
-    def submit(self, step: int, rows: list[dict[str, Any]], data: dict[int, np.ndarray], attrs: dict[str, Any]) -> None:
+    def submit(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any]) -> None:
+        """Hand a step over; ``data`` maps a row to its array, or to a callable giving it (resolved here, off the
+        training thread)."""
         if self.error is not None:
             return
         self._enqueue((step, rows, data, attrs))
@@ -144,7 +146,7 @@ class CaptureWriter:
         if self._queue is None or (self._queue.empty() and not self._scalar_jobs):  # else a flush follows soon
             self._file.flush()
 
-    def _write(self, step: int, rows: list[dict[str, Any]], data: dict[int, np.ndarray], attrs: dict[str, Any]) -> None:
+    def _write(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any]) -> None:
         grp = self._file.create_group(step_group_name(step))
         index = np.zeros(len(rows), dtype=INDEX_DTYPE)
         for i, row in enumerate(rows):
@@ -152,6 +154,8 @@ class CaptureWriter:
         grp.create_dataset("index", data=index)
         dgrp = grp.create_group("data")
         for seq, array in data.items():
+            if callable(array):  # a copy still on its way to the host (capturing/recorder.py Deferred)
+                array = array()
             raw, _ = dtypes.to_storage(np.ascontiguousarray(array))
             if raw.nbytes >= CHUNK_MIN_BYTES and raw.ndim > 0:
                 dgrp.create_dataset(str(seq), data=raw, chunks=True, compression="gzip", compression_opts=1, shuffle=True)

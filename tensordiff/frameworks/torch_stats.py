@@ -1,0 +1,262 @@
+"""Per-tensor statistics [min, max, sum, l2, nan, inf] for capture, at memory bandwidth.
+
+One pass over the tensor in its own dtype with FP32 accumulation, results kept on the
+tensor's device and brought to the host once per step:
+
+* CUDA with Triton: one fused kernel per tensor (a second, tiny one for tensors spread over
+  many programs) writes its row of a per-step float64 device buffer. No temporaries, no
+  float64 upcast of the tensor, two launches at most.
+* CUDA without Triton: a few eager reductions with FP32 accumulation (float64 for float64 tensors
+  and integers).
+* The CPU: numpy on the tensor's memory, in float64 chunks of 64Ki values (a few microseconds for
+  a small tensor, where a torch op costs more to dispatch than to run); NaN and Inf counted only
+  when min or max is not finite.
+
+Precision, against a float64 reduction of the same values: min, max, nan and inf exact; on the CPU
+sum and l2 too, to float64 rounding; on CUDA sum and l2 accumulate in FP32 within a block, then in
+float64 across blocks: within 1e-6 of sum(|x|) and of l2 (tests/test_capture_perf.py). NaN
+propagates as in a float64 reduction: a tensor holding a NaN has min, max, sum and l2 NaN.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["StatsCollector", "cpu_stats", "reduce_stats_eager", "triton_available"]
+
+_ENV_NO_TRITON = "TENSORDIFF_NO_TRITON"
+BLOCK = 2048  # elements per program per loop iteration
+SINGLE_MAX = 1 << 16  # up to this many elements: one program, one launch, the final row written directly
+ROWS = 4096  # rows per chunk of the per-step result buffer
+CPU_CHUNK = 1 << 16  # values per float64 chunk on the CPU
+_NO_SWITCH = contextlib.nullcontext()
+
+
+def _float_dtypes() -> set[torch.dtype]:
+    return {torch.float32, torch.float16, torch.bfloat16}
+
+
+try:  # Triton is optional: CUDA builds of torch ship it, CPU builds do not
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _stats_kernel(x_ptr, part_ptr, out_ptr, row, n, BLOCK: tl.constexpr, FINAL: tl.constexpr):
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        lanes = tl.arange(0, BLOCK)
+        vmin = tl.full([BLOCK], float("inf"), tl.float32)
+        vmax = tl.full([BLOCK], float("-inf"), tl.float32)
+        vsum = tl.zeros([BLOCK], tl.float32)
+        vsq = tl.zeros([BLOCK], tl.float32)
+        vnan = tl.zeros([BLOCK], tl.int32)
+        vinf = tl.zeros([BLOCK], tl.int32)
+        start = pid.to(tl.int64) * BLOCK
+        stride = nprog.to(tl.int64) * BLOCK
+        for base in range(start, n, stride):
+            offs = base + lanes
+            inside = offs < n
+            x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
+            isnan = x != x
+            isinf = (x == float("inf")) | (x == float("-inf"))
+            vnan += isnan.to(tl.int32)
+            vinf += isinf.to(tl.int32)
+            ok = inside & (x == x)
+            vmin = tl.minimum(vmin, tl.where(ok, x, float("inf")))
+            vmax = tl.maximum(vmax, tl.where(ok, x, float("-inf")))
+            vsum += x
+            vsq += x * x
+        mn = tl.min(vmin, axis=0)
+        mx = tl.max(vmax, axis=0)
+        nan = tl.sum(vnan, axis=0)
+        inf = tl.sum(vinf, axis=0)
+        if FINAL:  # one program: the row itself
+            o = out_ptr + row * 6
+            tl.store(o + 0, mn.to(tl.float64))
+            tl.store(o + 1, mx.to(tl.float64))
+            tl.store(o + 2, tl.sum(vsum.to(tl.float64), axis=0))
+            tl.store(o + 3, tl.sqrt(tl.sum(vsq.to(tl.float64), axis=0)))
+            tl.store(o + 4, nan.to(tl.float64))
+            tl.store(o + 5, inf.to(tl.float64))
+        else:  # a partial row per program, in float64 so the counts stay exact
+            p = part_ptr + pid * 6
+            tl.store(p + 0, mn.to(tl.float64))
+            tl.store(p + 1, mx.to(tl.float64))
+            tl.store(p + 2, tl.sum(vsum.to(tl.float64), axis=0))
+            tl.store(p + 3, tl.sum(vsq.to(tl.float64), axis=0))
+            tl.store(p + 4, nan.to(tl.float64))
+            tl.store(p + 5, inf.to(tl.float64))
+
+    @triton.jit
+    def _finish_kernel(part_ptr, out_ptr, row, nparts, PARTS: tl.constexpr):
+        i = tl.arange(0, PARTS)
+        inside = i < nparts
+        p = part_ptr + i * 6
+        o = out_ptr + row * 6
+        tl.store(o + 0, tl.min(tl.load(p + 0, mask=inside, other=float("inf")), axis=0))
+        tl.store(o + 1, tl.max(tl.load(p + 1, mask=inside, other=float("-inf")), axis=0))
+        tl.store(o + 2, tl.sum(tl.load(p + 2, mask=inside, other=0.0), axis=0))
+        tl.store(o + 3, tl.sqrt(tl.sum(tl.load(p + 3, mask=inside, other=0.0), axis=0)))
+        tl.store(o + 4, tl.sum(tl.load(p + 4, mask=inside, other=0.0), axis=0))
+        tl.store(o + 5, tl.sum(tl.load(p + 5, mask=inside, other=0.0), axis=0))
+
+    _TRITON = True
+except Exception:  # pragma: no cover - no Triton (CPU builds of torch)
+    _TRITON = False
+
+
+def triton_available() -> bool:
+    """True when CUDA tensors get the fused Triton reduction (Triton importable, not switched off)."""
+    return _TRITON and os.environ.get(_ENV_NO_TRITON, "") in ("", "0") and torch.cuda.is_available()
+
+
+def reduce_stats_eager(t: torch.Tensor) -> torch.Tensor:
+    """[min, max, sum, l2, nan, inf] as a float64 tensor on ``t``'s device, from eager reductions:
+    FP32 accumulation for float16/bfloat16/float32, float64 for float64 and integers."""
+    x = t.detach()
+    if x.numel() == 0:
+        return torch.zeros(6, dtype=torch.float64, device=x.device)
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if x.dtype in _float_dtypes():
+        acc = torch.float32
+    else:
+        acc = torch.float64
+        if not x.is_floating_point():
+            x = x.to(torch.float64)
+    mn, mx = torch.aminmax(x)
+    if x.device.type == "cpu":
+        # torch's CPU norm and dot accumulate in one long run (5e-5 off at 3M values); its sum is a cascade (3e-8)
+        xf = x.reshape(-1).to(acc)
+        total = xf.sum()
+        l2 = torch.mul(xf, xf).sum().sqrt()
+    else:
+        total = x.sum(dtype=acc)
+        l2 = torch.linalg.vector_norm(x, dtype=acc)
+    if x.device.type == "cpu" and math.isfinite(float(mn)) and math.isfinite(float(mx)):
+        zero = torch.zeros((), dtype=torch.float64)
+        nan = inf = zero
+    else:
+        nan = torch.isnan(x).sum()
+        inf = torch.isinf(x).sum()
+    return torch.stack([v.to(torch.float64) for v in (mn, mx, total, l2, nan, inf)])
+
+
+def cpu_stats(t: torch.Tensor) -> tuple[float, float, float, float, float, float]:
+    """[min, max, sum, l2, nan, inf] of a CPU tensor, computed now with numpy (float64 accumulation)."""
+    x = t.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if x.is_floating_point() and x.dtype not in (torch.float32, torch.float64):  # BF16, FP16, FP8: exact in FP32
+        x = x.to(torch.float32)
+    a = x.numpy().reshape(-1)
+    n = a.size
+    if n == 0:
+        return (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    if a.dtype.kind in "biu":
+        a = a.astype(np.float64)
+    mn, mx = float(a.min()), float(a.max())
+    nan = inf = 0.0
+    if not (math.isfinite(mn) and math.isfinite(mx)):
+        nan, inf = float(np.count_nonzero(np.isnan(a))), float(np.count_nonzero(np.isinf(a)))
+        if nan:
+            return (math.nan, math.nan, math.nan, math.nan, nan, inf)
+    if n <= CPU_CHUNK:
+        d = a.astype(np.float64)  # a copy of our own: squared in place
+        total = float(d.sum())
+        return (mn, mx, total, math.sqrt(float(np.multiply(d, d, out=d).sum())), nan, inf)
+    buf = np.empty(CPU_CHUNK, dtype=np.float64)
+    total = squares = 0.0
+    for start in range(0, n, CPU_CHUNK):  # no numpy.dot: no BLAS threads next to the training run's own
+        b = buf[: min(CPU_CHUNK, n - start)]
+        b[...] = a[start:start + CPU_CHUNK]
+        total += float(b.sum())
+        squares += float(np.multiply(b, b, out=b).sum())
+    return (mn, mx, total, math.sqrt(squares), nan, inf)
+
+
+class StatsCollector:
+    """The statistics of one step's tensors: ``add(t)`` starts a reduction and returns a handle,
+    ``collect(handles)`` brings them all to the host (one sync per device)."""
+
+    def __init__(self) -> None:
+        self._triton = triton_available()
+        self._chunks: dict[torch.device, list[torch.Tensor]] = {}  # float64 [ROWS, 6] result rows, kept across steps
+        self._used: dict[torch.device, int] = {}
+        self._parts: dict[tuple[torch.device, int], torch.Tensor] = {}  # per-stream scratch for partial rows
+        self._programs: dict[torch.device, int] = {}
+
+    def add(self, t: torch.Tensor) -> Any:
+        x = t.detach()
+        if x.device.type == "cpu":
+            return cpu_stats(x)
+        if self._triton and x.is_cuda and x.dtype in _float_dtypes() and x.numel() > 0:
+            return self._add_triton(x)
+        return reduce_stats_eager(x)
+
+    def _add_triton(self, x: torch.Tensor) -> tuple[torch.device, int]:
+        if not x.is_contiguous():
+            x = x.contiguous()
+        device = x.device
+        row = self._used.get(device, 0)
+        chunks = self._chunks.setdefault(device, [])
+        if row // ROWS >= len(chunks):
+            chunks.append(torch.empty((ROWS, 6), dtype=torch.float64, device=device))
+        self._used[device] = row + 1
+        out = chunks[row // ROWS]
+        local = row % ROWS
+        n = x.numel()
+        with torch.cuda.device(device) if device.index != torch.cuda.current_device() else _NO_SWITCH:
+            if n <= SINGLE_MAX:
+                _stats_kernel[(1,)](x, out, out, local, n, BLOCK=BLOCK, FINAL=True, num_warps=4)
+            else:
+                programs = min(triton.cdiv(n, BLOCK * 4), self._max_programs(device))
+                key = (device, torch.cuda.current_stream(device).cuda_stream)
+                part = self._parts.get(key)
+                if part is None:  # kernels on one stream run in order: one scratch per stream is enough
+                    part = self._parts[key] = torch.empty((self._max_programs(device), 6), dtype=torch.float64,
+                                                          device=device)
+                _stats_kernel[(programs,)](x, part, out, local, n, BLOCK=BLOCK, FINAL=False, num_warps=8)
+                _finish_kernel[(1,)](part, out, local, programs, PARTS=triton.next_power_of_2(programs), num_warps=4)
+        return device, row
+
+    def _max_programs(self, device: torch.device) -> int:
+        if device not in self._programs:
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            self._programs[device] = min(1024, 4 * sms)
+        return self._programs[device]
+
+    def collect(self, handles: Sequence[Any]) -> list[Sequence[float]]:
+        """The rows of ``handles`` on the host, in order; the per-step buffers are reused by the next step."""
+        out: list[Sequence[float]] = [[]] * len(handles)
+        eager: dict[torch.device, list[int]] = {}
+        for i, h in enumerate(handles):
+            if isinstance(h, torch.Tensor):
+                eager.setdefault(h.device, []).append(i)
+            elif isinstance(h, list | tuple) and len(h) == 6:  # computed on the CPU already
+                out[i] = h
+        for indices in eager.values():
+            host = torch.stack([handles[i] for i in indices]).cpu().numpy()
+            for i, values in zip(indices, host):
+                out[i] = values.tolist()
+        if self._used:
+            rows = {}
+            for device, used in self._used.items():
+                chunks = self._chunks[device][: (used + ROWS - 1) // ROWS]
+                torch.cuda.synchronize(device)  # the kernels ran on whichever stream the hooks were called on
+                rows[device] = torch.cat(chunks).cpu().numpy()
+            for i, h in enumerate(handles):
+                if isinstance(h, tuple) and len(h) == 2:
+                    values = rows[h[0]][h[1]].tolist()
+                    if values[4] > 0:  # NaN propagates, as in a float64 reduction
+                        values[0] = values[1] = values[2] = values[3] = math.nan
+                    out[i] = values
+        self._used = {}
+        return out
