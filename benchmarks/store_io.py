@@ -73,19 +73,24 @@ def rows_for(data: dict[int, np.ndarray]) -> list[dict[str, Any]]:
     return rows
 
 
-def write_writer(path: str, data: dict[int, np.ndarray], **options: Any) -> float:
-    t0 = time.perf_counter()
+def timed(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[float, float]:
+    """Wall seconds and CPU seconds of this process (all threads) of ``fn(*args, **kwargs)``: CPU seconds per GB is the cost a
+    busy or shared machine does not blur, and cores / (CPU s per GB) the GB/s that enough cores would give."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    fn(*args, **kwargs)
+    return time.perf_counter() - w0, time.process_time() - c0
+
+
+def write_writer(path: str, data: dict[int, np.ndarray], **options: Any) -> None:
     writer = CaptureWriter(path, {"framework": "torch"}, **options)
     writer.submit(0, rows_for(data), data, {})
     writer.close()
     if writer.error is not None:
         raise writer.error
-    return time.perf_counter() - t0
 
 
-def write_h5py(path: str, data: dict[int, np.ndarray], **filters: Any) -> float:
+def write_h5py(path: str, data: dict[int, np.ndarray], **filters: Any) -> None:
     """What CaptureWriter did before: h5py (HDF5) compresses each tensor on the calling thread."""
-    t0 = time.perf_counter()
     with h5py.File(path, "w", libver=("earliest", "v110")) as f:
         f.attrs[FORMAT_ATTR] = FORMAT_VERSION
         f.attrs["framework"] = "torch"
@@ -102,11 +107,11 @@ def write_h5py(path: str, data: dict[int, np.ndarray], **filters: Any) -> float:
         grp.attrs["records"] = len(rows)
         f.flush()
         grp.attrs["complete"] = 1
-    return time.perf_counter() - t0
 
 
-def read_all(path: str, readers: int, plain: bool) -> float:
-    """Seconds to read every tensor of step 0 with ``readers`` threads (``plain``: h5py's ds[()], as before)."""
+def read_all(path: str, readers: int, plain: bool) -> tuple[float, float]:
+    """Wall and CPU seconds to read every tensor of step 0 with ``readers`` threads (``plain``: h5py's ds[()],
+    as before)."""
     with CaptureFile(path) as cap:
         records = cap.records(0)
         fetch: Callable[[Any], Any]
@@ -115,11 +120,13 @@ def read_all(path: str, readers: int, plain: bool) -> float:
             fetch = lambda rec: data[str(rec.seq)][()]
         else:
             fetch = cap.array
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(readers) as pool:
-            for _ in pool.map(fetch, records):
-                pass
-        return time.perf_counter() - t0
+
+        def run() -> None:
+            with ThreadPoolExecutor(readers) as pool:
+                for _ in pool.map(fetch, records):
+                    pass
+
+        return timed(run)
 
 
 def check_same(path: str, data: dict[int, np.ndarray]) -> None:
@@ -155,21 +162,24 @@ def main() -> None:
         print(f"{len(data)} tensors, {nbytes / 1e9:.2f} GB ({bf16 / nbytes:.0%} BF16 by bytes), made in "
               f"{time.perf_counter() - t0:.1f} s; {cores} cores, deflate libraries: {', '.join(codec.available())}; "
               f"writer default {default_threads()} threads, chunks {codec.CHUNK_BYTES / 2**20:g} MiB", flush=True)
-        head = f"{'writer':<34} {'threads':>7} {'write MB/s':>10} {'file/tensor':>11} " + \
-            " ".join(f"{f'read x{r} MB/s':>13}" for r in readers)
+        head = f"{'writer':<34} {'threads':>7} {'write MB/s':>10} {'cpu s/GB':>8} {'file/tensor':>11} " + \
+            f"{'read cpu s/GB':>13} " + " ".join(f"{f'read x{r} MB/s':>13}" for r in readers)
         print(head)
         print("-" * len(head))
 
-        def row(label: str, nthreads: int | str, seconds: float, path: str, plain: bool | None) -> None:
+        def row(label: str, nthreads: int | str, seconds: tuple[float, float], path: str, plain: bool | None) -> None:
             ratio = os.path.getsize(path) / nbytes
             reads = ""
             if plain is not None:
-                reads = " ".join(f"{nbytes / read_all(path, r, plain) / 1e6:>13.0f}" for r in readers)
-            print(f"{label:<34} {nthreads!s:>7} {nbytes / seconds / 1e6:>10.0f} {ratio:>11.3f} {reads}", flush=True)
+                times = [read_all(path, r, plain) for r in readers]
+                reads = f"{times[0][1] / nbytes * 1e9:>13.2f} " + \
+                    " ".join(f"{nbytes / wall / 1e6:>13.0f}" for wall, _ in times)
+            print(f"{label:<34} {nthreads!s:>7} {nbytes / seconds[0] / 1e6:>10.0f} {seconds[1] / nbytes * 1e9:>8.2f} "
+                  f"{ratio:>11.3f} {reads}", flush=True)
 
         if not args.no_before:
             path = os.path.join(folder, "before.h5")
-            seconds = write_h5py(path, data, compression="gzip", compression_opts=1, shuffle=True)
+            seconds = timed(write_h5py, path, data, compression="gzip", compression_opts=1, shuffle=True)
             check_same(path, data)
             row("before: h5py gzip-1+shuffle", 1, seconds, path, plain=True)
             row("  same file, read by CaptureFile", "-", seconds, path, plain=False)
@@ -179,14 +189,14 @@ def main() -> None:
                 codec.set_implementation(impl)
                 for n in threads:
                     path = os.path.join(folder, f"{impl}-{n}-{mib}.h5")
-                    seconds = write_writer(path, data, threads=n)
+                    seconds = timed(write_writer, path, data, threads=n)
                     last = n == threads[-1]
                     if last:
                         check_same(path, data)
                     row(f"gzip-1+shuffle, {impl}, {mib:g} MiB chunks", n, seconds, path, plain=False if last else None)
                     os.remove(path)
             path = os.path.join(folder, f"none-{mib}.h5")
-            seconds = write_writer(path, data, compression="none")
+            seconds = timed(write_writer, path, data, compression="none")
             check_same(path, data)
             row(f"raw (compression='none'), {mib:g} MiB", 1, seconds, path, plain=False)
             os.remove(path)
@@ -207,7 +217,7 @@ def plugins(folder: str, data: dict[int, np.ndarray], nbytes: int, readers: list
                                cname="lz4", clevel=5, filters=hdf5plugin.Blosc2.BITSHUFFLE))),
                            ("lz4 (plugin)", dict(**hdf5plugin.LZ4()))):
         path = os.path.join(folder, "plugin.h5")
-        seconds = write_h5py(path, data, **filters)
+        seconds = timed(write_h5py, path, data, **filters)
         row(label, 1, seconds, path, plain=True)
         os.remove(path)
 

@@ -13,6 +13,8 @@ Deflate is ISA-L's (``isal``, several times faster than zlib at the same ratio) 
 from __future__ import annotations
 
 import importlib
+import struct
+import threading
 import zlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,9 +31,10 @@ except ImportError:  # isal is optional: zlib writes the same format, slower
 FILTER_DEFLATE = 1
 FILTER_SHUFFLE = 2
 
-#: The compressed chunk size the writer aims at: large enough that HDF5's per-chunk cost and deflate's start-up
-#: vanish, small enough that a few tensors give every thread work (measured: benchmarks/store_io.py).
-CHUNK_BYTES = 4 * 2**20
+#: The chunk size (uncompressed) the writer aims at: large enough that HDF5's and Python's per-chunk cost vanish,
+#: small enough that one tensor gives several threads work and a chunk's planes stay in cache while they are
+#: unshuffled. 1, 2 and 4 MiB cost the same CPU per GB within noise (benchmarks/store_io.py); 8 MiB more.
+CHUNK_BYTES = 2 * 2**20
 
 #: A chunk whose deflate saves less than this fraction is stored raw (filter mask set): reading it costs a copy.
 MIN_SAVING = 1 / 16
@@ -62,11 +65,46 @@ def available() -> list[str]:
     return ["isal", "zlib"] if _isal is not None else ["zlib"]
 
 
-def deflate(data: Any, level: int = 1) -> bytes:
-    """A zlib stream (what HDF5's deflate filter writes) of ``data``."""
+def deflate(data: Any, level: int = 1, raw: bool = False) -> bytes:
+    """A zlib stream (what HDF5's deflate filter writes) of ``data``; ``raw``: the bare deflate blocks."""
+    wbits = -15 if raw else 15
     if _impl == "isal" and _isal is not None:
-        return _isal.compress(data, level)
-    return zlib.compress(data, level)
+        return _isal.compress(data, level, wbits)
+    return zlib.compress(data, level, wbits)
+
+
+def adler32(data: Any) -> int:
+    return int(_isal.adler32(data) if _isal is not None else zlib.adler32(data))
+
+
+def deflate_planes(data: np.ndarray, stored: int, level: int = 1) -> bytes:
+    """A zlib stream of ``data`` whose first ``stored`` bytes are deflate's *stored* blocks (copied, not
+    compressed) and the rest compressed: the shuffled mantissa bytes of floats are noise that deflate cannot
+    shrink, and stored blocks are copied by inflate at memory speed (reading such a chunk takes half the time) and
+    cost the writer nothing to find matches in. Any zlib inflater reads it (RFC 1950 and 1951: a stored block is a
+    header byte, LEN and its complement, then LEN bytes, byte-aligned)."""
+    view = memoryview(data.data)
+    parts: list[Any] = [b"\x78\x01"]  # zlib header: deflate, 32 KiB window, check bits
+    for i in range(0, stored, 65535):
+        n = min(65535, stored - i)
+        parts.append(struct.pack("<BHH", 0, n, n ^ 0xFFFF))  # BFINAL 0, BTYPE 00 (stored)
+        parts.append(view[i:i + n])
+    parts.append(deflate(view[stored:], level, raw=True))  # ends with its final block
+    parts.append(struct.pack(">I", adler32(view)))
+    return b"".join(parts)
+
+
+def noise_planes(data: np.ndarray, planes: int, probe: int = 8192) -> int:
+    """How many leading byte planes of a shuffled chunk deflate would not shrink (by 2%), judged on three
+    samples of each (start, middle, end)."""
+    rows = data.reshape(planes, -1)
+    n = rows.shape[1]
+    for k in range(planes):
+        row = rows[k]
+        sample = row if n <= 3 * probe else np.concatenate([row[:probe], row[n // 2: n // 2 + probe], row[-probe:]])
+        if len(deflate(sample, 1, raw=True)) < 0.98 * sample.size:
+            return k
+    return planes
 
 
 def inflate(data: Any, size: int) -> bytes:
@@ -76,21 +114,35 @@ def inflate(data: Any, size: int) -> bytes:
     return zlib.decompress(data, bufsize=max(size, 1))
 
 
+_local = threading.local()
+
+
+def _scratch(slot: str, nbytes: int) -> np.ndarray:
+    """A per-thread buffer of at least ``nbytes`` (uint8), reused from chunk to chunk: a fresh multi-MiB array
+    per chunk costs its page faults every time."""
+    buf = getattr(_local, slot, None)
+    if buf is None or buf.size < nbytes:
+        buf = np.empty(max(nbytes, 1), np.uint8)
+        setattr(_local, slot, buf)
+    return buf[:nbytes]
+
+
 def shuffle(raw: np.ndarray, itemsize: int) -> np.ndarray:
     """HDF5's shuffle of a contiguous chunk: byte 0 of every element, then byte 1, ... (uint8, flat).
 
-    Shifts of the elements as unsigned ints: ~2x faster than numpy's transposed copy, and GIL-free."""
+    Shifts of the elements as unsigned ints (~3x numpy's transposed copy, and GIL-free). The result lives in a
+    per-thread buffer that the next call on this thread overwrites."""
     flat = raw.reshape(-1).view(np.uint8)
     n = flat.size // itemsize
     if itemsize == 1 or n <= 1:
         return flat
-    out = np.empty((itemsize, n), np.uint8)
+    out = _scratch("shuffled", flat.size).reshape(itemsize, n)
     uint = _UINT.get(itemsize)
     if uint is None:
         out[...] = flat.reshape(n, itemsize).T
         return out.reshape(-1)
     words = flat.view(uint)
-    tmp = np.empty_like(words)
+    tmp = _scratch("words", flat.size).view(uint)
     for j in range(itemsize):
         np.right_shift(words, 8 * j, out=tmp)
         np.copyto(out[j], tmp, casting="unsafe")  # the low byte of each
@@ -99,7 +151,7 @@ def shuffle(raw: np.ndarray, itemsize: int) -> np.ndarray:
 
 def unshuffle(data: np.ndarray, itemsize: int, out: np.ndarray | None = None) -> np.ndarray:
     """The inverse of ``shuffle`` (uint8, flat), into ``out`` when given: its first ``out.size // itemsize``
-    elements (an edge chunk's valid part)."""
+    elements (an edge chunk's valid part). Widen, shift and OR the byte planes (2x numpy's strided copy)."""
     n = data.size // itemsize
     if out is None:
         out = np.empty(data.size, np.uint8)
@@ -107,10 +159,20 @@ def unshuffle(data: np.ndarray, itemsize: int, out: np.ndarray | None = None) ->
         out[...] = data[:out.size]
         return out
     planes = data.reshape(itemsize, n)
-    lanes = out.reshape(-1, itemsize)
-    m = lanes.shape[0]
-    for j in range(itemsize):
-        lanes[:, j] = planes[j, :m]
+    m = out.size // itemsize
+    uint = _UINT.get(itemsize)
+    if uint is None:
+        lanes = out.reshape(-1, itemsize)
+        for j in range(itemsize):
+            lanes[:, j] = planes[j, :m]
+        return out
+    words = out.view(uint)
+    tmp = _scratch("words", m * itemsize).view(uint)
+    np.copyto(words, planes[0, :m])
+    for j in range(1, itemsize):
+        np.copyto(tmp, planes[j, :m])
+        tmp <<= 8 * j
+        words |= tmp
     return out
 
 
@@ -176,21 +238,25 @@ def pipeline(filters: list[int]) -> tuple[int, int] | None:
             filters.index(FILTER_DEFLATE) if FILTER_DEFLATE in filters else -1)
 
 
-def encode(part: np.ndarray, itemsize: int, positions: tuple[int, int], level: int = 1) -> tuple[int, bytes]:
+def encode(part: np.ndarray, itemsize: int, positions: tuple[int, int], level: int = 1) -> tuple[int, Any]:
     """``(filter mask, stored bytes)`` of one full chunk (flat uint8) through the pipeline at ``positions``.
 
-    A chunk that deflate does not shrink by ``MIN_SAVING`` is stored as it is, both filters skipped."""
+    Shuffled byte planes that are noise go into the stream uncompressed (``deflate_planes``); a chunk that
+    deflate does not shrink by ``MIN_SAVING`` is stored as it is, both filters skipped."""
     shuf, defl = positions
     data = shuffle(part, itemsize) if shuf >= 0 else part
     if defl < 0:
-        return 0, data.tobytes()
-    packed = deflate(data, level)
-    if len(packed) <= part.size * (1 - MIN_SAVING):
-        return 0, packed
+        return 0, data.copy()
+    planes = itemsize if shuf >= 0 else 1
+    noise = noise_planes(data, planes)
+    if noise < planes:
+        packed = deflate_planes(data, noise * (data.size // planes), level) if noise else deflate(data, level)
+        if len(packed) <= part.size * (1 - MIN_SAVING):
+            return 0, packed
     skip = 1 << defl
     if shuf >= 0:
         skip |= 1 << shuf
-    return skip, part.tobytes()
+    return skip, part
 
 
 def decode(mask: int, stored: Any, size: int, itemsize: int, positions: tuple[int, int],

@@ -216,3 +216,22 @@ def test_encode_and_decode_are_the_zlib_stream_and_shuffle_hdf5_expects():
     assert out.tobytes() == part[:1000].tobytes()
     with pytest.raises(ValueError, match="a chunk holds 4096 bytes, 8 expected"):
         codec.decode(mask, stored, 8, 2, (0, 1))
+
+
+def test_noise_planes_go_into_the_zlib_stream_as_stored_blocks_that_any_inflater_reads(tmp_path):
+    """FP32 activations: the three low byte planes (mantissa) are noise, stored uncompressed inside the zlib
+    stream; the sign/exponent plane is compressed. zlib, h5py and CaptureFile all read it back."""
+    x = tensor("float32", (512, 1024))
+    part = x.reshape(-1).view(np.uint8)
+    mask, stream = codec.encode(part, 4, (0, 1))
+    shuffled = part.reshape(-1, 4).T.tobytes()
+    assert mask == 0 and zlib.decompress(stream) == shuffled
+    assert stream[2] & 0b111 == 0b000                       # the first block after the header: stored, not final
+    assert 0.75 * part.size < len(stream) < 0.95 * part.size  # 3 planes copied, the exponent plane compressed
+    path = str(tmp_path / "planes.h5")
+    write(path, [x])
+    with h5py.File(path, "r") as fh:
+        ds = fh["steps/000000/data/0"]
+        assert ds.id.read_direct_chunk((0, 0))[1][2] & 0b111 == 0 and np.array_equal(bits(ds[()]), bits(x))
+    with CaptureFile(path) as cap:
+        assert np.array_equal(bits(cap.array(cap.records(0)[0])), bits(x))
