@@ -70,7 +70,10 @@ def deflate(data: Any, level: int = 1, raw: bool = False) -> bytes:
     wbits = -15 if raw else 15
     if _impl == "isal" and _isal is not None:
         return _isal.compress(data, level, wbits)
-    return zlib.compress(data, level, wbits)
+    if not raw:
+        return zlib.compress(data, level)
+    packer = zlib.compressobj(level, zlib.DEFLATED, wbits)  # zlib.compress takes wbits from Python 3.11 on
+    return packer.compress(data) + packer.flush()
 
 
 def adler32(data: Any) -> int:
