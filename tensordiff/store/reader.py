@@ -1,4 +1,7 @@
-"""The capture reader: a streaming view of one capture file (one tensor in memory at a time)."""
+"""The capture reader: a streaming view of one capture file (one tensor in memory at a time).
+
+Tensors stored with gzip + shuffle (or no filter) are read as raw chunks under h5py's lock and decoded outside it
+(``codec``), so several threads reading records decompress on several cores; anything else is read by h5py."""
 
 from __future__ import annotations
 
@@ -12,7 +15,11 @@ import numpy as np
 from .. import dtypes
 from ..errors import CaptureFileError
 from ..record import Record
+from . import codec
 from .format import FORMAT_ATTR, FORMAT_VERSION, META_GROUP, decode, parse_shape, step_group_name
+
+#: What reading a damaged tensor raises.
+_DAMAGED: tuple[type[BaseException], ...] = (OSError, *codec.ERRORS)
 
 
 class CaptureFile:
@@ -152,11 +159,60 @@ class CaptureFile:
             ds = self._file[step_group_name(record.step)]["data"].get(str(seq))
             if ds is None:
                 return None
-            raw = ds[()]
-        except OSError as err:
+            raw = read_dataset(ds)
+        except _DAMAGED as err:
             raise CaptureFileError(f"{self.path}: tensor {record.label} of step {record.step} is damaged ({err}); re-run the "
                                    "capture") from None
         return dtypes.from_storage(np.asarray(raw), record.dtype).reshape(record.shape)
 
     def nbytes(self) -> int:
         return os.path.getsize(self.path)
+
+
+def read_dataset(ds: h5py.Dataset) -> np.ndarray:
+    """The whole of ``ds``, as ``ds[()]`` reads it; chunks that the codec can decode are inflated without holding
+    h5py's lock (only ``read_direct_chunk`` runs under it)."""
+    positions = _decodable(ds)
+    if positions is None:
+        return np.asarray(ds[()])
+    shape, chunks, dtype = ds.shape, ds.chunks, ds.dtype
+    size = int(np.prod(chunks, dtype=np.int64)) * dtype.itemsize
+    out = np.empty(shape, dtype)
+    flat = out.reshape(-1).view(np.uint8)
+    d = codec.slab_axis(shape, chunks)  # chunks that are runs of the array (this writer's) decode in place
+    inner = int(np.prod(shape[d + 1:], dtype=np.int64)) * dtype.itemsize if d is not None else 0
+    dsid = ds.id
+    for offset in codec.grid(shape, chunks):
+        try:
+            mask, stored = dsid.read_direct_chunk(offset)
+        except (OSError, ValueError, KeyError, RuntimeError):  # h5py says "not allocated" with a RuntimeError
+            if _allocated(dsid, offset):
+                raise
+            return np.asarray(ds[()])  # a chunk never written: HDF5 knows its fill value
+        if d is not None:
+            start = int(np.ravel_multi_index(offset[:d + 1], shape[:d + 1])) * inner
+            stop = start + (min(offset[d] + chunks[d], shape[d]) - offset[d]) * inner
+            codec.decode(mask, stored, size, dtype.itemsize, positions, flat[start:stop])
+            continue
+        block = codec.decode(mask, stored, size, dtype.itemsize, positions).view(dtype).reshape(chunks)
+        region = tuple(slice(o, min(o + c, s)) for o, c, s in zip(offset, chunks, shape))
+        out[region] = block[tuple(slice(0, r.stop - r.start) for r in region)]  # an edge chunk is stored whole
+    return out
+
+
+def _decodable(ds: h5py.Dataset) -> tuple[int, int] | None:
+    """The codec's ``(shuffle, deflate)`` positions for a chunked dataset of plain numbers whose filters it
+    decodes, else None (h5py reads it)."""
+    dtype = ds.dtype
+    if ds.chunks is None or ds.size == 0 or dtype.kind not in "biuf" or not dtype.isnative or \
+            dtype.itemsize not in (1, 2, 4, 8):
+        return None
+    plist = ds.id.get_create_plist()
+    return codec.pipeline([plist.get_filter(i)[0] for i in range(plist.get_nfilters())])
+
+
+def _allocated(dsid: Any, offset: tuple[int, ...]) -> bool:
+    try:
+        return dsid.get_chunk_info_by_coord(offset).byte_offset is not None
+    except (OSError, ValueError, KeyError, RuntimeError):
+        return False

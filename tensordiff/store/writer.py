@@ -3,22 +3,28 @@
 A step is written whole and flushed, then marked ``complete``; readers ignore incomplete
 steps, so a crash loses at most the step in flight. Per-step scalars are appended and
 flushed as they come, on their own path: ``submit_scalars`` never waits behind a step being written.
+
+Large tensors are cut into chunks that a thread pool shuffles and deflates (``codec``) while the writer thread
+stores them with ``write_direct_chunk``: the same standard gzip + shuffle datasets as h5py writes, at the speed of
+several cores. Steps wait in a queue bounded by the bytes of their full tensors; when it is full, ``policy``
+says whether ``submit`` waits or drops the step's full tensors (its statistics are kept).
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
-import queue
 import threading
 import warnings
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import h5py
 import numpy as np
 
 from .. import dtypes
+from . import codec
 from .format import (
     CHUNK_MIN_BYTES,
     FORMAT_ATTR,
@@ -33,17 +39,52 @@ from .format import (
     step_group_name,
 )
 
+#: Environment variables that set the writer's options when the caller does not.
+THREADS_ENV = "TENSORDIFF_WRITE_THREADS"
+QUEUE_ENV = "TENSORDIFF_WRITE_QUEUE_GB"
+POLICY_ENV = "TENSORDIFF_WRITE_POLICY"
+COMPRESSION_ENV = "TENSORDIFF_WRITE_COMPRESSION"
+
+DEFAULT_QUEUE_GB = 8.0
+POLICIES = ("wait", "drop")
+COMPRESSIONS = ("gzip", "none")
+
+
+def default_threads() -> int:
+    """min(8, the cores this process may run on): the pool that deflates chunks."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores))
+
 
 class CaptureWriter:
     """Writes steps to one HDF5 file, on a background thread by default.
 
-    ``submit`` hands a finished step over and returns at once (blocking only when
-    ``max_pending`` steps are already queued). Errors on the writer thread never
-    reach the training loop: they are reported as a warning and later steps are dropped.
+    ``submit`` hands a finished step over and returns at once, unless the full tensors of steps not yet written
+    exceed ``queue_gb``: then ``policy='wait'`` blocks until they fit, and ``policy='drop'`` writes the step without
+    its full tensors (``has_data`` 0, statistics kept, a warning the first time). A step is always taken when
+    nothing else is pending (its tensors are in memory already): the limit bounds the steps queued behind it.
+    Statistics-only steps never wait. ``threads`` deflate chunks in parallel; ``compression='none'`` stores them
+    raw. Options left ``None`` come from ``TENSORDIFF_WRITE_THREADS`` / ``_QUEUE_GB`` / ``_POLICY`` /
+    ``_COMPRESSION``, else the defaults (min(8, cores), 8 GB, 'wait', 'gzip'). ``max_pending`` additionally
+    bounds the number of queued steps (None: no bound). Errors on the writer thread never reach the training
+    loop: they are reported as a warning and later steps are dropped.
     """
 
-    def __init__(self, path: str, attrs: dict[str, Any], background: bool = True, max_pending: int = 2):
+    def __init__(self, path: str, attrs: dict[str, Any], background: bool = True, max_pending: int | None = None, *,
+                 threads: int | None = None, queue_gb: float | None = None, policy: str | None = None,
+                 compression: str | None = None):
         self.path = path
+        self.threads = threads if threads is not None else _env_number(THREADS_ENV, int, default_threads(), 1)
+        gb = queue_gb if queue_gb is not None else _env_number(QUEUE_ENV, float, DEFAULT_QUEUE_GB, 0.0)
+        self.queue_bytes = int(gb * 1e9)
+        self.policy = policy if policy is not None else _env_choice(POLICY_ENV, POLICIES)
+        self.compression = compression if compression is not None else _env_choice(COMPRESSION_ENV, COMPRESSIONS)
+        if self.policy not in POLICIES or self.compression not in COMPRESSIONS or self.threads < 1:
+            raise ValueError(f"CaptureWriter: policy must be one of {POLICIES}, compression one of {COMPRESSIONS} "
+                             f"and threads >= 1 (got {self.policy!r}, {self.compression!r}, {self.threads})")
         parent = os.path.dirname(os.path.abspath(path))
         os.makedirs(parent, exist_ok=True)
         # superblock v0 (low bound "earliest"): no "open for writing" flag, so a killed run's file opens as it is
@@ -58,62 +99,107 @@ class CaptureWriter:
         self._file.create_group("steps")
         self._file.flush()
         self.error: BaseException | None = None
+        self.dropped_steps: list[int] = []
         self._closed = False
         self._scalars: h5py.Dataset | None = None
-        self._queue: queue.Queue | None = None
-        self._scalar_jobs: collections.deque = collections.deque()  # appended by the training thread, never full
+        self._pool: ThreadPoolExecutor | None = None
+        self._background = background
+        self._max_pending = max_pending
+        # the queue: steps (with the bytes of their full tensors) and scalars, guarded by one condition that is
+        # never held while writing, so submit_scalars takes it only for an append
+        self._cv = threading.Condition()
+        self._steps: collections.deque = collections.deque()
+        self._scalar_jobs: collections.deque = collections.deque()
+        self._pending_bytes = 0  # full tensors of the steps queued and of the one being written
+        self._stop = False
+        self._on_wait: Any = None  # called (tests) when submit starts waiting for room
         self._thread: threading.Thread | None = None
         if background:
-            self._queue = queue.Queue(maxsize=max_pending)
             self._thread = threading.Thread(target=self._run, name="tensordiff-writer", daemon=True)
             self._thread.start()
 
     def submit(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any]) -> None:
-        """Hand a step over; ``data`` maps a row to its array, or to a callable giving it (resolved here, off the
-        training thread)."""
-        if self.error is not None:
+        """Hand a step over; ``data`` maps a row to its array, or to a callable with ``nbytes`` giving it (resolved
+        on the writer's thread, so a copy still on its way to the host never holds up training)."""
+        if self.error is not None or self._closed:
             return
-        self._enqueue((step, rows, data, attrs))
+        nbytes = sum(int(a.nbytes) for a in data.values())
+        if self._thread is None:
+            self._write_guarded((step, rows, data, attrs))
+            return
+        behind = 0
+        with self._cv:
+            if nbytes and self.policy == "drop" and not self._room(nbytes):
+                behind = self._pending_bytes
+                rows, data, attrs = _without_tensors(rows, data, attrs)
+                nbytes = 0
+            while self.error is None and not (self._room(nbytes) and self._count_ok()):
+                if self._on_wait is not None:
+                    self._on_wait()
+                self._cv.wait()
+            if self.error is not None:
+                return
+            self._steps.append((step, rows, data, attrs, nbytes))
+            self._pending_bytes += nbytes
+            self._cv.notify_all()
+        if behind:
+            if not self.dropped_steps:
+                warnings.warn(f"tensordiff: writer behind by {behind / 1e9:.1f} GB; full tensors of step {step} dropped, "
+                              "statistics kept", RuntimeWarning, stacklevel=2)
+            self.dropped_steps.append(step)
+
+    def _room(self, nbytes: int) -> bool:
+        """Room for a step with ``nbytes`` of full tensors (the caller holds the condition): always for statistics
+        only, always when nothing else is pending, else within ``queue_bytes``."""
+        return not nbytes or not self._pending_bytes or self._pending_bytes + nbytes <= self.queue_bytes
+
+    def _count_ok(self) -> bool:
+        return self._max_pending is None or len(self._steps) < self._max_pending
 
     def submit_scalars(self, step: int, values: dict[str, float]) -> None:
         """Append per-step scalars (written and flushed off the training thread). Never blocks: they wait in their
         own unbounded line (a few bytes each), which the writer empties between steps."""
         if self.error is not None or self._closed:
             return
-        if self._queue is None:
+        if self._thread is None:
             self._write_guarded(("scalars", step, values))
             return
-        self._scalar_jobs.append(("scalars", step, values))
-        if self._queue.empty():  # an idle writer wakes up; one with work queued drains them after its next job
-            with contextlib.suppress(queue.Full):
-                self._queue.put_nowait(("wake",))
-
-    def _enqueue(self, job: tuple) -> None:
-        if self._queue is None:
-            self._write_guarded(job)
-        else:
-            self._queue.put(job)
+        with self._cv:
+            self._scalar_jobs.append(("scalars", step, values))
+            self._cv.notify_all()
 
     def close(self) -> None:
         self._closed = True
-        if self._queue is not None and self._thread is not None:
-            self._queue.put(None)
+        if self._thread is not None:
+            with self._cv:
+                self._stop = True
+                self._cv.notify_all()
             self._thread.join()
-            self._queue = None
+            self._thread = None
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
         try:
             self._file.close()
         except Exception as err:  # pragma: no cover - closing a broken file
             warnings.warn(f"tensordiff: closing {self.path} failed: {err}", RuntimeWarning, stacklevel=2)
 
     def _run(self) -> None:
-        assert self._queue is not None
         while True:
-            job = self._queue.get()
-            if job is not None and job[0] != "wake":
-                self._write_guarded(job)
+            with self._cv:
+                while not (self._steps or self._scalar_jobs or self._stop):
+                    self._cv.wait()
+                job = self._steps.popleft() if self._steps else None
+                stop = self._stop and job is None
+                self._cv.notify_all()  # a submit waiting for a place in the queue
+            if job is not None:
+                self._write_guarded(job[:4])
+                with self._cv:
+                    self._pending_bytes -= job[4]
+                    self._cv.notify_all()
             while self._scalar_jobs:
                 self._write_guarded(self._scalar_jobs.popleft())
-            if job is None:
+            if stop:
                 return
 
     def _write_guarded(self, job: tuple) -> None:
@@ -126,6 +212,8 @@ class CaptureWriter:
                 self._write(*job)
         except BaseException as err:  # never let storage problems reach training
             self.error = err
+            with self._cv:
+                self._cv.notify_all()  # a submit waiting for room gives up
             warnings.warn(
                 f"tensordiff: writing {'scalars' if job[0] == 'scalars' else f'step {job[0]}'} to {self.path} "
                 f"failed ({err}); "
@@ -143,7 +231,7 @@ class CaptureWriter:
         rows = np.array([(step, _cut(name), value) for name, value in values.items()], dtype=SCALAR_DTYPE)
         ds.resize((n + len(rows),))
         ds[n:] = rows
-        if self._queue is None or (self._queue.empty() and not self._scalar_jobs):  # else a flush follows soon
+        if self._thread is None or not (self._steps or self._scalar_jobs):  # else a flush follows soon
             self._file.flush()
 
     def _write(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any]) -> None:
@@ -153,20 +241,94 @@ class CaptureWriter:
             index[i] = tuple(row[name] for name in ROW_FIELDS or ())
         grp.create_dataset("index", data=index)
         dgrp = grp.create_group("data")
+        chunked: list[tuple[str, np.ndarray]] = []
         for seq, array in data.items():
             if callable(array):  # a copy still on its way to the host (capturing/recorder.py Deferred)
                 array = array()
             raw, _ = dtypes.to_storage(np.ascontiguousarray(array))
-            if raw.nbytes >= CHUNK_MIN_BYTES and raw.ndim > 0:
-                dgrp.create_dataset(str(seq), data=raw, chunks=True, compression="gzip", compression_opts=1, shuffle=True)
-            else:
+            if raw.nbytes < CHUNK_MIN_BYTES or raw.ndim == 0:
                 dgrp.create_dataset(str(seq), data=raw)
+            elif self.compression == "none":
+                dgrp.create_dataset(str(seq), data=raw, chunks=codec.chunk_shape(raw.shape, raw.itemsize))
+            elif _direct(raw.dtype):
+                chunked.append((str(seq), raw))
+            else:  # a dtype the codec does not handle: HDF5 compresses it, on this thread
+                dgrp.create_dataset(str(seq), data=raw, chunks=True, compression="gzip", compression_opts=1, shuffle=True)
+        if chunked:
+            self._write_chunked(dgrp, chunked)
         for key, value in attrs.items():
             grp.attrs[key] = attr_value(value)
         grp.attrs["records"] = len(rows)
         self._file.flush()
         grp.attrs["complete"] = 1
         self._file.flush()
+
+    def _write_chunked(self, dgrp: h5py.Group, tensors: list[tuple[str, np.ndarray]]) -> None:
+        """gzip + shuffle datasets whose chunks the pool encodes while this thread stores them, in order."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="tensordiff-deflate")
+
+        def chunks() -> Iterator[tuple[Any, tuple[int, ...], np.ndarray, int, tuple[int, int]]]:
+            for name, raw in tensors:  # runs on this thread, between results: h5py calls stay here
+                shape = codec.chunk_shape(raw.shape, raw.itemsize)
+                ds = dgrp.create_dataset(name, shape=raw.shape, dtype=raw.dtype, chunks=shape, compression="gzip",
+                                         compression_opts=1, shuffle=True)
+                positions = codec.pipeline(_filters(ds))
+                assert positions is not None
+                for offset, part in codec.contiguous_chunks(raw, shape):
+                    yield ds.id, offset, part, raw.itemsize, positions
+
+        def encode(item: tuple) -> tuple[Any, tuple[int, ...], int, Any]:
+            dsid, offset, part, itemsize, positions = item
+            mask, stored = codec.encode(part, itemsize, positions)
+            return dsid, offset, mask, stored
+
+        for dsid, offset, mask, stored in codec.parallel_map(encode, chunks(), self._pool.submit, 2 * self.threads + 2):
+            dsid.write_direct_chunk(offset, stored, filter_mask=mask)
+
+
+def _direct(dtype: np.dtype) -> bool:
+    """Whether the codec writes this storage dtype's chunks (plain numbers in native byte order)."""
+    return dtype.kind in "biuf" and dtype.isnative and dtype.itemsize in (1, 2, 4, 8)
+
+
+def _filters(ds: h5py.Dataset) -> list[int]:
+    plist = ds.id.get_create_plist()
+    return [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
+
+
+def _without_tensors(rows: list[dict[str, Any]], data: dict[int, np.ndarray],
+                     attrs: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[int, np.ndarray], dict[str, Any]]:
+    """The step with its full tensors dropped: rows that held one (or linked to one) say ``has_data`` 0."""
+    rows = [dict(row, has_data=0) if row["seq"] in data or row["same_as"] in data else row for row in rows]
+    return rows, {}, {**attrs, "tensors_dropped": len(data)}
+
+
+def _env_number(name: str, kind: type, default: Any, low: float) -> Any:
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = kind(text)
+        if value < low:
+            raise ValueError
+        return value
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        warnings.warn(f"tensordiff: {name}={text!r} is not {what} >= {low:g}; using {default}", RuntimeWarning,
+                      stacklevel=3)
+        return default
+
+
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    text = os.environ.get(name, "").strip().lower()
+    if not text:
+        return choices[0]
+    if text not in choices:
+        warnings.warn(f"tensordiff: {name}={text!r} is not one of {', '.join(choices)}; using {choices[0]}",
+                      RuntimeWarning, stacklevel=3)
+        return choices[0]
+    return text
 
 
 def _cut(name: str) -> bytes:
