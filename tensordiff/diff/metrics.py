@@ -263,6 +263,7 @@ def rel_l2(x: np.ndarray, y: np.ndarray) -> float:
         if not (finite | same).all():
             return math.inf
         x, y = x[finite], y[finite]
+    x, y = x.reshape(-1), y.reshape(-1)
     d = x - y
     diff = math.sqrt(float(np.add.reduce(d * d)))  # not np.linalg.norm: BLAS would start its threads
     scale = math.sqrt(max(float(np.add.reduce(x * x)), float(np.add.reduce(y * y))))

@@ -355,3 +355,9 @@ def test_the_float32_path_gives_the_same_numbers_in_small_chunks(monkeypatch):
     assert (chunked.max_abs, chunked.max_rel, chunked.ulp_share) == (whole.max_abs, whole.max_rel, whole.ulp_share)
     for name in ("rel_l2", "cosine"):
         assert getattr(chunked, name) == pytest.approx(getattr(whole, name), rel=1e-12), name
+
+
+def test_rel_l2_of_two_dimensional_arrays_is_over_every_element():
+    x = np.array([[3.0, 0.0], [0.0, 4.0]])
+    assert rel_l2(x, np.zeros((2, 2))) == 1.0
+    assert rel_l2(x, np.array([[3.0, 0.0], [0.0, 4.5]])) == pytest.approx(0.5 / np.hypot(3.0, 4.5))
