@@ -73,11 +73,11 @@ def program_failed(code: int) -> int:
     return code if 0 < code < 256 else 2
 
 
-def add_jobs(parser: argparse.ArgumentParser) -> None:
-    """``--jobs`` and ``--dask``: how many rank files' indexes are read at once (tensordiff/store/fanout.py)."""
-    parser.add_argument("--jobs", type=int, default=None, metavar="N",
-                        help="worker processes reading rank files (default: 1 below 16 rank files, else up to 8; "
-                             "env TENSORDIFF_JOBS)")
+def add_jobs(parser: argparse.ArgumentParser, help: str = "worker processes reading rank files (default: 1 below 16 "
+                                                            "rank files, else up to 8; env TENSORDIFF_JOBS)") -> None:
+    """``--jobs`` and ``--dask``: how many rank files' indexes are read at once (tensordiff/store/fanout.py), and what
+    else the command spreads over ``--jobs`` (``help`` says)."""
+    parser.add_argument("--jobs", type=int, default=None, metavar="N", help=help)
     parser.add_argument("--dask", metavar="ADDRESS", default=None,
                         help="read rank files on a Dask distributed cluster (e.g. tcp://host:8786; needs "
                              "tensordiff[dask] and a filesystem the workers share; env TENSORDIFF_DASK)")

@@ -47,7 +47,8 @@ def add_parsers(sub: Any) -> None:
     d.add_argument("--max-rows", type=int, default=40, help="rows per table before ok rows collapse (0: all)")
     d.add_argument("--json", metavar="FILE", help="also write a machine-readable report")
     add_output(d)
-    add_jobs(d)
+    add_jobs(d, help="threads comparing tensor pairs, and worker processes reading rank files' indexes (default: the "
+                     "usable cores, at most 8; rank files: 1 below 16 files; env TENSORDIFF_JOBS)")
     d.set_defaults(run=run)
 
 
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     options = DiffOptions(mapping=mapping, tolerances=tolerances, order_fallback=not args.no_order, jump=args.jump,
                           steps=args.step, reference=args.reference, reference_mapping=reference_mapping,
                           reference_factor=args.reference_factor,
-                          auto_mapping=not args.no_auto_mapping)
+                          auto_mapping=not args.no_auto_mapping, jobs=args.jobs)
     result = diagnose(args.a, args.b, options, hints=not args.no_hints)
     report = DiffReport(result, max_rows=args.max_rows, phases=args.phase, first_only=args.first_divergence)
     console(args).print(report)

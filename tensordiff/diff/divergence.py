@@ -21,6 +21,8 @@ later is introduced.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
 from typing import Any
 
 from .. import dtypes
@@ -73,6 +75,23 @@ class _Step:
                 self.verdict[row.pair.a.seq] = row.verdict
                 canon = self.canonical(row.pair.a)
                 self.tensor_err[canon] = max(self.tensor_err.get(canon, 0.0), row.metrics.rel_l2)
+        # built on first use, once per step: per-phase range maxima, fixed groups, each module's forward records
+        self._nan = any(math.isnan(v) for v in (*self.err.values(), *self.tensor_err.values()))
+        self._indexes: dict[str, _PhaseIndex] = {}
+        self._group_map: dict[tuple, list[int]] | None = None
+        self._group_answers: dict[tuple, float] = {}
+        self._forward: dict[str, tuple[list[int], list[int], bool]] | None = None
+
+    def error_of(self, seq: int) -> tuple[float | None, bool]:
+        """What record ``seq`` brings to ``incoming`` (as its loop judges it, the diverged record's own tensor
+        aside): (its error, None when it was not compared; True when it counts as not compared)."""
+        rec = self.recs[seq]
+        canon = self.canonical(rec)
+        if seq in self.err:
+            return self.err[seq], False
+        if seq not in self.own_row and canon in self.tensor_err:
+            return self.tensor_err[canon], False
+        return None, rec.kind in _FLOW_KINDS
 
     def local_of(self, a: Record) -> tuple[str, float] | None:
         """(verdict, rel L2) of the local gradient of the parameter whose gradient ``a`` is, when compared."""
@@ -102,20 +121,175 @@ class _Step:
                 errs.append(self.err[s])
             elif s not in self.own_row and canon in self.tensor_err:
                 errs.append(self.tensor_err[canon])
-            elif rec.kind in ("input", "output", "param", "grad", "grad_local", "grad_input", "grad_output"):
+            elif rec.kind in _FLOW_KINDS:
                 uncompared.append(rec)
         if not errs and uncompared:
             return NOTHING_COMPARED, uncompared
         return (max(errs) if errs else 0.0), uncompared
 
     def enter_of(self, module: str, before: int) -> int:
-        best = -1
-        for r in self.ordered:
-            if r.seq > before:
-                break
-            if r.module == module and r.phase == "forward" and r.enter <= before:
-                best = max(best, r.enter)
+        """Where the call of ``module`` that holds seq ``before`` was entered: the latest ``enter`` among the module's
+        forward records up to ``before`` (-1: none). A bisection in the module's records (built once per step)."""
+        found = self._forward_of().get(module)
+        if found is None:
+            return -1
+        seqs, best_enter, ordered = found
+        if not ordered:  # an enter after its own record: the plain scan, which checks each one against ``before``
+            return max((e for q, e in zip(seqs, best_enter) if q <= before and e <= before), default=-1)
+        k = bisect_right(seqs, before)
+        return best_enter[k - 1] if k else -1
+
+    def _forward_of(self) -> dict[str, tuple[list[int], list[int], bool]]:
+        """Per module: its forward records' seqs, the running max of their ``enter`` (or each one's own ``enter``
+        where some record's ``enter`` is after its seq), and whether the running max may be used."""
+        if self._forward is None:
+            by_module: dict[str, list[Record]] = {}
+            for r in self.ordered:
+                if r.phase == "forward":
+                    by_module.setdefault(r.module, []).append(r)
+            self._forward = {}
+            for module, recs in by_module.items():
+                ordered = all(r.enter <= r.seq for r in recs)
+                enters, best = [], -1
+                for r in recs:
+                    best = max(best, r.enter)
+                    enters.append(best if ordered else r.enter)
+                self._forward[module] = ([r.seq for r in recs], enters, ordered)
+        return self._forward
+
+    def records_in(self, q: _Query) -> list[int]:
+        """The seqs a query names, in seq order (the plain scan)."""
+        if q.group:
+            return list(self._groups().get(q.group, []))
+        return [r.seq for r in self.ordered if r.phase == q.phase and q.lo <= r.seq < q.hi
+                and (q.module is None or r.module != q.module)]
+
+    def count_in(self, phase: str, lo: int, hi: int, module: str | None = None) -> int:
+        """How many of ``phase``'s records lie in seqs [lo, hi) (those of ``module`` left out): two bisections."""
+        seqs = self._phase_index(phase).seqs
+        n = bisect_left(seqs, hi) - bisect_left(seqs, lo)
+        if module is not None and n:
+            own = self._phase_index(phase).by_module.get(module, [])
+            n -= bisect_left(own, hi) - bisect_left(own, lo)
+        return n
+
+    def group_size(self, key: tuple) -> int:
+        return len(self._groups().get(key, []))
+
+    def _groups(self) -> dict[tuple, list[int]]:
+        """The fixed sets of records a query may name, built in one pass: per module what came into its parameter
+        gradients (its backward records and forward inputs), per (module, slot) the parameter gradients, and the
+        model's forward outputs (what came into the loss)."""
+        if self._group_map is None:
+            groups: dict[tuple, list[int]] = {}
+            for r in self.ordered:
+                if r.phase == "backward" or (r.phase == "forward" and r.kind == "input"):
+                    groups.setdefault(("param_grad", r.module), []).append(r.seq)
+                if r.phase == "param_grad":
+                    groups.setdefault(("grads", r.module, r.slot), []).append(r.seq)
+                if r.phase == "forward" and r.module == "" and r.kind == "output":
+                    groups.setdefault(("loss",), []).append(r.seq)
+            self._group_map = groups
+        return self._group_map
+
+    def came_in(self, q: _Query) -> float:
+        """``incoming(records_in(q), q.of)[0]`` without the list of uncompared records: a range query on the phase's
+        index (O(1) per range, plus the few records left out), or a group's answer computed once."""
+        if q.local is not None:
+            return q.local
+        if q.group or self._nan:  # NaN errors: Python's max depends on their order; the plain scan keeps it
+            key = (q.group, q.of.seq if q.of is not None else None) if q.group else None
+            if key is not None and key in self._group_answers:
+                return self._group_answers[key]
+            value = self.incoming(self.records_in(q), q.of)[0]
+            if key is not None:
+                self._group_answers[key] = value
+            return value
+        index = self._phase_index(q.phase)
+        i, j = bisect_left(index.seqs, q.lo), bisect_left(index.seqs, q.hi)
+        cut: set[int] = set()  # positions inside [i, j) that the query leaves out
+        if q.module is not None:
+            own = index.by_module.get(q.module, [])
+            cut.update(index.pos[s] for s in own[bisect_left(own, q.lo):bisect_left(own, q.hi)])
+        if q.of is not None:
+            same = index.by_tensor.get(self.canonical(q.of), [])
+            cut.update(index.pos[s] for s in same[bisect_left(same, q.lo):bisect_left(same, q.hi)])
+        best, compared, uncompared, start = -math.inf, 0, 0, i
+        for stop in [*sorted(cut), j]:
+            if stop > start:
+                best = max(best, index.range_max(start, stop))
+                compared += index.compared[stop] - index.compared[start]
+                uncompared += index.uncompared[stop] - index.uncompared[start]
+            start = stop + 1
+        if not compared:
+            return NOTHING_COMPARED if uncompared else 0.0
         return best
+
+    def _phase_index(self, phase: str) -> _PhaseIndex:
+        found = self._indexes.get(phase)
+        if found is None:
+            found = self._indexes[phase] = _PhaseIndex(self, [r for r in self.ordered if r.phase == phase])
+        return found
+
+
+_FLOW_KINDS = ("input", "output", "param", "grad", "grad_local", "grad_input", "grad_output")
+
+
+@dataclass(frozen=True)
+class _Query:
+    """What came into a diverged record, as ``_incoming`` names it: the records of ``phase`` with seqs in
+    [lo, hi), those of ``module`` left out; or a fixed ``group`` of records; or a ``local`` gradient's error. ``of``:
+    the diverged record (its own tensor is not something that came in). ``step``: whose records (the previous step
+    for a weight)."""
+
+    step: _Step
+    phase: str = ""
+    lo: int = -1
+    hi: int = -1
+    module: str | None = None
+    of: Record | None = None
+    group: tuple = ()
+    local: float | None = None
+
+    def full(self) -> tuple[float, list[Record]]:
+        """(largest error that came in, the records not compared): the plain scan, for the one row reported."""
+        if self.local is not None:
+            return self.local, []
+        return self.step.incoming(self.step.records_in(self), self.of)
+
+
+class _PhaseIndex:
+    """One phase's records of a step in seq order, for range queries: a sparse table of range maxima of their errors
+    (-inf where none), prefix counts of compared and of not-compared records, and each module's and each tensor's
+    seqs (for the records a query leaves out). Built in O(n log n) once; a range costs O(1)."""
+
+    def __init__(self, st: _Step, recs: list[Record]):
+        self.seqs = [r.seq for r in recs]
+        self.pos = {s: i for i, s in enumerate(self.seqs)}
+        self.by_module: dict[str, list[int]] = {}
+        self.by_tensor: dict[int, list[int]] = {}
+        values: list[float] = []
+        self.compared = [0]
+        self.uncompared = [0]
+        for r in recs:
+            self.by_module.setdefault(r.module, []).append(r.seq)
+            self.by_tensor.setdefault(st.canonical(r), []).append(r.seq)
+            err, missing = st.error_of(r.seq)
+            values.append(err if err is not None else -math.inf)
+            self.compared.append(self.compared[-1] + (err is not None))
+            self.uncompared.append(self.uncompared[-1] + missing)
+        self.table = [values]  # table[k][i]: the max of values[i : i + 2**k]
+        width = 1
+        while 2 * width <= len(values):
+            last = self.table[-1]
+            self.table.append([max(x, y) for x, y in zip(last, last[width:])])
+            width *= 2
+
+    def range_max(self, i: int, j: int) -> float:
+        """max(values[i:j]) for i < j."""
+        k = (j - i).bit_length() - 1
+        row = self.table[k]
+        return max(row[i], row[j - (1 << k)])
 
 
 def _is_local(row: Row) -> bool:
@@ -132,40 +306,35 @@ def _source_output(a: Record, st: _Step) -> Record | None:
     return src if src.enter >= 0 else None
 
 
-def _incoming(row: Row, st: _Step, prev_step: _Step | None) -> tuple[float, list[Record]]:
-    """What came into the diverged tensor: the largest error among it, and the records that were not compared."""
+def _query(row: Row, st: _Step, prev_step: _Step | None) -> _Query:
+    """What came into the diverged tensor (see the module docstring), as a query on the step's records."""
     a = row.pair.a
     assert a is not None
-    if a.phase == "forward" and a.kind == "output":
-        seqs = [r.seq for r in st.ordered if r.phase == "forward" and a.enter <= r.seq < a.seq]
-        if seqs:
-            return st.incoming(seqs)
+    if a.phase == "forward" and a.kind == "output" and st.count_in("forward", a.enter, a.seq):
+        return _Query(st, "forward", a.enter, a.seq)
     if a.phase == "forward" and a.kind == "input" and a.parent:
         start = st.enter_of(a.parent, a.seq)
         src = _source_output(a, st)
         if src is not None:  # a link to another module's output: what came into that module
-            seqs = [r.seq for r in st.ordered if r.phase == "forward" and src.enter <= r.seq < src.seq]
-            return st.incoming(seqs, a)
-        seqs = [r.seq for r in st.ordered if r.phase == "forward" and start <= r.seq < a.seq and r.module != a.module]
-        if seqs:
-            return st.incoming(seqs, a)
+            return _Query(st, "forward", src.enter, src.seq, of=a)
+        if st.count_in("forward", start, a.seq, a.module):
+            return _Query(st, "forward", start, a.seq, a.module, of=a)
     local = st.local_of(a) if a.phase == "param_grad" and not _is_local(row) else None
     if local is not None:
-        return local[1], []  # what came into the reduction: the local gradient
-    if a.phase == "param_grad":
-        seqs = [r.seq for r in st.ordered
-                if r.module == a.module and (r.phase == "backward" or (r.phase == "forward" and r.kind == "input"))]
-        if seqs:
-            return st.incoming(seqs)
+        return _Query(st, local=local[1])  # what came into the reduction: the local gradient
+    if a.phase == "param_grad" and st.group_size(("param_grad", a.module)):
+        return _Query(st, group=("param_grad", a.module))
     if a.phase == "weights" and prev_step is not None:
-        seqs = [r.seq for r in prev_step.ordered if r.phase == "param_grad" and r.module == a.module and r.slot == a.slot]
-        return prev_step.incoming(seqs)
-    if a.phase == "loss":
-        seqs = [r.seq for r in st.ordered if r.phase == "forward" and r.module == "" and r.kind == "output"]
-        if seqs:
-            return st.incoming(seqs)
+        return _Query(prev_step, group=("grads", a.module, a.slot))
+    if a.phase == "loss" and st.group_size(("loss",)):
+        return _Query(st, group=("loss",))
     # default: everything that ran before it in this phase
-    return st.incoming([r.seq for r in st.ordered if r.phase == a.phase and r.seq < a.seq])
+    return _Query(st, a.phase, -1, a.seq)
+
+
+def _incoming(row: Row, st: _Step, prev_step: _Step | None) -> tuple[float, list[Record]]:
+    """What came into the diverged tensor: the largest error among it, and the records that were not compared."""
+    return _query(row, st, prev_step).full()
 
 
 def _locate(row: Row, st: _Step, prev_step: _Step | None, complete: bool = True,
@@ -335,7 +504,7 @@ def find_first_divergence(rows: list[Row], records_a: dict[int, list[Record]], j
     for row in rows:
         by_step.setdefault(row.step, []).append(row)
     lookups = {s: _Step(records_a[s], by_step[s]) for s in steps}
-    first_drift: tuple[Row, tuple[float, list[Record]], _Step | None, _Step] | None = None
+    first_drift: tuple[Row, _Query, _Step | None, _Step] | None = None
     for i, step in enumerate(steps):
         st = lookups[step]
         prev = lookups[steps[i - 1]] if i > 0 else None
@@ -350,15 +519,15 @@ def find_first_divergence(rows: list[Row], records_a: dict[int, list[Record]], j
             candidates = []
         # local gradients (before the data-parallel reduction) before the reduced ones, as a run records them
         candidates.sort(key=lambda r: (PHASE_RANK[r.phase], not _is_local(r), r.pair.a.seq))  # type: ignore[union-attr]
-        for row in candidates:
-            came_in = _incoming(row, st, prev)
-            if row.err > jump * came_in[0]:
-                return _make(row, st, prev, came_in, True, (records_b or {}).get(step))
+        for row in candidates:  # each candidate's incoming error from the step's indexes: linear in the rows
+            query = _query(row, st, prev)
+            if row.err > jump * query.step.came_in(query):
+                return _make(row, st, prev, query.full(), True, (records_b or {}).get(step))
             if first_drift is None:
-                first_drift = (row, came_in, prev, st)
+                first_drift = (row, query, prev, st)
     if first_drift is not None:
-        row, came_in, prev, st = first_drift
-        return _make(row, st, prev, came_in, False)
+        row, query, prev, st = first_drift
+        return _make(row, st, prev, query.full(), False)
     return None
 
 

@@ -1,22 +1,28 @@
 """The diff: align two captures step by step, compare every pair, judge it, find the first divergence.
 
-Reads one tensor pair at a time, so memory is bounded by the largest pair, not the file.
+Pairs are compared in a pool of ``jobs`` threads (numpy's loops and reductions release the GIL), each thread
+holding one tensor pair at a time, so memory is bounded by ``jobs`` times the largest pair, not the file. A tensor
+recorded under several names (``same_as`` links) is read and compared once per pairing: the rows that pair the
+same two tensors share one result. Rows, verdicts and the report do not depend on ``jobs``.
 Imports neither torch nor mindspore, and does not explain: ``tensordiff.explain`` does that.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from .. import dtypes
 from ..errors import AlignmentError, UsageError
 from ..store import CaptureFile, MergedCapture, open_capture
-from .align import align_step
+from ..store.fanout import ENV_JOBS
+from .align import Pair, align_step
 from .autoselect import pick_mapping
 from .coverage import coverage, judge_outcome, mark_uncertain
 from .divergence import find_first_divergence
-from .judge import compare_pair, compute_dtype
+from .judge import Measured, compare_pair, compute_dtype, measure_pair, tensor_key
 from .reference import judge_against_reference
 from .result import DiffOptions, DiffResult, Row
 from .tolerance import judged_dtype
@@ -45,21 +51,26 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         mapping, mapping_note = options.mapping, ""
         if mapping is None and options.auto_mapping:
             mapping, mapping_note = pick_mapping(ca.attrs, cb.attrs, ca.records(common[0]), cb.records(common[0]))
-        for step in common:
-            pairs = align_step(ca.records(step), cb.records(step), mapping, options.order_fallback)
-            for pair in pairs:
-                rec = pair.a or pair.b
-                assert rec is not None
-                row = Row(step=step, phase=rec.phase, pair=pair)
-                if pair.matched:
-                    if pair.how not in ("order", "tensor") and rec.phase != "loss" and rec.module != "":
-                        matched_by_name += 1
-                    row.metrics, row.tol, row.verdict, row.note = compare_pair(ca, cb, pair, options.tolerances,
-                                                                               options.ulp_k, run_dtype)
-                    row.judged = judged_dtype(pair.a.dtype, pair.b.dtype, run_dtype)  # type: ignore[union-attr]
-                    if pair.how == "order":
-                        row.note = (row.note + "; " if row.note else "") + "matched by order"
-                rows.append(row)
+        pending: list[tuple[Row, Future[Measured]]] = []
+        with _Measurer(ca, cb, options.ulp_k, compare_jobs(options.jobs)) as measurer:
+            for step in common:  # aligning the next step while the workers compare this one's pairs
+                pairs = align_step(ca.records(step), cb.records(step), mapping, options.order_fallback)
+                for pair in pairs:
+                    rec = pair.a or pair.b
+                    assert rec is not None
+                    row = Row(step=step, phase=rec.phase, pair=pair)
+                    if pair.matched:
+                        if pair.how not in ("order", "tensor") and rec.phase != "loss" and rec.module != "":
+                            matched_by_name += 1
+                        pending.append((row, measurer.submit(pair)))
+                    rows.append(row)
+            for row, measured in pending:  # in row order: the first error raised is the one a serial diff raises
+                pair = row.pair
+                row.metrics, row.tol, row.verdict, row.note = compare_pair(
+                    ca, cb, pair, options.tolerances, options.ulp_k, run_dtype, measured=measured.result())
+                row.judged = judged_dtype(pair.a.dtype, pair.b.dtype, run_dtype)  # type: ignore[union-attr]
+                if pair.how == "order":
+                    row.note = (row.note + "; " if row.note else "") + "matched by order"
         if matched_by_name == 0:
             raise AlignmentError(
                 f"{path_a} and {path_b} have no module in common ({_sample(ca, common[0])} vs {_sample(cb, common[0])}); "
@@ -85,6 +96,58 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         )
         result.outcome, result.reasons = judge_outcome(result)
         return result
+
+
+#: The default number of comparing threads is the usable cores up to this: past it a host's memory bandwidth, not
+#: its cores, bounds the compare, while memory (one tensor pair per thread) keeps growing.
+MAX_DEFAULT_JOBS = 8
+
+
+def compare_jobs(jobs: int | None = None) -> int:
+    """Threads comparing tensor pairs: ``jobs``, else ``TENSORDIFF_JOBS`` (which also sizes the pool reading rank
+    files' indexes), else the cores this process may use, at most ``MAX_DEFAULT_JOBS``."""
+    if jobs is None and os.environ.get(ENV_JOBS, "").strip():
+        try:
+            jobs = int(os.environ[ENV_JOBS])
+        except ValueError:
+            raise UsageError(f"{ENV_JOBS}={os.environ[ENV_JOBS]!r}: expected a number of threads") from None
+        if jobs < 1:
+            raise UsageError(f"{ENV_JOBS}={jobs}: give a number of threads, 1 or more")
+    if jobs is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(cores, MAX_DEFAULT_JOBS))
+    return max(1, jobs)
+
+
+class _Measurer:
+    """Measures matched pairs (``judge.measure_pair``) in ``jobs`` threads, or here with one; a pair whose two tensors
+    were already submitted under other records (``judge.tensor_key``) shares that result instead of reading them
+    again. At most ``jobs`` pairs are read at a time: the queue holds pairs, never tensors."""
+
+    def __init__(self, ca: CaptureFile, cb: CaptureFile, ulp_k: int, jobs: int):
+        self._ca, self._cb, self._ulp_k = ca, cb, ulp_k
+        self._pool = ThreadPoolExecutor(jobs, thread_name_prefix="tensordiff-diff") if jobs > 1 else None
+        self._seen: dict[tuple, Future[Measured]] = {}
+
+    def submit(self, pair: Pair) -> Future[Measured]:
+        key = tensor_key(pair)
+        if key is not None and key in self._seen:
+            return self._seen[key]
+        if self._pool is not None and key is not None:
+            future = self._pool.submit(measure_pair, self._ca, self._cb, pair, self._ulp_k)
+        else:  # one job, or statistics only (nothing to read in the common case): here, at once
+            future = Future()
+            future.set_result(measure_pair(self._ca, self._cb, pair, self._ulp_k))
+        if key is not None:
+            self._seen[key] = future
+        return future
+
+    def __enter__(self) -> _Measurer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:  # on an error: drop the pairs not started, wait for those being compared
+            self._pool.shutdown(wait=True, cancel_futures=exc[0] is not None)
 
 
 def _layout(cap: CaptureFile) -> dict:

@@ -1,8 +1,9 @@
 """Pairwise metrics of two tensors, computed in chunks (memory bounded by the pair); ``rel_l2`` for small arrays.
 
-Tensors of float32 or narrower are compared in float32 with float64 sums (one chunk of ``CHUNK32`` elements at a
-time, reduced without BLAS, so no hidden threads); float64 and integer tensors, and any chunk holding NaN/Inf, in
-float64."""
+Tensors of float32 or narrower are compared in float32 with float64 sums (``CHUNK32`` elements at a time in a few
+buffers allocated once per pair); float64 and integer tensors, and pairs holding NaN/Inf, in float64 chunks. No
+BLAS call anywhere (``np.dot``, ``np.linalg.norm`` would start OpenBLAS's threads, which spin beside the diff's own
+workers): sums are numpy reductions, which release the GIL, so pairs compare in parallel threads."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ from ..record import Record
 
 #: Elements per chunk: 4 Mi float64 values = 32 MiB per temporary.
 CHUNK = 1 << 22
-#: Elements per float32 chunk: 256 Ki values = 1 MiB per temporary (stays in cache).
-CHUNK32 = 1 << 18
+#: Elements per float32 chunk: 64 Ki values = 256 KiB per buffer (the few buffers stay in the cache).
+CHUNK32 = 1 << 16
 _NARROW = ("float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2")
 
 
@@ -55,62 +56,124 @@ def compare_arrays(a: np.ndarray, b: np.ndarray, judged_dtype: str, ulp_k: int =
     return _compare_f64(a, b, judged_dtype, ulp_k)
 
 
-def _sum_sq(x: np.ndarray) -> float:
-    return float(np.add.reduce(x * x, dtype=np.float64))
+class _Buffers:
+    """The float32 path's chunk buffers, allocated once per pair: a few ``CHUNK32``-element arrays, reused by every
+    chunk (no per-chunk temporaries)."""
+
+    def __init__(self, n: int, widen_a: bool, widen_b: bool):
+        size = min(n, CHUNK32)
+        self.size = size
+        self.d = np.empty(size, np.float32)  # |a - b|
+        self.t = np.empty(size, np.float32)  # scratch: squares, |a| floored, the ratios
+        self.e = np.empty(size, np.uint32)  # exponent fields, then the ULP threshold (as float32)
+        self.e2 = np.empty(size, np.uint32)
+        self.ok = np.empty(size, np.bool_)
+        self.a = np.empty(size, np.float32) if widen_a else None  # narrow inputs widened to float32
+        self.b = np.empty(size, np.float32) if widen_b else None
+        self.floor = self.ulp_floor = self.d  # set by ``floors``
+
+    def floors(self, floor: float, ulp_floor: float) -> None:
+        """Constant arrays: numpy's binary loops vectorise array-array, not array-scalar (3-4x faster here)."""
+        self.floor = np.full(self.size, np.float32(floor))
+        self.ulp_floor = np.full(self.size, np.float32(ulp_floor))
 
 
-def _ulp32(m: np.ndarray, name: str) -> np.ndarray:
-    """``dtypes.ulp`` in float32 for a format no wider than float32: float32's spacing scaled to ``name``'s
-    mantissa, floored at its subnormal step."""
-    bits = dtypes.MANTISSA_BITS[name]
-    u = np.spacing(m)  # float32 spacing at |value|: 2**(exponent - 23), 2**-149 at and below the subnormals
-    if bits != 23:
-        u *= np.float32(2.0 ** (23 - bits))
-    floor = np.float32(2.0 ** (dtypes._MIN_EXP[name] - bits))
-    return np.maximum(u, floor, out=u)
+def _f32(x: np.ndarray, start: int, stop: int, buf: np.ndarray | None) -> np.ndarray:
+    """Elements ``start:stop`` of flat ``x`` as float32: a view of a float32 array, else widened into ``buf``."""
+    part = x[start:stop]
+    if buf is None:
+        return part
+    out = buf[:part.size]
+    np.copyto(out, part, casting="unsafe")  # exact: every narrow float is a float32
+    return out
+
+
+def _sum_sq(x: np.ndarray, scratch: np.ndarray) -> float:
+    """sum(x**2) of a float32 chunk: squares in float32 (exact to 2**-24 each), summed in float64 (no BLAS)."""
+    np.multiply(x, x, out=scratch)
+    return float(np.add.reduce(scratch, dtype=np.float64))
+
+
+_EXPONENT = np.uint32(0x7F800000)
 
 
 def _compare_f32(a: np.ndarray, b: np.ndarray, judged: str, ulp_k: int) -> Metrics | None:
-    """The float32 path; None where a chunk holds NaN/Inf (the float64 path then handles the pair)."""
+    """The float32 path; None where a sum overflows or NaN/Inf appear (the float64 path then handles the pair).
+
+    Per element: one pass over A for ||a|| (max_rel's floor needs it before the rest), then |a - b|, its square,
+    b's square, the ULP threshold from the exponent bits of |a| and |b|, and the floored ratio, all in a few
+    preallocated float32 buffers; sums are float64. The cosine comes from the norms and ||a - b||
+    (1 - cos = (||a - b||^2 - (||a|| - ||b||)^2) / (2 ||a|| ||b||), which also keeps 1 - cos exact near 1);
+    a dot product is summed only when the norms are more than 2x apart, where that identity cancels."""
     fa, fb = a.reshape(-1), b.reshape(-1)
     n = fa.size
     if n == 0:
         return None
+    buf = _Buffers(n, fa.dtype != np.float32, fb.dtype != np.float32)
     a_sq = 0.0
     for start in range(0, n, CHUNK32):  # pass 1: ||a||, for max_rel's floor
-        a_sq += _sum_sq(fa[start:start + CHUNK32].astype(np.float32, copy=False))
+        xa = _f32(fa, start, start + CHUNK32, buf.a)
+        a_sq += _sum_sq(xa, buf.t[:xa.size])
     if not math.isfinite(a_sq):
         return None
     norm_a = math.sqrt(a_sq)
-    floor = np.float32(max(1e-3 * norm_a / math.sqrt(n), 1e-30))
-    k = np.float32(ulp_k)
-    diff_sq = b_sq = dot = 0.0
+    bits = dtypes.MANTISSA_BITS[judged]
+    scale = np.float32(ulp_k * 2.0 ** -bits)  # k ulps of a float32 power of two 2**e: 2**e * k * 2**-bits, exact
+    # max_rel's floor of |a| (1e-3 of a's RMS), and k subnormal steps of the judged dtype (the smallest ulp)
+    buf.floors(max(1e-3 * norm_a / math.sqrt(n), 1e-30), ulp_k * 2.0 ** (dtypes._MIN_EXP[judged] - bits))
+    diff_sq = b_sq = 0.0
     max_abs = max_rel = 0.0
     within = 0
     for start in range(0, n, CHUNK32):
-        xa = fa[start:start + CHUNK32].astype(np.float32, copy=False)
-        xb = fb[start:start + CHUNK32].astype(np.float32, copy=False)
-        d = xa - xb
-        sums = (_sum_sq(d), _sum_sq(xb), float(np.add.reduce(xa * xb, dtype=np.float64)))
-        if not all(math.isfinite(v) for v in sums):
+        xa = _f32(fa, start, start + CHUNK32, buf.a)
+        xb = _f32(fb, start, start + CHUNK32, buf.b)
+        m = xa.size
+        d, t, e, e2, ok = buf.d[:m], buf.t[:m], buf.e[:m], buf.e2[:m], buf.ok[:m]
+        np.subtract(xa, xb, out=d)
+        sums = (_sum_sq(d, t), _sum_sq(xb, t))
+        if not (math.isfinite(sums[0]) and math.isfinite(sums[1])):
             return None  # NaN/Inf (or float32 overflow) in this chunk
-        diff_sq, b_sq, dot = diff_sq + sums[0], b_sq + sums[1], dot + sums[2]
+        diff_sq, b_sq = diff_sq + sums[0], b_sq + sums[1]
         np.abs(d, out=d)
-        max_abs = max(max_abs, float(d.max()))
-        absa = np.abs(xa)
-        m = np.maximum(absa, np.abs(xb))
-        within += int(np.count_nonzero(d <= k * _ulp32(m, judged)))
-        np.maximum(absa, floor, out=absa)
-        max_rel = max(max_rel, float((d / absa).max()))
+        max_abs = max(max_abs, float(np.maximum.reduce(d)))
+        # ULPs: the judged dtype's ulp at max(|a|, |b|) is 2**e * 2**-bits, 2**e read off the larger exponent field
+        np.bitwise_and(xa.view(np.uint32), _EXPONENT, out=e)
+        np.bitwise_and(xb.view(np.uint32), _EXPONENT, out=e2)
+        np.maximum(e, e2, out=e)
+        limit = e.view(np.float32)
+        np.multiply(limit, scale, out=limit)
+        np.maximum(limit, buf.ulp_floor[:m], out=limit)
+        np.less_equal(d, limit, out=ok)
+        within += int(np.count_nonzero(ok))
+        np.abs(xa, out=t)
+        np.maximum(t, buf.floor[:m], out=t)
+        np.divide(d, t, out=t)
+        max_rel = max(max_rel, float(np.maximum.reduce(t)))
     norm_b = math.sqrt(b_sq)
     denom = max(norm_a, norm_b)
     rel = math.sqrt(diff_sq) / denom if denom > 0 else (0.0 if diff_sq == 0 else math.inf)
     if norm_a > 0 and norm_b > 0:
-        cosine = min(1.0, max(-1.0, dot / (norm_a * norm_b)))
+        if min(norm_a, norm_b) >= 0.5 * denom:
+            cosine = 1.0 - (diff_sq - (norm_a - norm_b) ** 2) / (2.0 * norm_a * norm_b)
+        else:
+            cosine = _dot(fa, fb, buf) / (norm_a * norm_b)
+        cosine = min(1.0, max(-1.0, cosine))
     else:
         cosine = 1.0 if norm_a == norm_b else 0.0
     return Metrics(rel_l2=rel, max_abs=max_abs, max_rel=max_rel, cosine=cosine, ulp_share=within / n,
                    nonfinite_mismatch=0, source="tensor")
+
+
+def _dot(fa: np.ndarray, fb: np.ndarray, buf: _Buffers) -> float:
+    """a . b of two flat arrays, float32 products summed in float64 (no BLAS)."""
+    total = 0.0
+    for start in range(0, fa.size, CHUNK32):
+        xa = _f32(fa, start, start + CHUNK32, buf.a)
+        xb = _f32(fb, start, start + CHUNK32, buf.b)
+        t = buf.t[:xa.size]
+        np.multiply(xa, xb, out=t)
+        total += float(np.add.reduce(t, dtype=np.float64))
+    return total
 
 
 def _compare_f64(a: np.ndarray, b: np.ndarray, judged_dtype: str, ulp_k: int = 4) -> Metrics:
@@ -137,10 +200,10 @@ def _compare_f64(a: np.ndarray, b: np.ndarray, judged_dtype: str, ulp_k: int = 4
             xa = np.where(both, xa, 0.0)
             xb = np.where(both, xb, 0.0)
         d = np.abs(xa - xb)
-        diff_sq += float(np.dot(d, d))
-        a_sq += float(np.dot(xa, xa))
-        b_sq += float(np.dot(xb, xb))
-        dot += float(np.dot(xa, xb))
+        diff_sq += float(np.add.reduce(d * d))  # reductions, not np.dot: BLAS would start its threads
+        a_sq += float(np.add.reduce(xa * xa))
+        b_sq += float(np.add.reduce(xb * xb))
+        dot += float(np.add.reduce(xa * xb))
         if d.size:
             max_abs = max(max_abs, float(d.max()))
             absa = np.abs(xa)
@@ -200,6 +263,8 @@ def rel_l2(x: np.ndarray, y: np.ndarray) -> float:
         if not (finite | same).all():
             return math.inf
         x, y = x[finite], y[finite]
-    diff = float(np.linalg.norm(x - y))
-    scale = max(float(np.linalg.norm(x)), float(np.linalg.norm(y)))
+    x, y = x.reshape(-1), y.reshape(-1)
+    d = x - y
+    diff = math.sqrt(float(np.add.reduce(d * d)))  # not np.linalg.norm: BLAS would start its threads
+    scale = math.sqrt(max(float(np.add.reduce(x * x)), float(np.add.reduce(y * y))))
     return diff / scale if scale > 0 else 0.0

@@ -52,12 +52,17 @@ class DiffOptions:
     """Three-way: B is off when its error against R exceeds this many times A's own error against R."""
     auto_mapping: bool = True
     """Without ``mapping``, pick the built-in mapping that fits the two captures (``--no-auto-mapping`` turns it off)."""
+    jobs: int | None = None
+    """Threads comparing tensor pairs (``--jobs``; default: env ``TENSORDIFF_JOBS``, else the usable cores, at most 8).
+    The report is the same for any number."""
 
     def __post_init__(self) -> None:
         if self.jump <= 1:
             raise UsageError(f"jump={self.jump}: must be above 1 (an error must grow to count as introduced)")
         if self.ulp_k < 0:
             raise UsageError(f"ulp_k={self.ulp_k}: must be 0 or more")
+        if self.jobs is not None and self.jobs < 1:
+            raise UsageError(f"--jobs {self.jobs}: give a number of threads, 1 or more")
 
 
 @dataclass

@@ -305,3 +305,59 @@ def test_a_float32_pair_with_nan_in_one_place_takes_the_float64_path():
     b[500] = np.nan
     m = compare_arrays(a, b, "float32")
     assert m.nonfinite_mismatch == 1 and m.rel_l2 == math.inf
+
+
+def test_the_float32_path_keeps_one_minus_cosine_near_one():
+    # 1 - cos ~ rel_l2**2 / 2 ~ 5e-11: float32 products summed (the old way) carry ~1e-8 of rounding
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(200_000).astype(np.float32)
+    b = (a * (1 + 1e-5 * rng.standard_normal(a.size))).astype(np.float32)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    exact = 1 - np.add.reduce(a64 * b64) / math.sqrt(np.add.reduce(a64 * a64) * np.add.reduce(b64 * b64))
+    m = compare_arrays(a, b, "float32")
+    assert 1e-11 < exact < 1e-10
+    assert 1 - m.cosine == pytest.approx(exact, rel=1e-3)
+
+
+@pytest.mark.parametrize("factor", [3.0, -0.1])
+def test_the_float32_path_sums_a_dot_product_when_the_norms_are_far_apart(factor):
+    from tensordiff.diff.metrics import _compare_f64
+
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal(100_000).astype(np.float32)
+    b = (factor * a + rng.standard_normal(a.size).astype(np.float32)).astype(np.float32)
+    fast, slow = compare_arrays(a, b, "float32"), _compare_f64(a, b, "float32")
+    assert fast.cosine == pytest.approx(slow.cosine, abs=1e-9)
+    assert fast.rel_l2 == pytest.approx(slow.rel_l2, rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16"])
+def test_the_float32_path_counts_ulps_at_zero_subnormals_and_binade_edges_like_the_float64_path(name):
+    from tensordiff.diff.metrics import _compare_f64
+
+    tiny = np.float32(2.0 ** -149)
+    a = np.array([0.0, 0.0, tiny, 4 * tiny, 2.0 ** -126, 2.0 ** -14, 2.0 ** -15, 1.0, 1.0, 2.0, 65504.0, -3.0],
+                 dtype=np.float32)
+    b = np.array([0.0, 3 * tiny, 0.0, 9 * tiny, 2.0 ** -126 + 2.0 ** -140, 2.0 ** -14 + 2.0 ** -24, 2.0 ** -15,
+                  1.0 + 2.0 ** -22, 1.0 - 2.0 ** -9, 2.0 - 2.0 ** -8, 65504.0 + 32.0, -3.0 - 2.0 ** -6],
+                 dtype=np.float32)
+    for k in (0, 1, 4, 64):
+        assert compare_arrays(a, b, name, ulp_k=k).ulp_share == _compare_f64(a, b, name, ulp_k=k).ulp_share, k
+
+
+def test_the_float32_path_gives_the_same_numbers_in_small_chunks(monkeypatch):
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal(10_007).astype(np.float32)
+    b = (a + 1e-4 * rng.standard_normal(a.size)).astype(np.float32)
+    whole = compare_arrays(a, b, "float32")
+    monkeypatch.setattr(metrics, "CHUNK32", 1000)   # 11 chunks, the last partial
+    chunked = compare_arrays(a, b, "float32")
+    assert (chunked.max_abs, chunked.max_rel, chunked.ulp_share) == (whole.max_abs, whole.max_rel, whole.ulp_share)
+    for name in ("rel_l2", "cosine"):
+        assert getattr(chunked, name) == pytest.approx(getattr(whole, name), rel=1e-12), name
+
+
+def test_rel_l2_of_two_dimensional_arrays_is_over_every_element():
+    x = np.array([[3.0, 0.0], [0.0, 4.0]])
+    assert rel_l2(x, np.zeros((2, 2))) == 1.0
+    assert rel_l2(x, np.array([[3.0, 0.0], [0.0, 4.5]])) == pytest.approx(0.5 / np.hypot(3.0, 4.5))
