@@ -37,7 +37,8 @@ def _is_mindspore_cell(obj: Any) -> bool:
 
 def capture(model: Any, path: str | None = None, steps: int | None = None, *, optimizer: Any = None,
             tensors: str | None = None, inputs: bool = True, grads: bool = True, background: bool = True,
-            tensors_max_mb: float | None = None, tensors_match: str | None = None, meta: dict | None = None) -> Any:
+            tensors_max_mb: float | None = None, tensors_match: str | None = None, writer: str | None = None,
+            meta: dict | None = None) -> Any:
     """Record the first ``steps`` training steps of ``model`` into the HDF5 file ``path``.
 
     ``model`` is a ``torch.nn.Module`` or a ``mindspore.nn.Cell`` (PyNative mode).
@@ -46,6 +47,8 @@ def capture(model: Any, path: str | None = None, steps: int | None = None, *, op
     ``value_and_grad`` returns, unless ``optimizer`` is given).
     ``tensors_max_mb`` and ``tensors_match`` (a regex on module names) narrow which records of a full-tensor step are
     stored in full; the rest keep their statistics. Models of 1B parameters or more default to 64 MiB per record.
+    ``writer='process'`` writes the file from a child process (the default when a GPU model stores full tensors:
+    HDF5 then never holds the training process's GIL), ``'thread'`` from threads of this process.
     ``tensordiff capture -o FILE --steps N -- cmd`` sets FILE, N and the tensor mode
     through the environment, overriding the arguments; with no path at all the
     capture is off and the returned object records nothing. A capture that cannot
@@ -55,7 +58,7 @@ def capture(model: Any, path: str | None = None, steps: int | None = None, *, op
     from .capturing.recorder import NullCapture
 
     options = options_from_env(path, steps, tensors, inputs=inputs, grads=grads, background=background,
-                               tensors_max_mb=tensors_max_mb, tensors_match=tensors_match)
+                               tensors_max_mb=tensors_max_mb, tensors_match=tensors_match, writer=writer)
     if options is None:
         return NullCapture()
     try:

@@ -183,3 +183,60 @@ def test_statistics_agree_with_the_stored_tensors(tmp_path):
             assert r.l2 == pytest.approx(float(np.sqrt((d * d).sum())), rel=1e-6)
             checked += 1
         assert checked > 50
+
+
+def test_a_writer_process_writes_the_same_file_as_the_writer_threads(tmp_path):
+    threads = _gpt_capture(tmp_path, "threads.h5", writer="thread")
+    process = _gpt_capture(tmp_path, "process.h5", writer="process")
+    with CaptureFile(threads) as a, CaptureFile(process) as b:
+        ra, rb = a.records(0), b.records(0)
+        assert len(ra) == len(rb) > 100
+        for x, y in zip(ra, rb):
+            assert (x.module, x.kind, x.slot, x.l2, x.has_data, x.same_as) == (y.module, y.kind, y.slot, y.l2,
+                                                                                y.has_data, y.same_as)
+            if x.has_data and x.same_as < 0:
+                assert np.array_equal(a.array(x), b.array(y), equal_nan=True)
+        assert a.scalars() == b.scalars() and b.scalars()["loss"]
+        assert a.step_attrs(0)["loss"] == b.step_attrs(0)["loss"]
+
+
+KILLED = """
+import os, signal, sys, time, torch
+sys.path.insert(0, {root!r})
+import tensordiff
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+cap = tensordiff.capture(model, {path!r}, steps=5, optimizer=opt, tensors="all", writer="process")
+for step in range(3):
+    loss = model(torch.randn(8, 64)).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    cap.step(loss)
+while cap._writer._pending_bytes:  # every step handed to the child (the parent's queue is what a kill loses)
+    time.sleep(0.01)
+os.kill(os.getpid(), signal.SIGKILL)  # no close(), no atexit: the child may still be writing
+"""
+
+
+def test_steps_handed_to_the_writer_process_survive_a_sigkill_of_the_training_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    path = str(tmp_path / "killed.h5")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", KILLED.format(root=root, path=path)], timeout=120)
+    assert proc.returncode == -9
+    for _ in range(100):  # the child finishes the file after its parent died
+        try:
+            with CaptureFile(path) as c:
+                if c.steps == [0, 1, 2]:
+                    break
+        except Exception:
+            pass
+        time.sleep(0.1)
+    with CaptureFile(path) as c:
+        assert c.steps == [0, 1, 2]
+        assert all(c.array(r) is not None for r in c.records(2) if r.has_data and r.same_as < 0)

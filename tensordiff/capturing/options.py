@@ -21,6 +21,8 @@ ENV_STATUS = "TENSORDIFF_STATUS"
 ENV_PERTURB = "TENSORDIFF_PERTURB"
 ENV_TENSORS_MAX_MB = "TENSORDIFF_TENSORS_MAX_MB"
 ENV_TENSORS_MATCH = "TENSORDIFF_TENSORS_MATCH"
+ENV_WRITER = "TENSORDIFF_WRITER"
+WRITERS = ("thread", "process")
 
 #: Models of at least this many parameters store full tensors only up to BIG_MODEL_MAX_MB each unless told otherwise.
 BIG_MODEL_PARAMS = 1_000_000_000
@@ -55,6 +57,9 @@ class CaptureOptions:
     64 for models of 1B parameters or more."""
     tensors_match: str | None = None
     """Full tensors only for modules whose name matches this regular expression (statistics for the rest)."""
+    writer: str | None = None
+    """Where the file is written: 'thread' (threads of this process) or 'process' (a child process: HDF5 never holds
+    this process's GIL). Default: 'process' when full tensors of an accelerator's model are stored, else 'thread'."""
     _match: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -62,6 +67,8 @@ class CaptureOptions:
             raise UsageError(f"steps={self.steps}: capture needs at least 1 step")
         if self.tensors not in TENSOR_MODES:
             raise UsageError(f"tensors={self.tensors!r}: expected one of {', '.join(TENSOR_MODES)}")
+        if self.writer not in (None, *WRITERS):
+            raise UsageError(f"writer={self.writer!r}: expected one of {', '.join(WRITERS)}")
         if self.tensors_max_mb is not None and not (self.tensors_max_mb >= 0):
             raise UsageError(f"tensors_max_mb={self.tensors_max_mb}: expected a size in MiB, 0 for no limit")
         if self.tensors_match is not None:
@@ -106,6 +113,9 @@ def options_from_env(path: str | None, steps: int | None, tensors: str | None, *
             kw["tensors_max_mb"] = float(max_mb)
         except ValueError:
             raise UsageError(f"{ENV_TENSORS_MAX_MB}={max_mb!r}: expected a size in MiB") from None
+    writer = os.environ.get(ENV_WRITER)
+    if writer:
+        kw["writer"] = writer
     match = os.environ.get(ENV_TENSORS_MATCH)
     if match:
         kw["tensors_match"] = match

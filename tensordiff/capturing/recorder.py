@@ -26,6 +26,7 @@ from .._text import first_line
 from ..record import flatten
 from ..store.format import shape_text
 from ..store.writer import CaptureWriter
+from ..store.writer_process import ProcessWriter
 from .backend import TensorBackend
 from .options import BIG_MODEL_MAX_MB, BIG_MODEL_PARAMS, CaptureOptions, report_status
 
@@ -44,11 +45,15 @@ class Recorder:
     framework = ""
 
     def __init__(self, backend: TensorBackend, options: CaptureOptions, path: str, attrs: dict[str, Any],
-                 params: Sequence[tuple[str, str, Any]], classes: dict[str, str]):
+                 params: Sequence[tuple[str, str, Any]], classes: dict[str, str], accelerator: bool = False):
         self._t = backend
         self.options = options
         self.path = path
-        self._writer = CaptureWriter(path, attrs, background=options.background)
+        writer = options.writer or ("process" if accelerator and options.tensors != "none" else "thread")
+        if writer == "process" and options.background:
+            self._writer: CaptureWriter = ProcessWriter(path, attrs)
+        else:
+            self._writer = CaptureWriter(path, attrs, background=options.background)
         _OPEN.add(self)
         self._params = list(params)  # (module, attribute, parameter)
         self._classes = classes

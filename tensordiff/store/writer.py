@@ -85,19 +85,7 @@ class CaptureWriter:
         if self.policy not in POLICIES or self.compression not in COMPRESSIONS or self.threads < 1:
             raise ValueError(f"CaptureWriter: policy must be one of {POLICIES}, compression one of {COMPRESSIONS} "
                              f"and threads >= 1 (got {self.policy!r}, {self.compression!r}, {self.threads})")
-        parent = os.path.dirname(os.path.abspath(path))
-        os.makedirs(parent, exist_ok=True)
-        # superblock v0 (low bound "earliest"): no "open for writing" flag, so a killed run's file opens as it is
-        self._file = h5py.File(path, "w", libver=("earliest", "v110"))
-        self._file.attrs[FORMAT_ATTR] = FORMAT_VERSION
-        for key, value in attrs.items():
-            value = attr_value(value)
-            if isinstance(value, str) and len(value.encode("utf-8")) > LARGE_ATTR:  # HDF5 attributes hold 64 KiB
-                self._file.require_group(META_GROUP).create_dataset(key, data=value.encode("utf-8"))
-            else:
-                self._file.attrs[key] = value
-        self._file.create_group("steps")
-        self._file.flush()
+        self._open(attrs)
         self.error: BaseException | None = None
         self.dropped_steps: list[int] = []
         self._closed = False
@@ -148,6 +136,28 @@ class CaptureWriter:
                               "statistics kept", RuntimeWarning, stacklevel=2)
             self.dropped_steps.append(step)
 
+    def _open(self, attrs: dict[str, Any]) -> None:
+        """Create the file with its attributes (``ProcessWriter``: start the process that does)."""
+        parent = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(parent, exist_ok=True)
+        # superblock v0 (low bound "earliest"): no "open for writing" flag, so a killed run's file opens as it is
+        self._file = h5py.File(self.path, "w", libver=("earliest", "v110"))
+        self._file.attrs[FORMAT_ATTR] = FORMAT_VERSION
+        for key, value in attrs.items():
+            value = attr_value(value)
+            if isinstance(value, str) and len(value.encode("utf-8")) > LARGE_ATTR:  # HDF5 attributes hold 64 KiB
+                self._file.require_group(META_GROUP).create_dataset(key, data=value.encode("utf-8"))
+            else:
+                self._file.attrs[key] = value
+        self._file.create_group("steps")
+        self._file.flush()
+
+    def _close_file(self) -> None:
+        try:
+            self._file.close()
+        except Exception as err:  # pragma: no cover - closing a broken file
+            warnings.warn(f"tensordiff: closing {self.path} failed: {err}", RuntimeWarning, stacklevel=3)
+
     def _room(self, nbytes: int) -> bool:
         """Room for a step with ``nbytes`` of full tensors (the caller holds the condition): always for statistics
         only, always when nothing else is pending, else within ``queue_bytes``."""
@@ -179,10 +189,7 @@ class CaptureWriter:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        try:
-            self._file.close()
-        except Exception as err:  # pragma: no cover - closing a broken file
-            warnings.warn(f"tensordiff: closing {self.path} failed: {err}", RuntimeWarning, stacklevel=2)
+        self._close_file()
 
     def _run(self) -> None:
         while True:
