@@ -8,7 +8,8 @@ Settings (``--settings``, comma-separated; default all):
 
 * ``none``: no capture.
 * ``td-stats``: ``tensordiff.capture(..., tensors="none")``: statistics of every record, every step.
-* ``td-full``: ``tensors="first"``: every tensor of the first step stored, statistics on the later steps.
+* ``td-full``: ``tensors="first"``: every tensor of the first step stored, statistics on the later steps
+  (``--td-max-mb``: tensordiff's per-record limit; from 1B parameters it stores records up to 64 MiB by default).
 * ``ms-stats``: msprobe's ``PrecisionDebugger``, level L0 (module level), task ``statistics``, every step.
 * ``ms-full``: level L0, task ``tensor``, the first step only (msprobe's debugger holds one task; after its last
   step its hooks stay in place and record nothing).
@@ -210,8 +211,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     elif setting.startswith("td-"):
         import tensordiff
 
+        extra = {} if args.td_max_mb is None else {"tensors_max_mb": args.td_max_mb}
         cap = tensordiff.capture(job.model, os.path.join(out, "capture.h5"), steps=args.steps, optimizer=job.opt,
-                                 tensors="none" if setting == "td-stats" else "first")
+                                 tensors="none" if setting == "td-stats" else "first", **extra)
     setup_s = time.perf_counter() - t0
     rss_reset = reset_peak_rss()
     rss0 = _status_kib("VmRSS") * 1024
@@ -283,6 +285,8 @@ def run_worker(args: argparse.Namespace, setting: str, out: str) -> dict[str, An
             cmd += [f"--{key}", str(getattr(args, key))]
     if args.device == "cuda":
         cmd += ["--size", args.size]
+    if args.td_max_mb is not None:
+        cmd += ["--td-max-mb", str(args.td_max_mb)]
     log = os.path.join(out + ".log")
     t0 = time.perf_counter()
     try:
@@ -515,6 +519,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, help="CPU: 8192 (GPU: 32000)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per setting")
     p.add_argument("--warmup", type=int, default=3, help="plain steps before the timed ones, in every setting")
+    p.add_argument("--td-max-mb", type=float, help="td-full: tensors_max_mb (records above it keep statistics only; "
+                   "0: every record in full, as msprobe stores them; default: tensordiff's own, 64 at 1B parameters)")
     p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, of: " + ", ".join(SETTINGS))
     p.add_argument("--repeat", type=int, default=1, help="run the settings this many times (interleaved), medians")
     p.add_argument("--no-diff", dest="diff", action="store_false", help="skip the second td-full run and the diff")
