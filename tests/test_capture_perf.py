@@ -240,3 +240,16 @@ def test_steps_handed_to_the_writer_process_survive_a_sigkill_of_the_training_pr
     with CaptureFile(path) as c:
         assert c.steps == [0, 1, 2]
         assert all(c.array(r) is not None for r in c.records(2) if r.has_data and r.same_as < 0)
+
+
+def test_capture_command_refuses_bad_selection_flags_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    for flags, expected in ((["--tensors-max-mb", "-1"], "--tensors-max-mb -1"),
+                            (["--tensors-match", "("], "not a regular expression")):
+        proc = subprocess.run([sys.executable, "-m", "tensordiff", "capture", "-o", str(tmp_path / "x.h5"), *flags,
+                               "--", sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2
+        assert expected in proc.stderr and "Traceback" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
