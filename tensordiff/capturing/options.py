@@ -100,32 +100,26 @@ def options_from_env(path: str | None, steps: int | None, tensors: str | None, *
     path = os.environ.get(ENV_OUTPUT) or path
     if not path:
         return None
-    env_steps = os.environ.get(ENV_STEPS)
-    if env_steps:
-        try:
-            steps = int(env_steps)
-        except ValueError:
-            raise UsageError(f"{ENV_STEPS}={env_steps!r}: expected a whole number of steps") from None
+    steps = _env_number(ENV_STEPS, int, "a whole number of steps", steps)
     tensors = os.environ.get(ENV_TENSORS) or tensors or "first"
-    max_mb = os.environ.get(ENV_TENSORS_MAX_MB)
-    if max_mb:
-        try:
-            kw["tensors_max_mb"] = float(max_mb)
-        except ValueError:
-            raise UsageError(f"{ENV_TENSORS_MAX_MB}={max_mb!r}: expected a size in MiB") from None
-    writer = os.environ.get(ENV_WRITER)
-    if writer:
-        kw["writer"] = writer
-    match = os.environ.get(ENV_TENSORS_MATCH)
-    if match:
-        kw["tensors_match"] = match
-    perturb = os.environ.get(ENV_PERTURB)
-    if perturb:
-        try:
-            kw["perturb"] = int(perturb)
-        except ValueError:
-            raise UsageError(f"{ENV_PERTURB}={perturb!r}: expected a whole-number seed") from None
+    kw["tensors_max_mb"] = _env_number(ENV_TENSORS_MAX_MB, float, "a size in MiB", kw.get("tensors_max_mb"))
+    kw["perturb"] = _env_number(ENV_PERTURB, int, "a whole-number seed", kw.get("perturb"))
+    for env, key in ((ENV_WRITER, "writer"), (ENV_TENSORS_MATCH, "tensors_match")):
+        if os.environ.get(env):
+            kw[key] = os.environ[env]
     return CaptureOptions(path=path, steps=steps or 1, tensors=tensors, **kw)
+
+
+def _env_number(name: str, convert: Any, expected: str, default: Any) -> Any:
+    """The environment's value of ``name`` converted (a usage error naming it when it does not convert), else
+    ``default``."""
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        return convert(text)
+    except ValueError:
+        raise UsageError(f"{name}={text!r}: expected {expected}") from None
 
 
 def report_status(message: str) -> None:

@@ -64,9 +64,6 @@ class TorchTensors(TensorBackend):
     def copy(self, t: torch.Tensor) -> HostCopy:
         return self._copier.copy(t)
 
-    def copy_nbytes(self, copy: HostCopy) -> int:
-        return copy.nbytes
-
     def to_numpy(self, copy: HostCopy) -> np.ndarray:
         return to_numpy(copy.result())
 

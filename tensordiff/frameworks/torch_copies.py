@@ -158,7 +158,7 @@ class HostCopier:
                 ev = torch.cuda.Event()
                 ev.record(stream)
                 events[k] = (ev, (a, b))
-            for k in sorted(range(2), key=lambda j: events[j][1][0] if events[j] is not None else -1):
+            for k in range(2):  # the last one or two pieces still in their bounce buffers
                 if events[k] is not None:
                     ev, (a, b) = events[k]
                     ev.synchronize()

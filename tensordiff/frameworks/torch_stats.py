@@ -39,8 +39,7 @@ CPU_CHUNK = 1 << 16  # values per float64 chunk on the CPU
 _NO_SWITCH = contextlib.nullcontext()
 
 
-def _float_dtypes() -> set[torch.dtype]:
-    return {torch.float32, torch.float16, torch.bfloat16}
+_FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})  # reduced in their own dtype, FP32 accumulation
 
 
 try:  # Triton is optional: CUDA builds of torch ship it, CPU builds do not
@@ -125,7 +124,7 @@ def reduce_stats_eager(t: torch.Tensor) -> torch.Tensor:
         return torch.zeros(6, dtype=torch.float64, device=x.device)
     if x.is_complex():
         x = torch.view_as_real(x)
-    if x.dtype in _float_dtypes():
+    if x.dtype in _FLOATS:
         acc = torch.float32
     else:
         acc = torch.float64
@@ -197,7 +196,7 @@ class StatsCollector:
         if t.device.type == "cpu":
             return cpu_stats(t)  # detaches once (a detach costs several microseconds)
         x = t.detach()
-        if self._triton and x.is_cuda and x.dtype in _float_dtypes() and x.numel() > 0:
+        if self._triton and x.is_cuda and x.dtype in _FLOATS and x.numel() > 0:
             return self._add_triton(x)
         return reduce_stats_eager(x)
 
