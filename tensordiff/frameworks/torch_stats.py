@@ -46,7 +46,7 @@ try:  # Triton is optional: CUDA builds of torch ship it, CPU builds do not
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["row"])  # one compiled variant per dtype, not three per row value
     def _stats_kernel(x_ptr, part_ptr, out_ptr, row, n, BLOCK: tl.constexpr, FINAL: tl.constexpr):
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -93,7 +93,7 @@ try:  # Triton is optional: CUDA builds of torch ship it, CPU builds do not
             tl.store(p + 4, nan.to(tl.float64))
             tl.store(p + 5, inf.to(tl.float64))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["row"])
     def _finish_kernel(part_ptr, out_ptr, row, nparts, PARTS: tl.constexpr):
         i = tl.arange(0, PARTS)
         inside = i < nparts
