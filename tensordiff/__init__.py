@@ -38,10 +38,13 @@ def _is_mindspore_cell(obj: Any) -> bool:
 def capture(model: Any, path: str | None = None, steps: int | None = None, *, optimizer: Any = None,
             tensors: str | None = None, inputs: bool = True, grads: bool = True, background: bool = True,
             tensors_max_mb: float | None = None, tensors_match: str | None = None, writer: str | None = None,
-            meta: dict | None = None) -> Any:
+            meta: dict | None = None, graph: bool | None = None, cells: str | None = None) -> Any:
     """Record the first ``steps`` training steps of ``model`` into the HDF5 file ``path``.
 
-    ``model`` is a ``torch.nn.Module`` or a ``mindspore.nn.Cell`` (PyNative mode).
+    ``model`` is a ``torch.nn.Module`` or a ``mindspore.nn.Cell``. MindSpore in GRAPH_MODE (or ``graph=True``, for
+    a ``mindspore.jit`` step run from PyNative) is captured through probes compiled into the graph (CPU backend):
+    cell outputs and their gradients, weights, parameter gradients (through ``optimizer``), the loss; ``cells``,
+    a regex on cell names, narrows the probed cells (default: every cell).
     Returns a context manager with ``step(loss=None)``, ``loss(value)`` and ``close()``
     (MindSpore: also ``grads(grads)`` and ``step(loss, grads=...)`` for the gradients
     ``value_and_grad`` returns, unless ``optimizer`` is given).
@@ -67,6 +70,10 @@ def capture(model: Any, path: str | None = None, steps: int | None = None, *, op
 
             return TorchCapture(model, options, optimizer=optimizer, meta=meta)
         if _is_mindspore_cell(model):
+            from .capturing.mindspore_graph import MindSporeGraphCapture, graph_mode_wanted
+
+            if graph_mode_wanted(graph):
+                return MindSporeGraphCapture(model, options, optimizer=optimizer, meta=meta, cells=cells)
             from .capturing.mindspore import MindSporeCapture
 
             return MindSporeCapture(model, options, optimizer=optimizer, meta=meta)

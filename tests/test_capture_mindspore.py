@@ -120,18 +120,21 @@ def test_cell_called_twice_gets_call_indices(tmp_path):
         assert pg == {"weight", "bias"}
 
 
-def test_graph_mode_is_refused_with_the_fix(tmp_path):
+def test_hook_capture_refuses_graph_mode_and_capture_takes_the_graph_route(tmp_path):
     from tensordiff.capturing.mindspore import MindSporeCapture
+    from tensordiff.capturing.mindspore_graph import MindSporeGraphCapture
     from tensordiff.capturing.options import CaptureOptions
     from tensordiff.errors import UsageError
 
     model = _tiny()
     ms.set_context(mode=ms.GRAPH_MODE)
-    with pytest.raises(UsageError, match=r"GRAPH_MODE.*PYNATIVE_MODE"):
+    with pytest.raises(UsageError, match=r"GRAPH_MODE.*PYNATIVE_MODE"):  # Python hooks never run in a graph
         MindSporeCapture(model, CaptureOptions(path=str(tmp_path / "g.h5")))
-    with pytest.warns(RuntimeWarning, match="GRAPH_MODE"):
-        cap = tensordiff.capture(model, str(tmp_path / "g.h5"))
-    assert not cap.active and not os.path.exists(tmp_path / "g.h5")
+    before = {name: type(c) for name, c in model.cells_and_names()}
+    with tensordiff.capture(model, str(tmp_path / "g.h5")) as cap:
+        assert isinstance(cap, MindSporeGraphCapture) and cap.active
+        assert all(type(c) is not before[name] for name, c in model.cells_and_names() if name == "decoder.layers.0")
+    assert {name: type(c) for name, c in model.cells_and_names()} == before
 
 
 def test_bf16_tensor_stored_losslessly():
@@ -146,7 +149,7 @@ def test_bf16_tensor_stored_losslessly():
     np.testing.assert_array_equal(out, values.astype(ml_dtypes.bfloat16))
 
 
-def test_graph_mode_under_cli_exits_2(tmp_path):
+def test_graph_mode_under_the_cli_is_captured(tmp_path):
     import subprocess
 
     batch = tmp_path / "b.h5"
@@ -162,15 +165,15 @@ def test_graph_mode_under_cli_exits_2(tmp_path):
     model = build(MSGPTConfig())
     save_file({n: p.asnumpy() for n, p in model.parameters_and_names()}, str(ckpt))
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "tensordiff", "capture", "-o", str(tmp_path / "g.h5"), "--",
+    out = tmp_path / "g.h5"
+    proc = subprocess.run([sys.executable, "-m", "tensordiff", "capture", "-o", str(out), "--",
                            sys.executable, os.path.join(ROOT, "examples/megatron_vs_mindformers/mindspore_side.py"),
-                           "--family", "gpt2", "--batch", str(batch), "--load-ckpt", str(ckpt), "--graph-mode",
+                           "--family", "gpt2", "--batch", str(batch), "--load-ckpt", str(ckpt), "--graph",
                            "--train-steps", "1"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("tensordiff: error: ") and "mindspore_side.py" in last
-    assert "GRAPH_MODE" in last and "PYNATIVE_MODE" in last
-    assert "Traceback" not in proc.stderr.split("tensordiff: error")[-1]
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with CaptureFile(str(out)) as c:
+        assert c.attrs["capture_mode"] == "graph" and c.steps == [0]
+        assert any(r.module == "decoder.layers.1.mlp" and r.kind == "output" for r in c.records(0))
 
 
 def test_scalars_for_every_step_after_the_captured_ones(tmp_path):

@@ -8,7 +8,8 @@ Models by ``--family`` (see spec.py): ``gpt2`` -> the hand-written port in ms_gp
 MindFormers ``parallel_core`` ``GPTModel``; ``qwen3`` -> MindFormers ``TrainingQwen3ForCausalLM``;
 ``llama-legacy`` -> the legacy MindFormers ``LlamaForCausalLM``.
 MindFormers runs on the CPU through ``tensordiff.compat.mindformers_cpu``. ``--fault`` injects one
-of the mistakes listed in FAULTS. ``--graph-mode`` runs MindSpore in GRAPH_MODE (capture refuses it).
+of the mistakes listed in FAULTS. ``--graph`` runs MindSpore in GRAPH_MODE: capture then records through probes
+compiled into the graph (tensordiff/capturing/mindspore_graph.py).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     p.add_argument("--train-steps", type=int, default=2)
     p.add_argument("--capture", help="capture file (tensordiff capture -o sets it instead)")
     p.add_argument("--capture-steps", type=int, default=2)
-    p.add_argument("--graph-mode", action="store_true", help="run in GRAPH_MODE (capture cannot hook it)")
+    p.add_argument("--graph", "--graph-mode", dest="graph", action="store_true",
+                   help="run in GRAPH_MODE (capture records through probes compiled into the graph)")
     args = p.parse_args(argv)
     spec = FAMILIES[args.family]
 
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     from tensordiff.batch import load as load_batch
     from tensordiff.ckpt import load as load_checkpoint
 
-    ms.set_context(mode=ms.GRAPH_MODE if args.graph_mode else ms.PYNATIVE_MODE)
+    ms.set_context(mode=ms.GRAPH_MODE if args.graph else ms.PYNATIVE_MODE)
     ms.set_device("CPU")
     ms.set_seed(0)
     state = load_checkpoint(args.load_ckpt)
@@ -101,7 +103,10 @@ def main(argv: list[str] | None = None) -> list[float]:
         model, loss_fn = _mindformers(spec, args.fault, state)
     b = load_batch(args.batch, vocab_size=spec.vocab_size, framework="mindspore")
     opt = ms.nn.SGD(model.trainable_params(), learning_rate=spec.lr)
-    grad_fn = ms.value_and_grad(lambda: loss_fn(b), None, opt.parameters)
+    def batch_loss() -> Any:  # a def, not a lambda: the graph compiler parses it
+        return loss_fn(b)
+
+    grad_fn = ms.value_and_grad(batch_loss, None, opt.parameters)
     losses = []
     with tensordiff.capture(model, args.capture, steps=args.capture_steps, optimizer=opt) as cap:
         for step in range(args.train_steps):

@@ -128,7 +128,7 @@ class MindSporeCapture(Recorder):
     framework = "mindspore"
 
     def __init__(self, cell: Any, options: CaptureOptions, optimizer: Any = None, meta: dict | None = None):
-        check_pynative()
+        self._check_mode()
         self.cell = cell
         self.optimizer = optimizer
         rank, world = 0, 1
@@ -152,8 +152,14 @@ class MindSporeCapture(Recorder):
             params.append((mod, pname, p))
             self._param_ids[id(p)] = (mod, pname)
         classes = {name: type(c).__name__ for name, c in cell.cells_and_names()}
-        super().__init__(MindSporeTensors(), options, path, attrs, params, classes)
+        super().__init__(self._backend(), options, path, attrs, params, classes)
         self._install()
+
+    def _check_mode(self) -> None:
+        check_pynative()
+
+    def _backend(self) -> TensorBackend:
+        return MindSporeTensors()
 
     # public API ---------------------------------------------------------------
     def grads(self, grads: Any, params: Sequence[Any] | None = None) -> None:

@@ -308,7 +308,7 @@ class Recorder:
 
     def _record(self, phase: str, kind: str, module: str, call: int, slot: str, module_class: str, t: Any, *,
                 enter: int = -1, parent: str = "", grad_of: int = -1, grad_kind: str = "", track: bool = True,
-                full: bool | None = None) -> int:
+                full: bool | None = None, same_as: int = -1) -> int:
         seq = self._seq
         self._seq += 1
         dtype, shape = self._t.describe(t)
@@ -322,6 +322,9 @@ class Recorder:
             "has_data": 0, "same_as": -1, "grad_of": grad_of, "enter": enter, "parent": parent,
         }
         self._rows.append(row)
+        if same_as >= 0:  # the adapter knows it is a tensor recorded before (graph mode: the same bytes)
+            row["same_as"] = same_as
+            return seq
         seen = self._seen.get(id(t)) if track else None
         if seen is not None and seen[0]() is t and seen[1] == self._t.version(t):
             row["same_as"] = seen[2]

@@ -53,10 +53,22 @@ def _tensor(rec: Record) -> tuple[int, int]:
     return rec.step, rec.same_as if rec.same_as >= 0 else rec.seq
 
 
-def coverage(rows: list[Row]) -> dict[str, PhaseCoverage]:
+def not_recorded(attrs: dict) -> frozenset[str]:
+    """The record kinds a capture says it never records (a graph-mode MindSpore capture: cell inputs and their
+    gradients), from its ``not_recorded`` attribute."""
+    value = attrs.get("not_recorded", "")
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    return frozenset(k.strip() for k in str(value).split(",") if k.strip()) if isinstance(value, str) else frozenset()
+
+
+def coverage(rows: list[Row], skip_a: frozenset[str] = frozenset(),
+             skip_b: frozenset[str] = frozenset()) -> dict[str, PhaseCoverage]:
     """Per phase, in execution order: records on each side and how many were compared. A record with no
     counterpart of its own counts as compared when its tensor was compared under another record of the same
-    side (a cell's output that is the next module's input: recorded twice, compared once)."""
+    side (a cell's output that is the next module's input: recorded twice, compared once). A's records of a kind
+    that B says it never records (``skip_b``: B's ``not_recorded``), and the reverse, are accounted for as such
+    (``not_recorded_a`` / ``_b``), named in the report, not left as "only in"."""
     seen_a = {_tensor(r.pair.a) for r in rows if r.verdict in COMPARED and r.pair.a is not None}
     seen_b = {_tensor(x) for r in rows if r.verdict in COMPARED for x in r.pair.b_records}
     out = {phase: PhaseCoverage(phase) for phase in PHASES}
@@ -80,6 +92,12 @@ def coverage(rows: list[Row]) -> dict[str, PhaseCoverage]:
                 cov.compared_b += 1
                 cov.linked_b += 1
                 row.linked = True
+            elif a is not None and a.kind in skip_b:
+                cov.not_recorded_a += 1
+                row.not_recorded = True
+            elif b is not None and b.kind in skip_a:
+                cov.not_recorded_b += 1
+                row.not_recorded = True
             else:
                 cov.only_a += a is not None
                 cov.only_b += b is not None

@@ -20,7 +20,7 @@ from ..store import CaptureFile, MergedCapture, open_capture
 from ..store.fanout import ENV_JOBS
 from .align import Pair, align_step
 from .autoselect import pick_mapping
-from .coverage import coverage, judge_outcome, mark_uncertain
+from .coverage import coverage, judge_outcome, mark_uncertain, not_recorded
 from .divergence import find_first_divergence
 from .judge import Measured, compare_pair, compute_dtype, measure_pair, tensor_key
 from .reference import judge_against_reference
@@ -82,7 +82,8 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         if options.reference:
             judge_against_reference(rows, ca, cb, common, options)
         mark_uncertain(rows)
-        covered = coverage(rows)  # also marks the records compared under another record of their side (Row.linked)
+        # also marks the records compared under another record of their side (Row.linked)
+        covered = coverage(rows, not_recorded(ca.attrs), not_recorded(cb.attrs))
         first = find_first_divergence(rows, records_a, options.jump, records_b)
         result = DiffResult(
             path_a=path_a, path_b=path_b, attrs_a=dict(ca.attrs), attrs_b=dict(cb.attrs), rows=rows, steps=common,

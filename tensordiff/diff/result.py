@@ -88,6 +88,8 @@ class Row:
     """Three-way mode: relative L2 of A against the reference."""
     linked: bool = False
     """An unmatched record whose tensor was compared under another record of its side (set by ``coverage``)."""
+    not_recorded: bool = False
+    """An unmatched record of a kind the other side never records (its ``not_recorded``; set by ``coverage``)."""
 
     @property
     def err(self) -> float:
@@ -110,6 +112,10 @@ class PhaseCoverage:
     only_a: int = 0
     """A's records with no counterpart whose tensor was not compared anywhere."""
     only_b: int = 0
+    not_recorded_a: int = 0
+    """A's records with no counterpart of a kind B says it never records (``not_recorded``: a graph-mode capture's
+    cell inputs): accounted for, and said in the report."""
+    not_recorded_b: int = 0
     shape: int = 0
     """Pairs found but not compared: their shapes differ once B is in A's layout."""
     stats_only: int = 0

@@ -67,8 +67,10 @@ class DiffReport:
             for reason in res.reasons:
                 yield Text(f"  - {reason}", style="tensordiff.unmatched")
         else:
-            yield Text("No divergence: every record of both runs was compared, or ignored on purpose by the mapping, "
-                       "and every pair is within its tolerance.", style="tensordiff.ok")
+            skipped = any(c.not_recorded_a or c.not_recorded_b for c in res.coverage.values())
+            yield Text("No divergence: every record of both runs was compared, or ignored on purpose by the mapping"
+                       + (", or is of a kind the other side never records (graph mode: cell inputs)" if skipped else "")
+                       + ", and every pair is within its tolerance.", style="tensordiff.ok")
 
     def _table(self, step: int, phase: str, rows: list[Row], first_key: Any, width: int) -> Table | Group:
         wide = width >= 110
@@ -98,10 +100,13 @@ class DiffReport:
             table.caption_justify = "left"
         unmatched: dict[str, list[Row]] = {"A": [], "B": []}
         linked: list[Row] = []
+        skipped_kinds: dict[str, list[Row]] = {"A": [], "B": []}
         if self.max_rows > 0:  # one line per side for the records with no counterpart (--max-rows 0 lists them)
             for row in rows:
                 if row.verdict == "unmatched" and row.linked:
                     linked.append(row)
+                elif row.verdict == "unmatched" and row.not_recorded:
+                    skipped_kinds["A" if row.pair.a is not None else "B"].append(row)
                 elif row.verdict == "unmatched":
                     unmatched["A" if row.pair.a is not None else "B"].append(row)
             rows = [r for r in rows if r.verdict != "unmatched"]
@@ -173,6 +178,12 @@ class DiffReport:
         if linked:
             notes.append(Text(f"    {plural(len(linked), 'record', 'records')} recorded again under another name, compared "
                               "there (--max-rows 0 lists them)", style="tensordiff.dim"))
+        for side, lost in skipped_kinds.items():
+            if lost:
+                other = "B" if side == "A" else "A"
+                kinds = sorted({(r.pair.a or r.pair.b).kind for r in lost})  # type: ignore[union-attr]
+                notes.append(Text(f"    {side}'s {plural(len(lost), 'record', 'records')} of kind {', '.join(kinds)}: {other} "
+                                  "never records these (a graph-mode capture), not compared", style="tensordiff.dim"))
         return Group(table, *notes) if notes else table
 
     def _hints(self) -> RenderResult:
@@ -220,6 +231,10 @@ class DiffReport:
         linked = sum(c.linked_a + c.linked_b for c in res.coverage.values())
         if linked:
             text.append(f" ({linked} more recorded again under another name, compared there)", style="tensordiff.dim")
+        skipped = [sum(getattr(c, f"not_recorded_{s}") for c in res.coverage.values()) for s in "ab"]
+        if any(skipped):
+            text.append(f"; not recorded by the other side on purpose (graph mode: cell inputs): {skipped[0]} of A's, "
+                        f"{skipped[1]} of B's", style="tensordiff.dim")
         if res.count("drift"):
             text.append(f", {res.count('drift')} drifted without effect", style="tensordiff.drift")
         if res.count("shape"):
@@ -250,7 +265,7 @@ class DiffReport:
             a, b = row.pair.a, row.pair.b
             rows.append({
                 "step": row.step, "phase": row.phase, "verdict": row.verdict, "how": row.pair.how or None,
-                "linked": row.linked, "stand_in": row.pair.stand_in or None,
+                "linked": row.linked, "not_recorded": row.not_recorded, "stand_in": row.pair.stand_in or None,
                 "a": a.label if a else None, "b": b.label if b else None,
                 "module_a": a.module if a else None, "module_b": b.module if b else None,
                 "kind": (a or b).kind, "slot": (a or b).slot,  # type: ignore[union-attr]
@@ -269,7 +284,9 @@ class DiffReport:
                         "only_a": len(res.unmatched("a")), "only_b": len(res.unmatched("b")),
                         "shape_mismatch": res.count("shape"), "skipped": res.count("skipped"),
                         "steps_only_a": res.only_a_steps, "steps_only_b": res.only_b_steps,
-                        "uncertain": res.count("uncertain")},
+                        "uncertain": res.count("uncertain"),
+                        "not_recorded_a": sum(c.not_recorded_a for c in res.coverage.values()),
+                        "not_recorded_b": sum(c.not_recorded_b for c in res.coverage.values())},
             "first_divergence": res.first.as_dict() if res.first else None,
             "outcome": res.outcome, "exit_code": res.exit_code, "inconclusive_reasons": res.reasons,
             "mapping_note": res.mapping_note or None,
