@@ -103,14 +103,14 @@ def main(argv: list[str] | None = None) -> list[float]:
         model, loss_fn = _mindformers(spec, args.fault, state)
     b = load_batch(args.batch, vocab_size=spec.vocab_size, framework="mindspore")
     opt = ms.nn.SGD(model.trainable_params(), learning_rate=spec.lr)
-    def batch_loss() -> Any:  # a def, not a lambda: the graph compiler parses it
-        return loss_fn(b)
+    def batch_loss(batch: dict) -> Any:  # a def, not a lambda: the graph compiler parses it; the batch an argument,
+        return loss_fn(batch)           # as a data loader feeds it (a constant of the graph may be folded away)
 
     grad_fn = ms.value_and_grad(batch_loss, None, opt.parameters)
     losses = []
     with tensordiff.capture(model, args.capture, steps=args.capture_steps, optimizer=opt) as cap:
         for step in range(args.train_steps):
-            loss, grads = grad_fn()
+            loss, grads = grad_fn(ms.mutable(b))  # mutable: tensors of the graph, not constants folded in
             opt(grads)
             cap.step(loss)
             losses.append(float(loss))

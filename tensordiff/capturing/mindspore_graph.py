@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import os
 import re
 import threading
@@ -44,98 +45,162 @@ from mindspore import Tensor, ops
 from ..errors import UsageError
 from .mindspore import MindSporeCapture, MindSporeTensors, numpy_stats
 
-NOT_RECORDED = ("input", "grad_input")  # kinds a graph-mode capture never records
-MAX_SLOTS = 16  # probed outputs of one cell (a cell returning more keeps the rest unrecorded)
-_MS_TO_NUMPY = {"Float32": np.float32, "Float64": np.float64, "Float16": np.float16, "Int32": np.int32,
-                "Int64": np.int64, "Int16": np.int16, "Int8": np.int8, "UInt8": np.uint8, "Bool": np.bool_}
-
-
 _FLOATS = (ms.float32, ms.float16, ms.bfloat16, ms.float64)
+
+# A probe's tag says what it records: ((cell id * STRIDE + local) * 2 + scalar flag), local as in TAG_*.
+STRIDE = 1 << 14
+TAG_ARG, TAG_ARG_NESTED, TAG_KW, TAG_KW_NESTED, TAG_OUT, TAG_OUT_NESTED = 0, 256, 1024, 1280, 2048, 2304
+NESTED = 16  # tensors recorded inside one tuple argument or output
+_SLOT_LIMITS = {TAG_ARG: 256, TAG_KW: 256, TAG_OUT: 256}
 
 
 def _first(*items: Any) -> Any:
     return items[0]
 
 
-class _Probe:
-    """One recording point: a side-effecting ``pyfunc`` op that hands its input to ``sink`` and a gradient
-    probe whose backward hands the incoming gradient to ``grad_sink``."""
-
-    def __init__(self, sink: Callable[[np.ndarray], None], grad_sink: Callable[[np.ndarray], None] | None):
-        self.dtypes: list[Any] = []  # the MindSpore dtype seen at compile time: scalars arrive as Python floats
-
-        def infer_dtype(dtype: Any) -> Any:
-            self.dtypes.append(dtype)
-            return dtype
-
-        def record(x: Any) -> Any:
-            sink(self._array(x))
-            return x
-
-        self.record = ops.Custom(record, out_shape=_first, out_dtype=infer_dtype, func_type="pyfunc")
-        self.record.add_prim_attr("side_effect_io", True)
-        self.grad: Any = None
-        if grad_sink is not None:
-            def record_grad(d: Any) -> Any:
-                grad_sink(self._array(d))
-                return d
-
-            grad_op = ops.Custom(record_grad, out_shape=_first, out_dtype=_first, func_type="pyfunc")
-
-            def bprop(x: Any, out: Any, dout: Any) -> Any:
-                return (grad_op(dout),)
-
-            def identity(x: Any) -> Any:  # a function of its own: ops with one function are one op to the compiler
-                return x
-
-            self.grad = ops.Custom(identity, out_shape=_first, out_dtype=_first, func_type="pyfunc", bprop=bprop)
-
-    def _array(self, x: Any) -> np.ndarray:
-        if isinstance(x, np.ndarray):
-            return x
-        dtype = _MS_TO_NUMPY.get(str(self.dtypes[-1]).removeprefix("Tensor[").rstrip("]")) if self.dtypes else None
-        return np.asarray(x, dtype=dtype)
+def record(ops_: tuple, cell: int, local: int, x: Any) -> None:
+    """Graph code: hand ``x`` to the record probe under its tag (a 0-d tensor as one element: the host callback
+    would get a Python float)."""
+    if x.ndim == 0:
+        ops_[0](x.reshape((1,)), Tensor((cell * STRIDE + local) * 2 + 1, ms.int32))
+    else:
+        ops_[0](x, Tensor((cell * STRIDE + local) * 2, ms.int32))
 
 
-def probe_outputs(records: tuple, grads: tuple, out: Any) -> Any:
-    """Graph code: record each tensor of ``out`` (a tensor, or a tuple of tensors and other values) and return it
-    through its gradient probe (a float tensor) or as it is."""
+def through_grad(ops_: tuple, cell: int, local: int, x: Any) -> Any:
+    """Graph code: ``x`` through the gradient probe (its gradient is recorded under the tag) if it is a float tensor."""
+    if x.dtype in _FLOATS:
+        return ops_[1](x, Tensor((cell * STRIDE + local) * 2, ms.int32))
+    return x
+
+
+def probe_args(ops_: tuple, cell: int, args: tuple) -> tuple:
+    """Graph code: record the tensors among a call's positional arguments (one tuple level deep). Their gradients are
+    not probed: a probe here would see only the share of the gradient that flows through this call, where a
+    PyNative tensor hook sees the tensor's whole gradient (a residual input's too)."""
+    out: tuple = ()
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor) and i < 256:
+            record(ops_, cell, TAG_ARG + i, a)
+            out = out + (a,)
+        elif isinstance(a, tuple) and i < 48:
+            for j, b in enumerate(a):
+                if isinstance(b, Tensor) and j < NESTED:
+                    record(ops_, cell, TAG_ARG_NESTED + i * NESTED + j, b)
+            out = out + (a,)
+        else:
+            out = out + (a,)
+    return out
+
+
+def probe_kwargs(ops_: tuple, cell: int, names: tuple, kwargs: dict) -> dict:
+    """Graph code: the same for keyword arguments named in the cell's ``construct`` signature."""
+    out = {}
+    for k, v in kwargs.items():
+        if isinstance(v, Tensor) and k in names:
+            record(ops_, cell, TAG_KW + names.index(k), v)
+            out[k] = v
+        elif isinstance(v, tuple) and k in names:
+            for j, b in enumerate(v):
+                if isinstance(b, Tensor) and j < NESTED and names.index(k) < 48:
+                    record(ops_, cell, TAG_KW_NESTED + names.index(k) * NESTED + j, b)
+            out[k] = v
+        else:
+            out[k] = v
+    return out
+
+
+def probe_outputs(ops_: tuple, cell: int, out: Any) -> Any:
+    """Graph code: record each tensor of ``out`` (a tensor, or a tuple of tensors, tuples and other values) and
+    return it, float tensors through their gradient probes."""
     if isinstance(out, Tensor):
-        records[0](out)
-        if ops.is_floating_point(out):
-            return grads[0](out)
-        return out
+        record(ops_, cell, TAG_OUT, out)
+        return through_grad(ops_, cell, TAG_OUT, out)
     if isinstance(out, tuple):
         for i, o in enumerate(out):
-            if isinstance(o, Tensor) and i < len(records):
-                records[i](o)
-        return tuple(grads[i](o) if isinstance(o, Tensor) and i < len(grads) and o.dtype in _FLOATS else o
+            if isinstance(o, Tensor) and i < 256:
+                record(ops_, cell, TAG_OUT + i, o)
+            elif isinstance(o, tuple) and i < 16:
+                for j, b in enumerate(o):
+                    if isinstance(b, Tensor) and j < NESTED:
+                        record(ops_, cell, TAG_OUT_NESTED + i * NESTED + j, b)
+        return tuple(through_grad(ops_, cell, TAG_OUT + i, o) if isinstance(o, Tensor) and i < 256 else o
                      for i, o in enumerate(out))
     return out
 
 
-def record_all(records: tuple, values: Any) -> Any:
-    """Graph code: record each tensor of a tuple (the optimizer's gradients); nothing returned."""
+def record_all(ops_: tuple, cell: int, values: Any) -> Any:
+    """Graph code: record each tensor of a tuple (the optimizer's gradients)."""
     for i, g in enumerate(values):
-        if isinstance(g, Tensor) and i < len(records):
-            records[i](g)
+        if isinstance(g, Tensor) and i < STRIDE:
+            record(ops_, cell, i, g)
     return values
 
 
 def _probed_cell_class(cls: Any, tag: str) -> type:
     def construct(self: Any, *args: Any, **kwargs: Any) -> Any:
+        probes, cell = self._td_probes, self._td_cell
+        args = probe_args(probes, cell, args)
+        kwargs = probe_kwargs(probes, cell, self._td_names, kwargs)
         out = cls.construct(self, *args, **kwargs)
-        return probe_outputs(self._td_records, self._td_grads, out)
+        return probe_outputs(probes, cell, out)
 
     return type(f"{cls.__name__}_TdProbe{tag}", (cls,), {"construct": construct, "__module__": cls.__module__})
 
 
 def _probed_optimizer_class(cls: Any, tag: str) -> type:
     def construct(self: Any, gradients: Any, *rest: Any) -> Any:
-        record_all(self._td_records, gradients)
+        record_all(self._td_probes, self._td_cell, gradients)
         return cls.construct(self, gradients, *rest)
 
     return type(f"{cls.__name__}_TdProbe{tag}", (cls,), {"construct": construct, "__module__": cls.__module__})
+
+
+def _make_probes(on_value: Callable[[int, np.ndarray], None], on_grad: Callable[[int, np.ndarray], None]) -> tuple:
+    """The three custom ops of one capture: (record, gradient probe); the gradient probe's backward calls a third.
+    Tags, not op instances, say what is recorded: one op per capture, whatever the model's size (creating a
+    custom op costs ~0.5 ms)."""
+
+    def record_value(x: np.ndarray, tag: np.ndarray) -> np.ndarray:
+        on_value(int(tag), x)
+        return x
+
+    def record_grad(d: np.ndarray, tag: np.ndarray) -> np.ndarray:
+        on_grad(int(tag), d)
+        return d
+
+    def identity(x: np.ndarray, tag: np.ndarray) -> np.ndarray:
+        return x
+
+    rec = ops.Custom(record_value, out_shape=_first, out_dtype=_first, func_type="pyfunc")
+    rec.add_prim_attr("side_effect_io", True)  # runs even when nothing uses what it returns
+    grad_rec = ops.Custom(record_grad, out_shape=_first, out_dtype=_first, func_type="pyfunc")
+
+    def bprop(x: Any, tag: Any, out: Any, dout: Any) -> Any:
+        return grad_rec(dout, tag), ops.zeros_like(tag)
+
+    grad = ops.Custom(identity, out_shape=_first, out_dtype=_first, func_type="pyfunc", bprop=bprop)
+    return rec, grad
+
+
+def decode(tag: int, names: Sequence[str]) -> tuple[str, str, bool]:
+    """(kind 'input' | 'output', slot as a PyNative capture names it, scalar) of a probe's ``tag`` in its cell."""
+    local = (tag >> 1) % STRIDE
+    scalar = bool(tag & 1)
+    if local >= TAG_OUT_NESTED:
+        i, j = divmod(local - TAG_OUT_NESTED, NESTED)
+        return "output", f"{i}.{j}", scalar
+    if local >= TAG_OUT:
+        return "output", str(local - TAG_OUT), scalar
+    if local >= TAG_KW_NESTED:
+        k, j = divmod(local - TAG_KW_NESTED, NESTED)
+        return "input", f"{names[k]}.{j}", scalar
+    if local >= TAG_KW:
+        return "input", names[local - TAG_KW], scalar
+    if local >= TAG_ARG_NESTED:
+        i, j = divmod(local - TAG_ARG_NESTED, NESTED)
+        return "input", f"{i}.{j}", scalar
+    return "input", str(local), scalar
 
 
 def graph_mode_wanted(graph: bool | None = None) -> bool:
@@ -147,6 +212,20 @@ def graph_mode_wanted(graph: bool | None = None) -> bool:
     if flag:
         return flag not in ("0", "false", "no")
     return bool(ms.get_context("mode") == ms.GRAPH_MODE)
+
+
+def _split(name: str) -> tuple[str, str]:
+    module, _, attribute = name.rpartition(".")
+    return module, attribute
+
+
+def _argument_names(cls: Any) -> tuple[str, ...]:
+    """The names ``cls.construct`` takes arguments by (keyword arguments are recorded under them)."""
+    try:
+        params = inspect.signature(cls.construct).parameters
+    except (TypeError, ValueError):
+        return ()
+    return tuple(n for n, p in params.items() if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
 def bump_graph_cache(cell: Any) -> None:
@@ -195,11 +274,14 @@ class MindSporeGraphCapture(MindSporeCapture):
                              f"device target is {target}: capture it in PyNative mode, or run the graph on the CPU")
         self._pattern = re.compile(cells) if cells else None
         self._lock = threading.RLock()
-        self._swapped: list[tuple[Any, type, tuple[str, ...]]] = []
-        self._fwd_seqs: dict[tuple[str, str], list[int]] = defaultdict(list)
-        self._bwd_counts: dict[tuple[str, str], int] = defaultdict(int)
-        self._out_calls: dict[tuple[str, str], int] = defaultdict(int)
-        meta = {**(meta or {}), "capture_mode": "graph", "not_recorded": ",".join(NOT_RECORDED)}
+        self._swapped: list[tuple[Any, type]] = []
+        self._probed: list[tuple[str, tuple[str, ...]]] = []  # cell id -> (cell name, construct's argument names)
+        self._owners: list[tuple[str, str]] = []  # the optimizer's parameters: (module, attribute)
+        self._fwd_seqs: dict[tuple[str, str, str], list[int]] = defaultdict(list)
+        self._bwd_counts: dict[tuple[str, str, str], int] = defaultdict(int)
+        self._calls_of: dict[tuple[str, str, str], int] = defaultdict(int)
+        skipped = ["grad_input"] if options.inputs else ["input", "grad_input"]
+        meta = {**(meta or {}), "capture_mode": "graph", "not_recorded": ",".join(skipped)}
         if cells:
             meta["cells"] = cells
         super().__init__(cell, options, optimizer=optimizer, meta=meta)
@@ -214,96 +296,88 @@ class MindSporeGraphCapture(MindSporeCapture):
         return GraphTensors()
 
     def _install(self) -> None:
+        probes = _make_probes(self._on_value, self._on_grad)
         for name, c in self.cell.cells_and_names():
             if type(c).construct is ms.nn.Cell.construct or isinstance(c, (ms.nn.CellList, ms.nn.CellDict)):
                 continue  # containers are never called
             if self._pattern is not None and name and not self._pattern.search(name):
                 continue
-            probes = [_Probe(self._sink(name, str(i)), self._grad_sink(name, str(i))) for i in range(MAX_SLOTS)]
-            self._swap(c, _probed_cell_class(type(c), str(len(self._swapped))),
-                       tuple(p.record for p in probes), tuple(p.grad for p in probes))
+            self._swap(c, _probed_cell_class(type(c), str(len(self._probed))), probes, _argument_names(type(c)))
+            self._probed.append((name, _argument_names(type(c))))
         if self.optimizer is not None:
-            owners = [self._param_ids.get(id(p)) or tuple(p.name.rpartition(".")[::2]) for p in self.optimizer.parameters]
-            probes = [_Probe(self._param_grad_sink(mod, pname), None) for mod, pname in owners]
-            self._swap(self.optimizer, _probed_optimizer_class(type(self.optimizer), "opt"),
-                       tuple(p.record for p in probes), ())
+            self._owners = [self._param_ids.get(id(p)) or _split(p.name) for p in self.optimizer.parameters]
+            self._swap(self.optimizer, _probed_optimizer_class(type(self.optimizer), "opt"), probes, ())
+            self._probed.append(("", ()))  # the optimizer's id: its tags are parameter indices
         bump_graph_cache(self.cell)
 
-    def _swap(self, c: Any, cls: type, records: tuple, grads: tuple) -> None:
+    def _swap(self, c: Any, cls: type, probes: tuple, names: tuple[str, ...]) -> None:
         original = type(c)
-        object.__setattr__(c, "_td_records", records)
-        object.__setattr__(c, "_td_grads", grads)
+        object.__setattr__(c, "_td_probes", probes)
+        object.__setattr__(c, "_td_cell", len(self._probed))
+        object.__setattr__(c, "_td_names", names)
         c.__class__ = cls
-        self._swapped.append((c, original, ("_td_records", "_td_grads")))
+        self._swapped.append((c, original))
 
     def _remove_framework_hooks(self) -> None:
         if not self._swapped:
             return
-        for c, original, attrs in reversed(self._swapped):
+        for c, original in reversed(self._swapped):
             c.__class__ = original
-            for attr in attrs:
+            for attr in ("_td_probes", "_td_cell", "_td_names"):
                 if attr in c.__dict__:
                     object.__delattr__(c, attr)
         self._swapped.clear()
         bump_graph_cache(self.cell)
 
     # probe callbacks (MindSpore's runtime threads) ------------------------------
-    def _sink(self, module: str, slot: str) -> Callable[[np.ndarray], None]:
-        parent = module.rpartition(".")[0] if module else ""
-        cls = self._classes.get(module, "")
-
-        def sink(x: np.ndarray) -> None:
-            with self._lock:
-                if not self.active or not self._in_step:
-                    return
-                try:
-                    key = (module, slot)
-                    call = self._out_calls[key]
-                    self._out_calls[key] += 1
-                    seq = self._record("forward", "output", module, call, slot, cls, x, parent=parent, track=False,
-                                       same_as=self._same_bytes("forward", x))
-                    self._fwd_seqs[key].append(seq)
-                except Exception as err:
-                    self._fail(err)
-
-        return sink
-
-    def _grad_sink(self, module: str, slot: str) -> Callable[[np.ndarray], None]:
-        parent = module.rpartition(".")[0] if module else ""
-        cls = self._classes.get(module, "")
-
-        def sink(d: np.ndarray) -> None:
-            with self._lock:
-                if not self.active or not self._in_step or not self.options.grads:
-                    return
-                try:
-                    key = (module, slot)
-                    fwd = self._fwd_seqs.get(key, [])
-                    k = self._bwd_counts[key]
-                    self._bwd_counts[key] += 1
-                    of = fwd[len(fwd) - 1 - k] if k < len(fwd) else -1  # backward visits the calls in reverse
-                    call = self._rows[of]["call"] if of >= 0 else k
-                    self._record("backward", "grad_output", module, call, slot, cls, d, parent=parent, grad_of=of,
-                                 track=False, same_as=self._same_bytes("backward", d))
-                except Exception as err:
-                    self._fail(err)
-
-        return sink
-
-    def _param_grad_sink(self, module: str, pname: str) -> Callable[[np.ndarray], None]:
-        cls = self._classes.get(module, "")
-
-        def sink(g: np.ndarray) -> None:
-            with self._lock:
-                if not self.active or not self._in_step:
-                    return
-                try:
+    def _on_value(self, tag: int, x: np.ndarray) -> None:
+        with self._lock:
+            if not self.active or not self._in_step:
+                return
+            try:
+                cell = (tag >> 1) // STRIDE
+                module, names = self._probed[cell]
+                if self.optimizer is not None and cell == len(self._probed) - 1:
+                    mod, pname = self._owners[(tag >> 1) % STRIDE]
                     self._grads_taken = True
-                    self._record("param_grad", "grad", module, 0, pname, cls, g, track=False)
-                except Exception as err:
-                    self._fail(err)
+                    self._record("param_grad", "grad", mod, 0, pname, self._classes.get(mod, ""), x, track=False)
+                    return
+                kind, slot, scalar = decode(tag, names)
+                if kind == "input" and not self.options.inputs:
+                    return
+                x = x.reshape(()) if scalar else x
+                key = (module, kind, slot)
+                call = self._calls_of[key]
+                self._calls_of[key] += 1
+                seq = self._record("forward", kind, module, call, slot, self._classes.get(module, ""), x,
+                                   parent=module.rpartition(".")[0] if module else "", track=False,
+                                   same_as=self._same_bytes("forward", x))
+                self._fwd_seqs[key].append(seq)
+            except Exception as err:
+                self._fail(err)
 
-        return sink
+    def _on_grad(self, tag: int, d: np.ndarray) -> None:
+        with self._lock:
+            if not self.active or not self._in_step or not self.options.grads:
+                return
+            try:
+                module, names = self._probed[(tag >> 1) // STRIDE]
+                kind, slot, _ = decode(tag, names)
+                if kind == "input" and not self.options.inputs:
+                    return
+                key = (module, kind, slot)
+                fwd = self._fwd_seqs.get(key, [])
+                k = self._bwd_counts[key]
+                self._bwd_counts[key] += 1
+                of = fwd[len(fwd) - 1 - k] if k < len(fwd) else -1  # backward visits the calls in reverse
+                call = self._rows[of]["call"] if of >= 0 else k
+                if not isinstance(d, np.ndarray):  # a 0-d gradient arrives as a Python number: its value's dtype
+                    d = np.asarray(d, dtype=self._rows[of]["dtype"] if of >= 0 else np.float32)
+                self._record("backward", f"grad_{kind}", module, call, slot, self._classes.get(module, ""), d,
+                             parent=module.rpartition(".")[0] if module else "", grad_of=of, track=False,
+                             same_as=self._same_bytes("backward", d))
+            except Exception as err:
+                self._fail(err)
 
     def _same_bytes(self, phase: str, x: np.ndarray) -> int:
         """The seq of an earlier record of this step and phase holding the same bytes (dtype, shape and a BLAKE2b
@@ -362,7 +436,7 @@ class MindSporeGraphCapture(MindSporeCapture):
         if hasattr(self, "_fwd_seqs"):
             self._fwd_seqs.clear()
             self._bwd_counts.clear()
-            self._out_calls.clear()
+            self._calls_of.clear()
 
     def _set_enters(self) -> None:
         """Where each call was entered, as a PyNative capture has it: the first record of the cells it called

@@ -69,7 +69,8 @@ class DiffReport:
         else:
             skipped = any(c.not_recorded_a or c.not_recorded_b for c in res.coverage.values())
             yield Text("No divergence: every record of both runs was compared, or ignored on purpose by the mapping"
-                       + (", or is of a kind the other side never records (graph mode: cell inputs)" if skipped else "")
+                       + (", or is of a kind the other side never records (graph mode: gradients of cell inputs)"
+                          if skipped else "")
                        + ", and every pair is within its tolerance.", style="tensordiff.ok")
 
     def _table(self, step: int, phase: str, rows: list[Row], first_key: Any, width: int) -> Table | Group:
@@ -233,8 +234,8 @@ class DiffReport:
             text.append(f" ({linked} more recorded again under another name, compared there)", style="tensordiff.dim")
         skipped = [sum(getattr(c, f"not_recorded_{s}") for c in res.coverage.values()) for s in "ab"]
         if any(skipped):
-            text.append(f"; not recorded by the other side on purpose (graph mode: cell inputs): {skipped[0]} of A's, "
-                        f"{skipped[1]} of B's", style="tensordiff.dim")
+            text.append(f"; not recorded by the other side on purpose (graph mode: gradients of cell inputs): "
+                        f"{skipped[0]} of A's, {skipped[1]} of B's", style="tensordiff.dim")
         if res.count("drift"):
             text.append(f", {res.count('drift')} drifted without effect", style="tensordiff.drift")
         if res.count("shape"):
