@@ -13,8 +13,8 @@ What is hooked, and why:
   receives are the step's parameter gradients; its forward hook ends the step.
   Without an optimizer, pass the gradients from ``value_and_grad`` to ``step(grads=...)``.
 
-Graph mode cannot run Python hooks: capture refuses it with a message pointing to
-PyNative. Everything is removed after the last captured step or on exit.
+Graph mode runs no Python hooks: ``tensordiff.capture`` takes ``mindspore_graph.py``'s probes
+there, and this class refuses it. Everything is removed after the last captured step or on exit.
 """
 
 from __future__ import annotations
