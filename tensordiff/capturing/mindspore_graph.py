@@ -50,6 +50,7 @@ _FLOATS = (ms.float32, ms.float16, ms.bfloat16, ms.float64)
 # A probe's tag says what it records: ((cell id * STRIDE + local) * 2 + scalar flag), local as in TAG_*.
 STRIDE = 1 << 14
 TAG_ARG, TAG_ARG_NESTED, TAG_KW, TAG_KW_NESTED, TAG_OUT, TAG_OUT_NESTED = 0, 256, 1024, 1280, 2048, 2304
+INTERNAL = "_tensordiff_internal"  # a cell with this attribute true is never probed
 NESTED = 16  # tensors recorded inside one tuple argument or output
 _SLOT_LIMITS = {TAG_ARG: 256, TAG_KW: 256, TAG_OUT: 256}
 
@@ -300,6 +301,8 @@ class MindSporeGraphCapture(MindSporeCapture):
         for name, c in self.cell.cells_and_names():
             if type(c).construct is ms.nn.Cell.construct or isinstance(c, (ms.nn.CellList, ms.nn.CellDict)):
                 continue  # containers are never called
+            if getattr(c, INTERNAL, False):
+                continue  # a cell standing in for a primitive (tensordiff.compat): not one of the model's cells
             if self._pattern is not None and name and not self._pattern.search(name):
                 continue
             self._swap(c, _probed_cell_class(type(c), str(len(self._probed))), probes, _argument_names(type(c)))
