@@ -183,6 +183,8 @@ class MindSporeCapture(Recorder):
     # hooks --------------------------------------------------------------------
     def _install(self) -> None:
         for name, cell in self.cell.cells_and_names():
+            if getattr(cell, "_tensordiff_internal", False):
+                continue  # a cell standing in for a primitive (tensordiff.compat): not one of the model's cells
             self._handles.append(cell.register_forward_pre_hook(self._make_pre_hook(name), with_kwargs=True))
             self._handles.append(cell.register_forward_hook(self._make_post_hook(name)))
         if self.optimizer is not None:
