@@ -133,15 +133,6 @@ def _morph_call(self, *args):
     return self.__morph_fn__(*args)
 
 
-def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
-               scale_grad_by_freq=False):
-    """``mint.nn.functional.embedding`` as ``ops.gather(weight, input, 0)`` (no options supported)."""
-    if padding_idx is not None or max_norm is not None or scale_grad_by_freq:
-        raise NotImplementedError("mindformers_cpu embedding: padding_idx, max_norm and scale_grad_by_freq "
-                                  "are not supported by the CPU replacement")
-    return _ms().ops.gather(weight, input, 0)
-
-
 def _outer_call(self, input, vec2):
     """``Outer`` as a broadcast product of a column and a row."""
     ops = _ms().ops
@@ -392,7 +383,7 @@ def _fix_embedding() -> list[_Swap]:
     """No Embedding CPU kernel: ``mint.nn.functional.embedding`` becomes a gather."""
     mod = _resolve("embedding", "mindspore.mint.nn.functional")
     _resolve("embedding", "mindspore.mint.nn.functional", "embedding")
-    return [(mod, "embedding", "mindspore.mint.nn.functional.embedding", _embedding)]
+    return [(mod, "embedding", "mindspore.mint.nn.functional.embedding", _graph_impl()["embedding"])]
 
 
 def _fix_outer() -> list[_Swap]:
@@ -558,3 +549,302 @@ def init_mindformers_cpu(seed: int = 0, *, use_legacy: bool = False) -> None:
         ctx = build_mf_context({"use_legacy": bool(use_legacy)})
     if ctx.get_context("use_legacy") is not bool(use_legacy):
         ctx.set_context(use_legacy=bool(use_legacy))
+
+
+# --------------------------------------------------------------------------------------------------
+# graph mode: cell attribute swaps on a built model
+
+GRAPH_FIXES: tuple[str, ...] = ("embedding", "outer", "rms_norm", "flash_attention", "repeat_kv")
+
+# (model, cell, attribute, original object or _MISSING, fix name, dotted path), in swap order.
+_GRAPH_ORIGINALS: list[tuple[Any, Any, str, Any, str, str]] = []
+# The models enable_graph was called on (compared with ``is``).
+_GRAPH_MODELS: list[Any] = []
+# The global fixes enable_graph turned on; turned off again when no model is left.
+_GRAPH_OWNS: set[str] = set()
+_GRAPH_IMPL: dict[str, Any] = {}
+
+
+def _graph_impl() -> dict[str, Any]:
+    """The graph-mode replacements: ``nn.Cell`` composites (and one method) the graph compiler can parse.
+
+    Built once, on first use, so that MindSpore is imported only when needed; the cells reach ``ops`` through
+    this function's closure, which the graph parser resolves.
+    """
+    if _GRAPH_IMPL:
+        return _GRAPH_IMPL
+    import mindspore as ms
+    import numpy as np
+    from mindspore import nn, ops
+
+    fp32_min = float(np.finfo(np.float32).min)
+
+    class RmsNormCPU(nn.Cell):
+        """``RmsNorm``: same math as the PyNative fix; returns ``(y, rstd)``."""
+
+        def __init__(self, epsilon):
+            super().__init__()
+            self.epsilon = epsilon
+
+        def construct(self, x, gamma):
+            axes = tuple(range(x.ndim - gamma.ndim, x.ndim))
+            x32 = ops.cast(x, ms.float32)
+            rstd = ops.rsqrt(ops.mean(ops.square(x32), axes, keep_dims=True) + self.epsilon)
+            y = x32 * rstd * ops.cast(gamma, ms.float32)
+            return ops.cast(y, x.dtype), rstd
+
+    class OuterCPU(nn.Cell):
+        """``Outer``: a column times a row."""
+
+        def construct(self, input, vec2):
+            return ops.reshape(input, (-1, 1)) * ops.reshape(vec2, (1, -1))
+
+    class FlashAttentionCPU(nn.Cell):
+        """``FlashAttentionScore`` as fp32 masked softmax attention: same math as the PyNative fix.
+
+        Layouts BNSD/BSND/BSH/SBH, GQA, sparse modes 0-4 (mask value 1 = masked out). Returns
+        ``(softmax_max, softmax_sum, softmax_out, attention_out)`` like the primitive.
+        """
+
+        def __init__(self, head_num, scale_value, layout, sparse_mode, pre_tokens, next_tokens):
+            super().__init__()
+            self.head_num = head_num
+            self.scale_value = scale_value
+            self.layout = layout
+            self.sparse_mode = sparse_mode
+            self.pre_tokens = pre_tokens
+            self.next_tokens = next_tokens
+
+        def _masked(self, s1, s2, has_mask):
+            """Boolean ``[1, 1, s1, s2]`` of positions the kernel skips (before the explicit mask), or None."""
+            i = ops.reshape(ops.arange(s1), (s1, 1))
+            j = ops.reshape(ops.arange(s2), (1, s2))
+            mode = self.sparse_mode
+            if mode == 0:
+                if not has_mask or (self.pre_tokens >= s1 + s2 and self.next_tokens >= s1 + s2):
+                    return None
+                allowed = ops.logical_and(j - i <= self.next_tokens, i - j <= self.pre_tokens)
+            elif mode == 1:
+                return None
+            elif mode == 2:
+                allowed = j <= i
+            elif mode == 3:
+                allowed = j <= i + (s2 - s1)
+            else:
+                d = j - i - (s2 - s1)
+                allowed = ops.logical_and(d <= self.next_tokens, 0 - d <= self.pre_tokens)
+            return ops.reshape(ops.logical_not(allowed), (1, 1, s1, s2))
+
+        def construct(self, query, key, value, real_shift=None, drop_mask=None, padding_mask=None,
+                      attn_mask=None, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None):
+            if drop_mask is not None or padding_mask is not None or prefix is not None:
+                raise ValueError("mindformers_cpu graph flash_attention: drop_mask, padding_mask and prefix "
+                                 "are not supported")
+            n1 = self.head_num
+            layout = self.layout
+            out_dtype = query.dtype
+            q = ops.cast(query, ms.float32)
+            k = ops.cast(key, ms.float32)
+            v = ops.cast(value, ms.float32)
+            if layout == "BSND":
+                q, k, v = ops.transpose(q, (0, 2, 1, 3)), ops.transpose(k, (0, 2, 1, 3)), ops.transpose(v, (0, 2, 1, 3))
+            elif layout in ("BSH", "SBH"):
+                d = q.shape[-1] // n1
+                perm = (0, 2, 1, 3) if layout == "BSH" else (1, 2, 0, 3)
+                q = ops.transpose(ops.reshape(q, q.shape[:2] + (-1, d)), perm)
+                k = ops.transpose(ops.reshape(k, k.shape[:2] + (-1, d)), perm)
+                v = ops.transpose(ops.reshape(v, v.shape[:2] + (-1, d)), perm)
+            b, s1 = q.shape[0], q.shape[2]
+            n2, s2 = k.shape[1], k.shape[2]
+            if n2 != n1:  # GQA/MQA: query head h uses key/value head h // rep
+                rep = n1 // n2
+                dk = k.shape[-1]
+                k = ops.reshape(ops.broadcast_to(ops.expand_dims(k, 2), (b, n2, rep, s2, dk)), (b, n1, s2, dk))
+                v = ops.reshape(ops.broadcast_to(ops.expand_dims(v, 2), (b, n2, rep, s2, dk)), (b, n1, s2, dk))
+
+            scores = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2)))
+            if real_shift is not None:
+                scores = scores + ops.cast(real_shift, ms.float32)
+            scores = scores * self.scale_value
+
+            mask = self._masked(s1, s2, attn_mask is not None)
+            if attn_mask is not None and self.sparse_mode in (0, 1):
+                explicit = ops.cast(attn_mask, ms.bool_)
+                if explicit.ndim == 2:
+                    explicit = ops.reshape(explicit, (1, 1) + explicit.shape)
+                mask = explicit if mask is None else ops.logical_or(explicit, mask)
+            if mask is not None:
+                scores = ops.masked_fill(scores, ops.broadcast_to(mask, scores.shape),
+                                         ms.Tensor(fp32_min, ms.float32))
+
+            probs = ops.softmax(scores, -1)
+            out = ops.matmul(probs, v)  # [B, N1, S1, D]
+            row_max = ops.stop_gradient(ops.amax(scores, -1, True))
+            row_sum = ops.stop_gradient(ops.sum(ops.exp(scores - row_max), -1, True))
+            if layout == "BSND":
+                out = ops.transpose(out, (0, 2, 1, 3))
+            elif layout == "BSH":
+                out = ops.reshape(ops.transpose(out, (0, 2, 1, 3)), (b, s1, -1))
+            elif layout == "SBH":
+                out = ops.reshape(ops.transpose(out, (2, 0, 1, 3)), (s1, b, -1))
+            softmax_max = ops.tile(row_max, (1, 1, 1, 8))
+            softmax_sum = ops.tile(row_sum, (1, 1, 1, 8))
+            softmax_out = ops.zeros((0,), out_dtype)
+            return softmax_max, softmax_sum, softmax_out, ops.cast(out, out_dtype)
+
+    def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False):
+        """``mint.nn.functional.embedding`` as ``ops.gather(weight, input, 0)`` (no options supported)."""
+        if padding_idx is not None or max_norm is not None or scale_grad_by_freq:
+            raise NotImplementedError("mindformers_cpu embedding: padding_idx, max_norm and scale_grad_by_freq "
+                                      "are not supported by the CPU replacement")
+        return ops.gather(weight, input, 0)
+
+    def repeat_kv(self, x, rep):
+        """``Attention._repeat_kv`` for the ``[S, B, N_kv, D]`` tensors it receives: head ``h`` -> ``h // rep``."""
+        if rep == 1:
+            return x
+        s, b, n_kv, d = x.shape
+        x = ops.broadcast_to(ops.expand_dims(x, 3), (s, b, n_kv, rep, d))
+        return ops.reshape(x, (s, b, n_kv * rep, d))
+
+    _GRAPH_IMPL.update(RmsNormCPU=RmsNormCPU, OuterCPU=OuterCPU, FlashAttentionCPU=FlashAttentionCPU,
+                       embedding=embedding, repeat_kv=repeat_kv)
+    return _GRAPH_IMPL
+
+
+def _graph_cell_for(fix: str, prim: Any) -> Any:
+    """The replacement cell for primitive ``prim`` (checked here, in Python, not at compile time)."""
+    impl = _graph_impl()
+    if fix == "rms_norm":
+        return impl["RmsNormCPU"](float(prim.epsilon))
+    if fix == "outer":
+        return impl["OuterCPU"]()
+    # flash_attention
+    keep_prob = float(prim.keep_prob)
+    if keep_prob != 1.0:
+        raise ValueError(f"mindformers_cpu graph flash_attention: keep_prob must be 1.0 (got {keep_prob}); "
+                         "set attention_dropout=0.0")
+    layout = _layout_name(prim)
+    if layout not in ("BNSD", "BSND", "BSH", "SBH"):
+        raise NotImplementedError(f"mindformers_cpu graph flash_attention: layout {layout} is not supported "
+                                  "(BNSD, BSND, BSH, SBH are); set use_flash_attention=False")
+    sparse_mode = int(prim.sparse_mode)
+    if sparse_mode not in (0, 1, 2, 3, 4):
+        raise NotImplementedError(f"mindformers_cpu graph flash_attention: sparse_mode {sparse_mode} is not "
+                                  "supported")
+    return impl["FlashAttentionCPU"](int(prim.head_num), float(prim.scale_value), layout, sparse_mode,
+                                     int(prim.pre_tokens), int(prim.next_tokens))
+
+
+_GRAPH_PRIMS: dict[str, str] = {  # fix name -> primitive class in gen_ops_prim
+    "outer": "Outer",
+    "rms_norm": "RmsNorm",
+    "flash_attention": "FlashAttentionScore",
+}
+
+
+def _select_graph(fixes: Iterable[str] | None, exclude: Iterable[str]) -> list[str]:
+    if isinstance(fixes, str) or isinstance(exclude, str):
+        raise TypeError("fixes and exclude take a sequence of fix names, not a single string")
+    chosen = list(GRAPH_FIXES) if fixes is None else list(fixes)
+    excluded = set(exclude)
+    unknown = sorted((set(chosen) | excluded) - set(GRAPH_FIXES))
+    if unknown:
+        raise ValueError(f"unknown mindformers_cpu graph fix(es) {unknown}; known: {', '.join(GRAPH_FIXES)}")
+    return [name for name in GRAPH_FIXES if name in chosen and name not in excluded]
+
+
+def enable_graph(model: Any, fixes: Sequence[str] | None = None, exclude: Sequence[str] = ()) -> dict[str, str]:
+    """Make a built MindFormers ``model`` compile and train in GRAPH_MODE (and under ``mindspore.jit``) on the CPU.
+
+    Swaps each Ascend-only primitive attribute of the model's cells for an ``nn.Cell`` composite, gives each
+    ``parallel_core`` ``Attention`` cell a correct ``_repeat_kv`` (``GRAPH_FIXES``, all by default, minus
+    ``exclude``), and turns on the global ``embedding`` fix of ``enable()`` if it is off. The replacements also
+    run in PyNative, with the same numbers. Idempotent: swapped attributes are not swapped again. Every
+    replacement is built before anything is swapped. Returns ``{dotted attribute path: fix name}`` of the
+    swaps this call made.
+    """
+    import types
+
+    wanted = _select_graph(fixes, exclude)
+    classes = {_gen_prim(fix, _GRAPH_PRIMS[fix]): fix for fix in wanted if fix in _GRAPH_PRIMS}
+    attention = None
+    if "repeat_kv" in wanted:
+        attention = _resolve("repeat_kv", "mindformers.parallel_core.training_graph.transformer.attention",
+                             "Attention")
+    impl = _graph_impl()
+    planned = []
+    for path, cell in model.cells_and_names():
+        prefix = f"{path}." if path else ""
+        for attr, value in list(vars(cell).items()):
+            fix = classes.get(type(value))
+            if fix is not None:
+                planned.append((cell, attr, value, fix, prefix + attr, _graph_cell_for(fix, value)))
+        if attention is not None and isinstance(cell, attention) and "_repeat_kv" not in vars(cell):
+            planned.append((cell, "_repeat_kv", _MISSING, "repeat_kv", prefix + "_repeat_kv",
+                            types.MethodType(impl["repeat_kv"], cell)))
+    if "embedding" in wanted and "embedding" not in _ORIGINALS:
+        enable(("embedding",))
+        _GRAPH_OWNS.add("embedding")
+    for cell, attr, original, fix, path, replacement in planned:
+        if original is _MISSING:  # a method: an instance attribute in front of the class's
+            object.__setattr__(cell, attr, replacement)
+        else:  # a primitive: becomes a child cell of the same name
+            del cell.__dict__[attr]
+            cell.insert_child_to_cell(attr, replacement)
+        _GRAPH_ORIGINALS.append((model, cell, attr, original, fix, path))
+    if not any(m is model for m in _GRAPH_MODELS):
+        _GRAPH_MODELS.append(model)
+    return {path: fix for _c, _a, _o, fix, path, _r in planned}
+
+
+def _restore_graph(entries: list[tuple[Any, Any, str, Any, str, str]]) -> None:
+    """Undo ``entries`` (newest first) and drop them from the ledger."""
+    for _model, cell, attr, original, _fix, _path in reversed(entries):
+        if original is _MISSING:
+            del cell.__dict__[attr]
+        else:
+            del cell._cells[attr]
+            object.__setattr__(cell, attr, original)
+    _GRAPH_ORIGINALS[:] = [e for e in _GRAPH_ORIGINALS if not any(e is u for u in entries)]
+
+
+def _release_graph_globals() -> None:
+    if not _GRAPH_MODELS and _GRAPH_OWNS:
+        disable(sorted(_GRAPH_OWNS))
+        _GRAPH_OWNS.clear()
+
+
+def disable_graph(model: Any = None) -> None:
+    """Undo ``enable_graph`` for ``model`` (default: every model): each attribute ``is`` the original again.
+
+    When no model is left, the global fixes that ``enable_graph`` turned on are turned off.
+    """
+    _restore_graph([e for e in _GRAPH_ORIGINALS if model is None or e[0] is model])
+    _GRAPH_MODELS[:] = [m for m in _GRAPH_MODELS if model is not None and m is not model]
+    _release_graph_globals()
+
+
+def graph_swaps(model: Any = None) -> dict[str, str]:
+    """The active graph swaps of ``model`` (default: all models): ``{dotted attribute path: fix name}``."""
+    return {path: fix for owner, _c, _a, _o, fix, path in _GRAPH_ORIGINALS if model is None or owner is model}
+
+
+@contextlib.contextmanager
+def mindformers_cpu_graph(model: Any, fixes: Sequence[str] | None = None,
+                          exclude: Sequence[str] = ()) -> Iterator[dict[str, str]]:
+    """``enable_graph(model, fixes, exclude)`` for the block; on exit the swaps it made are undone.
+
+    Yields the swaps made (``{dotted attribute path: fix name}``).
+    """
+    new_model = not any(m is model for m in _GRAPH_MODELS)
+    start = len(_GRAPH_ORIGINALS)
+    swaps = enable_graph(model, fixes, exclude)
+    added = _GRAPH_ORIGINALS[start:]
+    try:
+        yield swaps
+    finally:
+        _restore_graph(added)
+        if new_model:
+            _GRAPH_MODELS[:] = [m for m in _GRAPH_MODELS if m is not model]
+        _release_graph_globals()
