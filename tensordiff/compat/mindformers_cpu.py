@@ -125,6 +125,183 @@ def _ms():
 
 
 # --------------------------------------------------------------------------------------------------
+# composites: the maths of every replacement, once. Plain MindSpore ops, written so that the graph
+# compiler can parse them (``ops`` is reached through the closure), and used by both the PyNative
+# ``__call__`` swaps and the graph-mode cells.
+
+_COMPOSITES: dict[str, Any] = {}
+_GRAPH_LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")
+
+
+def _composites() -> dict[str, Any]:
+    """Build the composites once, on first use (MindSpore is imported only then)."""
+    if _COMPOSITES:
+        return _COMPOSITES
+    import mindspore as ms
+    import numpy as np
+    from mindspore import nn, ops
+
+    fp32_min = float(np.finfo(np.float32).min)
+
+    def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False):
+        """``mint.nn.functional.embedding`` as ``ops.gather(weight, input, 0)`` (no options supported)."""
+        if padding_idx is not None or max_norm is not None or scale_grad_by_freq:
+            raise NotImplementedError("mindformers_cpu embedding: padding_idx, max_norm and scale_grad_by_freq "
+                                      "are not supported by the CPU replacement")
+        return ops.gather(weight, input, 0)
+
+    def outer(input, vec2):
+        """``Outer`` as a broadcast product of a column and a row."""
+        return ops.reshape(input, (-1, 1)) * ops.reshape(vec2, (1, -1))
+
+    def rms_norm(x, gamma, epsilon):
+        """``y = x * rsqrt(mean(x**2) + eps) * gamma`` over gamma's dims, in fp32; returns ``(y, rstd)``."""
+        axes = tuple(range(x.ndim - gamma.ndim, x.ndim))
+        x32 = ops.cast(x, ms.float32)
+        rstd = ops.rsqrt(ops.mean(ops.square(x32), axes, keep_dims=True) + epsilon)
+        y = x32 * rstd * ops.cast(gamma, ms.float32)
+        return ops.cast(y, x.dtype), rstd
+
+    def repeat_kv(self, x, rep):
+        """``Attention._repeat_kv`` for the ``[S, B, N_kv, D]`` tensors it actually receives: head ``h`` -> ``h // rep``."""
+        if rep == 1:
+            return x
+        s, b, n_kv, d = x.shape
+        x = ops.broadcast_to(ops.expand_dims(x, 3), (s, b, n_kv, rep, d))
+        return ops.reshape(x, (s, b, n_kv * rep, d))
+
+    def band_mask(s1, s2, sparse_mode, pre_tokens, next_tokens, has_mask):
+        """Boolean ``[1, 1, s1, s2]``, True where FlashAttentionScore skips a position (before the explicit
+        mask), or None."""
+        i = ops.reshape(ops.arange(s1), (s1, 1))
+        j = ops.reshape(ops.arange(s2), (1, s2))
+        if sparse_mode == 0:  # defaultMask: the band applies only when a mask is passed (left-up aligned)
+            if not has_mask or (pre_tokens >= s1 + s2 and next_tokens >= s1 + s2):
+                return None
+            allowed = ops.logical_and(j - i <= next_tokens, i - j <= pre_tokens)
+        elif sparse_mode == 1:  # allMask: the full mask alone
+            return None
+        elif sparse_mode == 2:  # leftUpCausal
+            allowed = j <= i
+        elif sparse_mode == 3:  # rightDownCausal
+            allowed = j <= i + (s2 - s1)
+        else:  # 4: band, right-down aligned
+            d = j - i - (s2 - s1)
+            allowed = ops.logical_and(d <= next_tokens, 0 - d <= pre_tokens)
+        return ops.reshape(ops.logical_not(allowed), (1, 1, s1, s2))
+
+    def attend(q, k, v, real_shift, mask, scale):
+        """fp32 ``softmax(scale * (q k^T + real_shift), masked) v`` on ``[B, N, S, D]``, GQA by head repetition.
+
+        ``mask``: True = masked out. Returns ``(out, row_max, row_sum)``; the row max and row sum of exp carry
+        no gradient.
+        """
+        b, n1 = q.shape[0], q.shape[1]
+        n2, s2, d = k.shape[1], k.shape[2], k.shape[3]
+        if n2 != n1:  # GQA/MQA: query head h uses key/value head h // rep
+            rep = n1 // n2
+            k = ops.reshape(ops.broadcast_to(ops.expand_dims(k, 2), (b, n2, rep, s2, d)), (b, n1, s2, d))
+            v = ops.reshape(ops.broadcast_to(ops.expand_dims(v, 2), (b, n2, rep, s2, d)), (b, n1, s2, d))
+        scores = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2)))
+        if real_shift is not None:
+            scores = scores + ops.cast(real_shift, ms.float32)
+        scores = scores * scale
+        if mask is not None:
+            scores = ops.masked_fill(scores, ops.broadcast_to(mask, scores.shape), ms.Tensor(fp32_min, ms.float32))
+        probs = ops.softmax(scores, -1)
+        out = ops.matmul(probs, v)
+        row_max = ops.stop_gradient(ops.amax(scores, -1, True))
+        row_sum = ops.stop_gradient(ops.sum(ops.exp(scores - row_max), -1, True))
+        return out, row_max, row_sum
+
+    def to_bnsd(t, layout, head_dim):
+        """A BNSD/BSND/BSH/SBH tensor as fp32 ``[B, N, S, D]``."""
+        t = ops.cast(t, ms.float32)
+        if layout == "BSND":
+            return ops.transpose(t, (0, 2, 1, 3))
+        if layout == "BSH":
+            return ops.transpose(ops.reshape(t, t.shape[:2] + (-1, head_dim)), (0, 2, 1, 3))
+        if layout == "SBH":
+            return ops.transpose(ops.reshape(t, t.shape[:2] + (-1, head_dim)), (1, 2, 0, 3))
+        return t
+
+    def from_bnsd(out, layout):
+        """``[B, N, S, D]`` back to ``layout`` (BNSD/BSND/BSH/SBH)."""
+        if layout == "BSND":
+            return ops.transpose(out, (0, 2, 1, 3))
+        if layout == "BSH":
+            return ops.reshape(ops.transpose(out, (0, 2, 1, 3)), (out.shape[0], out.shape[2], -1))
+        if layout == "SBH":
+            return ops.reshape(ops.transpose(out, (2, 0, 1, 3)), (out.shape[2], out.shape[0], -1))
+        return out
+
+    def flash_attention(query, key, value, real_shift, attn_mask, head_num, scale, layout, sparse_mode,
+                        pre_tokens, next_tokens):
+        """``FlashAttentionScore`` for the BNSD/BSND/BSH/SBH layouts; mask value 1/True = masked out.
+
+        Returns ``(softmax_max, softmax_sum, softmax_out, attention_out)`` like the primitive: row max and row sum
+        repeated 8 times on the last axis, ``softmax_out`` an empty placeholder.
+        """
+        head_dim = query.shape[-1] // head_num
+        q = to_bnsd(query, layout, head_dim)
+        k = to_bnsd(key, layout, head_dim)
+        v = to_bnsd(value, layout, head_dim)
+        if q.shape[1] != head_num or head_num % k.shape[1]:
+            raise ValueError("FlashAttentionScore: head_num does not fit the query or the key/value heads")
+        s1, s2 = q.shape[2], k.shape[2]
+        mask = band_mask(s1, s2, sparse_mode, pre_tokens, next_tokens, attn_mask is not None)
+        if attn_mask is not None and sparse_mode in (0, 1):
+            explicit = ops.cast(attn_mask, ms.bool_)
+            if explicit.ndim == 2:
+                explicit = ops.reshape(explicit, (1, 1) + explicit.shape)
+            mask = explicit if mask is None else ops.logical_or(explicit, mask)
+        out, row_max, row_sum = attend(q, k, v, real_shift, mask, scale)
+        return (ops.tile(row_max, (1, 1, 1, 8)), ops.tile(row_sum, (1, 1, 1, 8)), ops.zeros((0,), query.dtype),
+                ops.cast(from_bnsd(out, layout), query.dtype))
+
+    class RmsNormCPU(nn.Cell):
+        """Graph-mode ``RmsNorm``: ``(y, rstd)``."""
+
+        def __init__(self, epsilon):
+            super().__init__()
+            self.epsilon = epsilon
+
+        def construct(self, x, gamma):
+            return rms_norm(x, gamma, self.epsilon)
+
+    class OuterCPU(nn.Cell):
+        """Graph-mode ``Outer``."""
+
+        def construct(self, input, vec2):
+            return outer(input, vec2)
+
+    class FlashAttentionCPU(nn.Cell):
+        """Graph-mode ``FlashAttentionScore`` (BNSD/BSND/BSH/SBH); the primitive's attributes are copied."""
+
+        def __init__(self, head_num, scale_value, layout, sparse_mode, pre_tokens, next_tokens):
+            super().__init__()
+            self.head_num = head_num
+            self.scale_value = scale_value
+            self.layout = layout
+            self.sparse_mode = sparse_mode
+            self.pre_tokens = pre_tokens
+            self.next_tokens = next_tokens
+
+        def construct(self, query, key, value, real_shift=None, drop_mask=None, padding_mask=None,
+                      attn_mask=None, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None):
+            if drop_mask is not None or padding_mask is not None or prefix is not None:
+                raise ValueError("mindformers_cpu flash_attention: drop_mask, padding_mask and prefix are not "
+                                 "supported")
+            return flash_attention(query, key, value, real_shift, attn_mask, self.head_num, self.scale_value,
+                                   self.layout, self.sparse_mode, self.pre_tokens, self.next_tokens)
+
+    _COMPOSITES.update(embedding=embedding, outer=outer, rms_norm=rms_norm, repeat_kv=repeat_kv,
+                       band_mask=band_mask, attend=attend, flash_attention=flash_attention,
+                       RmsNormCPU=RmsNormCPU, OuterCPU=OuterCPU, FlashAttentionCPU=FlashAttentionCPU)
+    return _COMPOSITES
+
+
+# --------------------------------------------------------------------------------------------------
 # replacements (module level so that they are the same objects across enable/disable cycles)
 
 
@@ -135,19 +312,12 @@ def _morph_call(self, *args):
 
 def _outer_call(self, input, vec2):
     """``Outer`` as a broadcast product of a column and a row."""
-    ops = _ms().ops
-    return ops.reshape(input, (-1, 1)) * ops.reshape(vec2, (1, -1))
+    return _composites()["outer"](input, vec2)
 
 
 def _rms_norm_call(self, x, gamma):
-    """``RmsNorm``: ``y = x * rsqrt(mean(x**2) + eps) * gamma`` over gamma's dims, in fp32; returns ``(y, rstd)``."""
-    ms = _ms()
-    ops = ms.ops
-    axes = tuple(range(x.ndim - gamma.ndim, x.ndim))
-    x32 = ops.cast(x, ms.float32)
-    rstd = ops.rsqrt(ops.mean(ops.square(x32), axes, keep_dims=True) + self.epsilon)
-    y = x32 * rstd * ops.cast(gamma, ms.float32)
-    return ops.cast(y, x.dtype), rstd
+    """``RmsNorm``: ``y = x * rsqrt(mean(x**2) + eps) * gamma`` in fp32; returns ``(y, rstd)``."""
+    return _composites()["rms_norm"](x, gamma, self.epsilon)
 
 
 _ONE_HOT: dict[int, Any] = {}
@@ -197,16 +367,6 @@ def _split_with_size_call(self, input, split_size, dim=0):
     return tuple(out)
 
 
-def _repeat_kv(self, x, rep):
-    """``Attention._repeat_kv`` for the ``[S, B, N_kv, D]`` tensors it actually receives: head ``h`` -> ``h // rep``."""
-    if rep == 1:
-        return x
-    ops = _ms().ops
-    s, b, n_kv, d = x.shape
-    x = ops.broadcast_to(ops.expand_dims(x, 3), (s, b, n_kv, rep, d))
-    return ops.reshape(x, (s, b, n_kv * rep, d))
-
-
 # ---- flash attention -----------------------------------------------------------------------------
 
 _INT_MAX = 2147483647
@@ -237,28 +397,6 @@ def _as_ints(value, what: str) -> list[int]:
     return [int(v) for v in list(value)]
 
 
-def _allowed(s1: int, s2: int, sparse_mode: int, pre_tokens: int, next_tokens: int, has_mask: bool):
-    """Boolean ``[s1, s2]`` numpy array of positions the kernel computes (before the explicit mask), or None."""
-    import numpy as np
-
-    i = np.arange(s1)[:, None]
-    j = np.arange(s2)[None, :]
-    if sparse_mode == 0:  # defaultMask: the band applies only when a mask is passed (left-up aligned)
-        if not has_mask or (pre_tokens >= s1 + s2 and next_tokens >= s1 + s2):
-            return None
-        return (j - i <= next_tokens) & (i - j <= pre_tokens)
-    if sparse_mode == 1:  # allMask: the full mask alone
-        return None
-    if sparse_mode == 2:  # leftUpCausal
-        return j <= i
-    if sparse_mode == 3:  # rightDownCausal
-        return j <= i + (s2 - s1)
-    if sparse_mode == 4:  # band, right-down aligned
-        d = j - i - (s2 - s1)
-        return (d <= next_tokens) & (-d <= pre_tokens)
-    raise NotImplementedError(f"mindformers_cpu flash_attention: sparse_mode {sparse_mode} is not supported")
-
-
 def _flash_attention_call(self, query, key, value, real_shift=None, drop_mask=None, padding_mask=None,
                           attn_mask=None, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None):
     """``FlashAttentionScore`` as fp32 ``softmax(scale * (q k^T + real_shift), masked) v``.
@@ -271,6 +409,7 @@ def _flash_attention_call(self, query, key, value, real_shift=None, drop_mask=No
 
     ms = _ms()
     ops = ms.ops
+    comp = _composites()
     keep_prob = float(self.keep_prob)
     if keep_prob != 1.0 or drop_mask is not None:
         raise ValueError(f"mindformers_cpu flash_attention: keep_prob must be 1.0 (got {keep_prob}); "
@@ -280,93 +419,47 @@ def _flash_attention_call(self, query, key, value, real_shift=None, drop_mask=No
     layout = _layout_name(self)
     n1 = int(self.head_num)
     sparse_mode = int(self.sparse_mode)
+    if sparse_mode not in (0, 1, 2, 3, 4):
+        raise NotImplementedError(f"mindformers_cpu flash_attention: sparse_mode {sparse_mode} is not supported")
     pre_tokens, next_tokens = int(self.pre_tokens), int(self.next_tokens)
+    scale = float(self.scale_value)
+    if layout in _GRAPH_LAYOUTS:
+        return comp["flash_attention"](query, key, value, real_shift, attn_mask, n1, scale, layout, sparse_mode,
+                                       pre_tokens, next_tokens)
+    if layout not in ("TND", "TH"):
+        raise NotImplementedError(f"mindformers_cpu flash_attention: layout {layout} is not supported")
+    if attn_mask is not None and sparse_mode in (0, 1):
+        raise NotImplementedError("mindformers_cpu flash_attention: explicit masks with TND are not supported")
+
+    # TND/TH: the packed sequences as one batch of [1, N, T, D], with a block-diagonal mask.
     out_dtype = query.dtype
     q, k, v = (ops.cast(t, ms.float32) for t in (query, key, value))
-
-    # -> [B, N, S, D]
-    if layout == "BNSD":
-        pass
-    elif layout == "BSND":
-        q, k, v = (ops.transpose(t, (0, 2, 1, 3)) for t in (q, k, v))
-    elif layout in ("BSH", "SBH"):
+    if layout == "TH":
         d = q.shape[-1] // n1
-        perm = (0, 2, 1, 3) if layout == "BSH" else (1, 2, 0, 3)
-        q, k, v = (ops.transpose(ops.reshape(t, t.shape[:2] + (-1, d)), perm) for t in (q, k, v))
-    elif layout in ("TND", "TH"):
-        if layout == "TH":
-            d = q.shape[-1] // n1
-            q, k, v = (ops.reshape(t, (t.shape[0], -1, d)) for t in (q, k, v))
-        q, k, v = (ops.expand_dims(ops.transpose(t, (1, 0, 2)), 0) for t in (q, k, v))
-    else:
-        raise NotImplementedError(f"mindformers_cpu flash_attention: layout {layout} is not supported")
-    b, nq, s1, _ = q.shape
-    n2, s2 = k.shape[1], k.shape[2]
-    if nq != n1 or n1 % n2:
-        raise ValueError(f"FlashAttentionScore: head_num {n1}, query heads {nq}, key/value heads {n2}")
-    if n2 != n1:  # GQA/MQA: query head h uses key/value head h // rep
-        rep = n1 // n2
-        k, v = (ops.reshape(ops.broadcast_to(ops.expand_dims(t, 2), (b, n2, rep, s2, t.shape[-1])),
-                            (b, n1, s2, t.shape[-1])) for t in (k, v))
-
-    scores = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2)))
-    if real_shift is not None:
-        scores = scores + ops.cast(real_shift, ms.float32)
-    scores = scores * float(self.scale_value)
-
-    # Mask: True = masked out.
-    mask = None
-    if layout in ("TND", "TH"):
-        cq = _as_ints(actual_seq_qlen, "actual_seq_qlen")
-        ck = _as_ints(actual_seq_kvlen, "actual_seq_kvlen")
-        if len(cq) != len(ck):
-            raise ValueError("FlashAttentionScore: actual_seq_qlen and actual_seq_kvlen differ in length")
-        allowed = np.zeros((s1, s2), dtype=bool)
-        q0 = k0 = 0
-        for qe, ke in zip(cq, ck):
-            block = _allowed(qe - q0, ke - k0, sparse_mode, pre_tokens, next_tokens, attn_mask is not None)
-            allowed[q0:qe, k0:ke] = True if block is None else block
-            q0, k0 = qe, ke
-        mask = ms.Tensor(~allowed[None, None])
-        if attn_mask is not None and sparse_mode in (0, 1):
-            raise NotImplementedError("mindformers_cpu flash_attention: explicit masks with TND are not supported")
-    else:
-        allowed = _allowed(s1, s2, sparse_mode, pre_tokens, next_tokens, attn_mask is not None)
-        if allowed is not None:
-            mask = ms.Tensor(~allowed[None, None])
-        if attn_mask is not None and sparse_mode in (0, 1):
-            explicit = ops.cast(attn_mask, ms.bool_)
-            if explicit.ndim == 2:
-                explicit = ops.reshape(explicit, (1, 1) + explicit.shape)
-            mask = explicit if mask is None else ops.logical_or(explicit, mask)
-    if mask is not None:
-        scores = ops.masked_fill(scores, ops.broadcast_to(mask, scores.shape),
-                                 ms.Tensor(float(np.finfo(np.float32).min), ms.float32))
-
-    probs = ops.softmax(scores, -1)
-    out = ops.matmul(probs, v)  # [B, N1, S1, D]
-
-    row_max = ops.stop_gradient(ops.amax(scores, -1, True))
-    row_sum = ops.stop_gradient(ops.sum(ops.exp(scores - row_max), -1, True))
-    if layout == "BNSD":
-        pass
-    elif layout == "BSND":
-        out = ops.transpose(out, (0, 2, 1, 3))
-    elif layout == "BSH":
-        out = ops.reshape(ops.transpose(out, (0, 2, 1, 3)), (b, s1, -1))
-    elif layout == "SBH":
-        out = ops.reshape(ops.transpose(out, (2, 0, 1, 3)), (s1, b, -1))
-    else:  # TND / TH
-        out = ops.transpose(out[0], (1, 0, 2))
-        if layout == "TH":
-            out = ops.reshape(out, (s1, -1))
-        row_max = ops.transpose(row_max[0], (1, 0, 2))
-        row_sum = ops.transpose(row_sum[0], (1, 0, 2))
-    reps = (1,) * (row_max.ndim - 1) + (8,)
-    softmax_max = ops.tile(row_max, reps)
-    softmax_sum = ops.tile(row_sum, reps)
+        q, k, v = (ops.reshape(t, (t.shape[0], -1, d)) for t in (q, k, v))
+    q, k, v = (ops.expand_dims(ops.transpose(t, (1, 0, 2)), 0) for t in (q, k, v))
+    s1, s2 = q.shape[2], k.shape[2]
+    if q.shape[1] != n1 or n1 % k.shape[1]:
+        raise ValueError(f"FlashAttentionScore: head_num {n1}, query heads {q.shape[1]}, key/value heads "
+                         f"{k.shape[1]}")
+    cq = _as_ints(actual_seq_qlen, "actual_seq_qlen")
+    ck = _as_ints(actual_seq_kvlen, "actual_seq_kvlen")
+    if len(cq) != len(ck):
+        raise ValueError("FlashAttentionScore: actual_seq_qlen and actual_seq_kvlen differ in length")
+    masked = np.ones((s1, s2), dtype=bool)
+    q0 = k0 = 0
+    for qe, ke in zip(cq, ck):
+        block = comp["band_mask"](qe - q0, ke - k0, sparse_mode, pre_tokens, next_tokens, attn_mask is not None)
+        masked[q0:qe, k0:ke] = False if block is None else block.asnumpy()[0, 0]
+        q0, k0 = qe, ke
+    out, row_max, row_sum = comp["attend"](q, k, v, real_shift, ms.Tensor(masked[None, None]), scale)
+    out = ops.transpose(out[0], (1, 0, 2))
+    if layout == "TH":
+        out = ops.reshape(out, (s1, -1))
+    row_max = ops.transpose(row_max[0], (1, 0, 2))
+    row_sum = ops.transpose(row_sum[0], (1, 0, 2))
     softmax_out = ops.zeros((0,), out_dtype)
-    return softmax_max, softmax_sum, softmax_out, ops.cast(out, out_dtype)
+    return ops.tile(row_max, (1, 1, 8)), ops.tile(row_sum, (1, 1, 8)), softmax_out, ops.cast(out, out_dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -383,7 +476,7 @@ def _fix_embedding() -> list[_Swap]:
     """No Embedding CPU kernel: ``mint.nn.functional.embedding`` becomes a gather."""
     mod = _resolve("embedding", "mindspore.mint.nn.functional")
     _resolve("embedding", "mindspore.mint.nn.functional", "embedding")
-    return [(mod, "embedding", "mindspore.mint.nn.functional.embedding", _graph_impl()["embedding"])]
+    return [(mod, "embedding", "mindspore.mint.nn.functional.embedding", _composites()["embedding"])]
 
 
 def _fix_outer() -> list[_Swap]:
@@ -428,7 +521,7 @@ def _fix_repeat_kv() -> list[_Swap]:
     if "_repeat_kv" not in vars(cls):
         raise RuntimeError(f"mindformers_cpu fix 'repeat_kv': {cls.__module__}.Attention._repeat_kv does not "
                            f"exist; installed: {_versions()}")
-    return [(cls, "_repeat_kv", f"{cls.__module__}.Attention._repeat_kv", _repeat_kv)]
+    return [(cls, "_repeat_kv", f"{cls.__module__}.Attention._repeat_kv", _composites()["repeat_kv"])]
 
 
 _FIX_FUNCS: dict[str, Callable[[], list[_Swap]]] = {
@@ -555,166 +648,20 @@ def init_mindformers_cpu(seed: int = 0, *, use_legacy: bool = False) -> None:
 # graph mode: cell attribute swaps on a built model
 
 GRAPH_FIXES: tuple[str, ...] = ("embedding", "outer", "rms_norm", "flash_attention", "repeat_kv")
+# Graph fixes that are the global swaps of enable() (their replacements parse in graph mode).
+_GRAPH_GLOBAL = ("embedding", "repeat_kv")
 
-# (model, cell, attribute, original object or _MISSING, fix name, dotted path), in swap order.
+# (model, cell, attribute, original primitive, fix name, dotted path), in swap order.
 _GRAPH_ORIGINALS: list[tuple[Any, Any, str, Any, str, str]] = []
 # The models enable_graph was called on (compared with ``is``).
 _GRAPH_MODELS: list[Any] = []
 # The global fixes enable_graph turned on; turned off again when no model is left.
 _GRAPH_OWNS: set[str] = set()
-_GRAPH_IMPL: dict[str, Any] = {}
-
-
-def _graph_impl() -> dict[str, Any]:
-    """The graph-mode replacements: ``nn.Cell`` composites (and one method) the graph compiler can parse.
-
-    Built once, on first use, so that MindSpore is imported only when needed; the cells reach ``ops`` through
-    this function's closure, which the graph parser resolves.
-    """
-    if _GRAPH_IMPL:
-        return _GRAPH_IMPL
-    import mindspore as ms
-    import numpy as np
-    from mindspore import nn, ops
-
-    fp32_min = float(np.finfo(np.float32).min)
-
-    class RmsNormCPU(nn.Cell):
-        """``RmsNorm``: same math as the PyNative fix; returns ``(y, rstd)``."""
-
-        def __init__(self, epsilon):
-            super().__init__()
-            self.epsilon = epsilon
-
-        def construct(self, x, gamma):
-            axes = tuple(range(x.ndim - gamma.ndim, x.ndim))
-            x32 = ops.cast(x, ms.float32)
-            rstd = ops.rsqrt(ops.mean(ops.square(x32), axes, keep_dims=True) + self.epsilon)
-            y = x32 * rstd * ops.cast(gamma, ms.float32)
-            return ops.cast(y, x.dtype), rstd
-
-    class OuterCPU(nn.Cell):
-        """``Outer``: a column times a row."""
-
-        def construct(self, input, vec2):
-            return ops.reshape(input, (-1, 1)) * ops.reshape(vec2, (1, -1))
-
-    class FlashAttentionCPU(nn.Cell):
-        """``FlashAttentionScore`` as fp32 masked softmax attention: same math as the PyNative fix.
-
-        Layouts BNSD/BSND/BSH/SBH, GQA, sparse modes 0-4 (mask value 1 = masked out). Returns
-        ``(softmax_max, softmax_sum, softmax_out, attention_out)`` like the primitive.
-        """
-
-        def __init__(self, head_num, scale_value, layout, sparse_mode, pre_tokens, next_tokens):
-            super().__init__()
-            self.head_num = head_num
-            self.scale_value = scale_value
-            self.layout = layout
-            self.sparse_mode = sparse_mode
-            self.pre_tokens = pre_tokens
-            self.next_tokens = next_tokens
-
-        def _masked(self, s1, s2, has_mask):
-            """Boolean ``[1, 1, s1, s2]`` of positions the kernel skips (before the explicit mask), or None."""
-            i = ops.reshape(ops.arange(s1), (s1, 1))
-            j = ops.reshape(ops.arange(s2), (1, s2))
-            mode = self.sparse_mode
-            if mode == 0:
-                if not has_mask or (self.pre_tokens >= s1 + s2 and self.next_tokens >= s1 + s2):
-                    return None
-                allowed = ops.logical_and(j - i <= self.next_tokens, i - j <= self.pre_tokens)
-            elif mode == 1:
-                return None
-            elif mode == 2:
-                allowed = j <= i
-            elif mode == 3:
-                allowed = j <= i + (s2 - s1)
-            else:
-                d = j - i - (s2 - s1)
-                allowed = ops.logical_and(d <= self.next_tokens, 0 - d <= self.pre_tokens)
-            return ops.reshape(ops.logical_not(allowed), (1, 1, s1, s2))
-
-        def construct(self, query, key, value, real_shift=None, drop_mask=None, padding_mask=None,
-                      attn_mask=None, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None):
-            if drop_mask is not None or padding_mask is not None or prefix is not None:
-                raise ValueError("mindformers_cpu graph flash_attention: drop_mask, padding_mask and prefix "
-                                 "are not supported")
-            n1 = self.head_num
-            layout = self.layout
-            out_dtype = query.dtype
-            q = ops.cast(query, ms.float32)
-            k = ops.cast(key, ms.float32)
-            v = ops.cast(value, ms.float32)
-            if layout == "BSND":
-                q, k, v = ops.transpose(q, (0, 2, 1, 3)), ops.transpose(k, (0, 2, 1, 3)), ops.transpose(v, (0, 2, 1, 3))
-            elif layout in ("BSH", "SBH"):
-                d = q.shape[-1] // n1
-                perm = (0, 2, 1, 3) if layout == "BSH" else (1, 2, 0, 3)
-                q = ops.transpose(ops.reshape(q, q.shape[:2] + (-1, d)), perm)
-                k = ops.transpose(ops.reshape(k, k.shape[:2] + (-1, d)), perm)
-                v = ops.transpose(ops.reshape(v, v.shape[:2] + (-1, d)), perm)
-            b, s1 = q.shape[0], q.shape[2]
-            n2, s2 = k.shape[1], k.shape[2]
-            if n2 != n1:  # GQA/MQA: query head h uses key/value head h // rep
-                rep = n1 // n2
-                dk = k.shape[-1]
-                k = ops.reshape(ops.broadcast_to(ops.expand_dims(k, 2), (b, n2, rep, s2, dk)), (b, n1, s2, dk))
-                v = ops.reshape(ops.broadcast_to(ops.expand_dims(v, 2), (b, n2, rep, s2, dk)), (b, n1, s2, dk))
-
-            scores = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2)))
-            if real_shift is not None:
-                scores = scores + ops.cast(real_shift, ms.float32)
-            scores = scores * self.scale_value
-
-            mask = self._masked(s1, s2, attn_mask is not None)
-            if attn_mask is not None and self.sparse_mode in (0, 1):
-                explicit = ops.cast(attn_mask, ms.bool_)
-                if explicit.ndim == 2:
-                    explicit = ops.reshape(explicit, (1, 1) + explicit.shape)
-                mask = explicit if mask is None else ops.logical_or(explicit, mask)
-            if mask is not None:
-                scores = ops.masked_fill(scores, ops.broadcast_to(mask, scores.shape),
-                                         ms.Tensor(fp32_min, ms.float32))
-
-            probs = ops.softmax(scores, -1)
-            out = ops.matmul(probs, v)  # [B, N1, S1, D]
-            row_max = ops.stop_gradient(ops.amax(scores, -1, True))
-            row_sum = ops.stop_gradient(ops.sum(ops.exp(scores - row_max), -1, True))
-            if layout == "BSND":
-                out = ops.transpose(out, (0, 2, 1, 3))
-            elif layout == "BSH":
-                out = ops.reshape(ops.transpose(out, (0, 2, 1, 3)), (b, s1, -1))
-            elif layout == "SBH":
-                out = ops.reshape(ops.transpose(out, (2, 0, 1, 3)), (s1, b, -1))
-            softmax_max = ops.tile(row_max, (1, 1, 1, 8))
-            softmax_sum = ops.tile(row_sum, (1, 1, 1, 8))
-            softmax_out = ops.zeros((0,), out_dtype)
-            return softmax_max, softmax_sum, softmax_out, ops.cast(out, out_dtype)
-
-    def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False):
-        """``mint.nn.functional.embedding`` as ``ops.gather(weight, input, 0)`` (no options supported)."""
-        if padding_idx is not None or max_norm is not None or scale_grad_by_freq:
-            raise NotImplementedError("mindformers_cpu embedding: padding_idx, max_norm and scale_grad_by_freq "
-                                      "are not supported by the CPU replacement")
-        return ops.gather(weight, input, 0)
-
-    def repeat_kv(self, x, rep):
-        """``Attention._repeat_kv`` for the ``[S, B, N_kv, D]`` tensors it receives: head ``h`` -> ``h // rep``."""
-        if rep == 1:
-            return x
-        s, b, n_kv, d = x.shape
-        x = ops.broadcast_to(ops.expand_dims(x, 3), (s, b, n_kv, rep, d))
-        return ops.reshape(x, (s, b, n_kv * rep, d))
-
-    _GRAPH_IMPL.update(RmsNormCPU=RmsNormCPU, OuterCPU=OuterCPU, FlashAttentionCPU=FlashAttentionCPU,
-                       embedding=embedding, repeat_kv=repeat_kv)
-    return _GRAPH_IMPL
 
 
 def _graph_cell_for(fix: str, prim: Any) -> Any:
     """The replacement cell for primitive ``prim`` (checked here, in Python, not at compile time)."""
-    impl = _graph_impl()
+    impl = _composites()
     if fix == "rms_norm":
         return impl["RmsNormCPU"](float(prim.epsilon))
     if fix == "outer":
@@ -725,7 +672,7 @@ def _graph_cell_for(fix: str, prim: Any) -> Any:
         raise ValueError(f"mindformers_cpu graph flash_attention: keep_prob must be 1.0 (got {keep_prob}); "
                          "set attention_dropout=0.0")
     layout = _layout_name(prim)
-    if layout not in ("BNSD", "BSND", "BSH", "SBH"):
+    if layout not in _GRAPH_LAYOUTS:
         raise NotImplementedError(f"mindformers_cpu graph flash_attention: layout {layout} is not supported "
                                   "(BNSD, BSND, BSH, SBH are); set use_flash_attention=False")
     sparse_mode = int(prim.sparse_mode)
@@ -757,22 +704,15 @@ def _select_graph(fixes: Iterable[str] | None, exclude: Iterable[str]) -> list[s
 def enable_graph(model: Any, fixes: Sequence[str] | None = None, exclude: Sequence[str] = ()) -> dict[str, str]:
     """Make a built MindFormers ``model`` compile and train in GRAPH_MODE (and under ``mindspore.jit``) on the CPU.
 
-    Swaps each Ascend-only primitive attribute of the model's cells for an ``nn.Cell`` composite, gives each
-    ``parallel_core`` ``Attention`` cell a correct ``_repeat_kv`` (``GRAPH_FIXES``, all by default, minus
-    ``exclude``), and turns on the global ``embedding`` fix of ``enable()`` if it is off. The replacements also
-    run in PyNative, with the same numbers. Idempotent: swapped attributes are not swapped again. Every
-    replacement is built before anything is swapped. Returns ``{dotted attribute path: fix name}`` of the
-    swaps this call made.
+    Of ``GRAPH_FIXES`` (all by default, minus ``exclude``): swaps each Ascend-only primitive attribute of the
+    model's cells for an ``nn.Cell`` composite (``outer``, ``rms_norm``, ``flash_attention``), and turns on the
+    global fixes ``embedding`` and ``repeat_kv`` of ``enable()`` where they are off (their replacements parse
+    in graph mode). The cells also run in PyNative, with the same numbers. Idempotent: a swapped attribute is
+    not swapped again. Every replacement is built before anything is swapped. Returns
+    ``{dotted attribute path: fix name}`` of the cell swaps this call made.
     """
-    import types
-
     wanted = _select_graph(fixes, exclude)
     classes = {_gen_prim(fix, _GRAPH_PRIMS[fix]): fix for fix in wanted if fix in _GRAPH_PRIMS}
-    attention = None
-    if "repeat_kv" in wanted:
-        attention = _resolve("repeat_kv", "mindformers.parallel_core.training_graph.transformer.attention",
-                             "Attention")
-    impl = _graph_impl()
     planned = []
     for path, cell in model.cells_and_names():
         prefix = f"{path}." if path else ""
@@ -780,18 +720,12 @@ def enable_graph(model: Any, fixes: Sequence[str] | None = None, exclude: Sequen
             fix = classes.get(type(value))
             if fix is not None:
                 planned.append((cell, attr, value, fix, prefix + attr, _graph_cell_for(fix, value)))
-        if attention is not None and isinstance(cell, attention) and "_repeat_kv" not in vars(cell):
-            planned.append((cell, "_repeat_kv", _MISSING, "repeat_kv", prefix + "_repeat_kv",
-                            types.MethodType(impl["repeat_kv"], cell)))
-    if "embedding" in wanted and "embedding" not in _ORIGINALS:
-        enable(("embedding",))
-        _GRAPH_OWNS.add("embedding")
+    globals_off = [fix for fix in wanted if fix in _GRAPH_GLOBAL and fix not in _ORIGINALS]
+    enable(globals_off)
+    _GRAPH_OWNS.update(globals_off)
     for cell, attr, original, fix, path, replacement in planned:
-        if original is _MISSING:  # a method: an instance attribute in front of the class's
-            object.__setattr__(cell, attr, replacement)
-        else:  # a primitive: becomes a child cell of the same name
-            del cell.__dict__[attr]
-            cell.insert_child_to_cell(attr, replacement)
+        del cell.__dict__[attr]  # Cell.__setattr__ keeps primitives in __dict__ (and in _primitives, left as is)
+        cell.insert_child_to_cell(attr, replacement)
         _GRAPH_ORIGINALS.append((model, cell, attr, original, fix, path))
     if not any(m is model for m in _GRAPH_MODELS):
         _GRAPH_MODELS.append(model)
@@ -801,11 +735,8 @@ def enable_graph(model: Any, fixes: Sequence[str] | None = None, exclude: Sequen
 def _restore_graph(entries: list[tuple[Any, Any, str, Any, str, str]]) -> None:
     """Undo ``entries`` (newest first) and drop them from the ledger."""
     for _model, cell, attr, original, _fix, _path in reversed(entries):
-        if original is _MISSING:
-            del cell.__dict__[attr]
-        else:
-            del cell._cells[attr]
-            object.__setattr__(cell, attr, original)
+        del cell._cells[attr]
+        object.__setattr__(cell, attr, original)
     _GRAPH_ORIGINALS[:] = [e for e in _GRAPH_ORIGINALS if not any(e is u for u in entries)]
 
 
