@@ -1,4 +1,4 @@
-"""CPU helper for MindFormers 1.9 on MindSpore 2.9 (PyNative, FP32): FP32 CPU reference runs of real models.
+"""CPU helper for MindFormers 1.9 on MindSpore 2.9 (PyNative and graph mode, FP32): CPU reference runs of real models.
 
 Use it to train (forward + ``mindspore.value_and_grad``) these real MindFormers models on the CPU:
 ``parallel_core`` ``GPTModel`` (``mindformers/parallel_core/training_graph``), ``TrainingQwen3ForCausalLM``
@@ -32,22 +32,48 @@ Not swapped: DropoutExt has no CPU kernel, so set ``hidden_dropout=0.0`` and ``a
 MatMul has no bf16 CPU kernel, so use fp32 dtypes. Use ``use_flash_attention=False``: with ``True``,
 MindFormers casts q/k/v to fp16 before attention.
 
+Graph mode (``GRAPH_MODE``, or a ``mindspore.jit`` train step): the graph compiler never calls
+``Primitive.__call__``, so the swaps above do nothing there. ``enable_graph(model)`` instead swaps primitive
+*attributes* of a built model's cells for ``nn.Cell`` composites (the same maths as above: ``_composites``),
+and turns on the two global fixes whose replacements the graph parser reads at compile time. Graph fixes
+(``GRAPH_FIXES``), one line each (target -> replacement, and why):
+
+- ``embedding``: the global ``embedding`` fix above. There is no EmbeddingDenseBackward CPU kernel (the
+  forward compiles); the parser resolves ``mint.nn.functional.embedding`` when it compiles the Morph'd function.
+- ``outer``: each ``Outer`` attribute (``rotary_pos_emb.outer``, ``.outer_for_eod``) -> ``OuterCPU``. No Outer kernel.
+- ``rms_norm``: each ``RmsNorm`` attribute (the ``.norm`` of every fused RMSNorm, Qwen3's q/k norms included)
+  -> ``RmsNormCPU``. No RmsNorm kernel.
+- ``flash_attention``: each ``FlashAttentionScore`` attribute (``core_attention.flash_attention``) ->
+  ``FlashAttentionCPU``; layouts BNSD/BSND/BSH/SBH (TND/TH are refused). No FlashAttentionScore kernel.
+- ``repeat_kv``: the global ``repeat_kv`` fix above: the MindFormers bug is the same in graph mode (GQA does not
+  compile).
+
+Not needed in graph mode, checked on the three models: ``morph`` (Morph is native there), ``one_hot`` and
+``zeros_like`` (OneHotExt and ZerosLikeExt compile and run on the CPU in graph mode), ``split_with_size`` (the
+gradient defect is PyNative's only). Against PyNative with ``enable()``, 2 SGD steps: losses bit-identical,
+parameter gradients within relative L2 6e-7.
+
 Usage::
 
-    from tensordiff.compat.mindformers_cpu import init_mindformers_cpu, mindformers_cpu
+    from tensordiff.compat.mindformers_cpu import init_mindformers_cpu, mindformers_cpu, mindformers_cpu_graph
     init_mindformers_cpu(seed=0)            # PyNative, CPU, seed, build_mf_context({"use_legacy": False})
                                             # (use_legacy=True before building legacy LlamaForCausalLM)
     with mindformers_cpu():                 # or enable() ... disable()
         loss, grads = mindspore.value_and_grad(loss_fn, None, model.trainable_params())(ids)
 
-``disable()`` puts back the identical original objects. Importing MindFormers creates ``./output/log``
-under the current directory (set ``LOCAL_DEFAULT_PATH`` or change directory to avoid it). The swaps act on
-PyNative calls only. This module never imports torch (MindFormers itself does, through tensorboardX);
-MindSpore and MindFormers are imported only when a function needs them.
+    mindspore.set_context(mode=mindspore.GRAPH_MODE)   # or keep PyNative and decorate a step with @mindspore.jit
+    with mindformers_cpu_graph(model):      # or enable_graph(model) ... disable_graph(model)
+        loss, grads = mindspore.value_and_grad(loss_fn, None, model.trainable_params())(ids)
 
-Why one file of ~550 lines (above the ~400 the rest of the package keeps to): the nine fixes share one
-swap/restore ledger, and ``disable()`` must put back every original object whatever subset was enabled;
-a user copies or reads this one file to see everything that was changed in MindSpore's behaviour.
+``disable()`` and ``disable_graph()`` put back the identical original objects. Importing MindFormers creates
+``./output/log`` under the current directory (set ``LOCAL_DEFAULT_PATH`` or change directory to avoid it).
+This module never imports torch (MindFormers itself does, through tensorboardX); MindSpore and MindFormers are
+imported only when a function needs them.
+
+Why one file of ~800 lines (above the ~400 the rest of the package keeps to): the PyNative and graph fixes
+share one implementation of each replacement and one swap/restore ledger for the global swaps, and the
+disable functions must put back every original object whatever subset was enabled; a user copies or reads
+this one file to see everything that was changed in MindSpore's behaviour.
 """
 from __future__ import annotations
 
@@ -369,7 +395,6 @@ def _split_with_size_call(self, input, split_size, dim=0):
 
 # ---- flash attention -----------------------------------------------------------------------------
 
-_INT_MAX = 2147483647
 _LAYOUT_NAMES = ("BSH", "BNSD", "SBH", "BSND", "TND", "TH")
 _LAYOUTS: dict[Any, str] = {}
 
@@ -397,6 +422,20 @@ def _as_ints(value, what: str) -> list[int]:
     return [int(v) for v in list(value)]
 
 
+def _flash_attention_attrs(prim) -> tuple[str, int, float, int, int, int]:
+    """``(layout, head_num, scale_value, sparse_mode, pre_tokens, next_tokens)`` of a FlashAttentionScore whose
+    settings the replacement supports; raises otherwise."""
+    keep_prob = float(prim.keep_prob)
+    if keep_prob != 1.0:
+        raise ValueError(f"mindformers_cpu flash_attention: keep_prob must be 1.0 (got {keep_prob}); "
+                         "set attention_dropout=0.0")
+    sparse_mode = int(prim.sparse_mode)
+    if sparse_mode not in (0, 1, 2, 3, 4):
+        raise NotImplementedError(f"mindformers_cpu flash_attention: sparse_mode {sparse_mode} is not supported")
+    return (_layout_name(prim), int(prim.head_num), float(prim.scale_value), sparse_mode, int(prim.pre_tokens),
+            int(prim.next_tokens))
+
+
 def _flash_attention_call(self, query, key, value, real_shift=None, drop_mask=None, padding_mask=None,
                           attn_mask=None, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None):
     """``FlashAttentionScore`` as fp32 ``softmax(scale * (q k^T + real_shift), masked) v``.
@@ -410,19 +449,12 @@ def _flash_attention_call(self, query, key, value, real_shift=None, drop_mask=No
     ms = _ms()
     ops = ms.ops
     comp = _composites()
-    keep_prob = float(self.keep_prob)
-    if keep_prob != 1.0 or drop_mask is not None:
-        raise ValueError(f"mindformers_cpu flash_attention: keep_prob must be 1.0 (got {keep_prob}); "
+    layout, n1, scale, sparse_mode, pre_tokens, next_tokens = _flash_attention_attrs(self)
+    if drop_mask is not None:
+        raise ValueError("mindformers_cpu flash_attention: drop_mask is not supported (keep_prob must be 1.0); "
                          "set attention_dropout=0.0")
     if prefix is not None or padding_mask is not None:
         raise NotImplementedError("mindformers_cpu flash_attention: prefix and padding_mask are not supported")
-    layout = _layout_name(self)
-    n1 = int(self.head_num)
-    sparse_mode = int(self.sparse_mode)
-    if sparse_mode not in (0, 1, 2, 3, 4):
-        raise NotImplementedError(f"mindformers_cpu flash_attention: sparse_mode {sparse_mode} is not supported")
-    pre_tokens, next_tokens = int(self.pre_tokens), int(self.next_tokens)
-    scale = float(self.scale_value)
     if layout in _GRAPH_LAYOUTS:
         return comp["flash_attention"](query, key, value, real_shift, attn_mask, n1, scale, layout, sparse_mode,
                                        pre_tokens, next_tokens)
@@ -666,21 +698,11 @@ def _graph_cell_for(fix: str, prim: Any) -> Any:
         return impl["RmsNormCPU"](float(prim.epsilon))
     if fix == "outer":
         return impl["OuterCPU"]()
-    # flash_attention
-    keep_prob = float(prim.keep_prob)
-    if keep_prob != 1.0:
-        raise ValueError(f"mindformers_cpu graph flash_attention: keep_prob must be 1.0 (got {keep_prob}); "
-                         "set attention_dropout=0.0")
-    layout = _layout_name(prim)
+    layout, head_num, scale, sparse_mode, pre_tokens, next_tokens = _flash_attention_attrs(prim)
     if layout not in _GRAPH_LAYOUTS:
         raise NotImplementedError(f"mindformers_cpu graph flash_attention: layout {layout} is not supported "
-                                  "(BNSD, BSND, BSH, SBH are); set use_flash_attention=False")
-    sparse_mode = int(prim.sparse_mode)
-    if sparse_mode not in (0, 1, 2, 3, 4):
-        raise NotImplementedError(f"mindformers_cpu graph flash_attention: sparse_mode {sparse_mode} is not "
-                                  "supported")
-    return impl["FlashAttentionCPU"](int(prim.head_num), float(prim.scale_value), layout, sparse_mode,
-                                     int(prim.pre_tokens), int(prim.next_tokens))
+                                  f"({', '.join(_GRAPH_LAYOUTS)} are); set use_flash_attention=False")
+    return impl["FlashAttentionCPU"](head_num, scale, layout, sparse_mode, pre_tokens, next_tokens)
 
 
 _GRAPH_PRIMS: dict[str, str] = {  # fix name -> primitive class in gen_ops_prim
@@ -707,9 +729,9 @@ def enable_graph(model: Any, fixes: Sequence[str] | None = None, exclude: Sequen
     Of ``GRAPH_FIXES`` (all by default, minus ``exclude``): swaps each Ascend-only primitive attribute of the
     model's cells for an ``nn.Cell`` composite (``outer``, ``rms_norm``, ``flash_attention``), and turns on the
     global fixes ``embedding`` and ``repeat_kv`` of ``enable()`` where they are off (their replacements parse
-    in graph mode). The cells also run in PyNative, with the same numbers. Idempotent: a swapped attribute is
-    not swapped again. Every replacement is built before anything is swapped. Returns
-    ``{dotted attribute path: fix name}`` of the cell swaps this call made.
+    in graph mode; ``disable()`` turns them off too). The cells also run in PyNative, with the same numbers.
+    Idempotent: a swapped attribute is not swapped again. Every replacement is built (and checked) before
+    anything is swapped. Returns ``{dotted attribute path: fix name}`` of the cell swaps this call made.
     """
     wanted = _select_graph(fixes, exclude)
     classes = {_gen_prim(fix, _GRAPH_PRIMS[fix]): fix for fix in wanted if fix in _GRAPH_PRIMS}
