@@ -400,6 +400,11 @@ def test_gpt_model_gqa_needs_repeat_kv(parallel_core):
     assert grads["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (128, 64)
     with mfc.mindformers_cpu(exclude=("repeat_kv",)), pytest.raises(ValueError):
         train_step(model, *batch())
+    # A grad that raised leaves MindSpore's PyNative executor unbalanced: without this, a later PyNative grad in
+    # the same process through LayerNorm fails ("For LayerNormGrad, the index 7 is out of range of input num 7").
+    from mindspore.common.api import _pynative_executor
+
+    _pynative_executor.clear_res()
 
 
 def test_qwen3_gqa_qk_norm_trains(parallel_core):

@@ -1,4 +1,4 @@
-"""CPU helper for MindFormers 1.9 on MindSpore 2.9 (PyNative, FP32): FP32 CPU reference runs of real models.
+"""CPU helper for MindFormers 1.9 on MindSpore 2.9 (PyNative and graph mode, FP32): CPU reference runs of real models.
 
 Use it to train (forward + ``mindspore.value_and_grad``) these real MindFormers models on the CPU:
 ``parallel_core`` ``GPTModel`` (``mindformers/parallel_core/training_graph``), ``TrainingQwen3ForCausalLM``
@@ -32,22 +32,48 @@ Not swapped: DropoutExt has no CPU kernel, so set ``hidden_dropout=0.0`` and ``a
 MatMul has no bf16 CPU kernel, so use fp32 dtypes. Use ``use_flash_attention=False``: with ``True``,
 MindFormers casts q/k/v to fp16 before attention.
 
+Graph mode (``GRAPH_MODE``, or a ``mindspore.jit`` train step): the graph compiler never calls
+``Primitive.__call__``, so the swaps above do nothing there. ``enable_graph(model)`` instead swaps primitive
+*attributes* of a built model's cells for ``nn.Cell`` composites (the same maths as above: ``_composites``),
+and turns on the two global fixes whose replacements the graph parser reads at compile time. Graph fixes
+(``GRAPH_FIXES``), one line each (target -> replacement, and why):
+
+- ``embedding``: the global ``embedding`` fix above. There is no EmbeddingDenseBackward CPU kernel (the
+  forward compiles); the parser resolves ``mint.nn.functional.embedding`` when it compiles the Morph'd function.
+- ``outer``: each ``Outer`` attribute (``rotary_pos_emb.outer``, ``.outer_for_eod``) -> ``OuterCPU``. No Outer kernel.
+- ``rms_norm``: each ``RmsNorm`` attribute (the ``.norm`` of every fused RMSNorm, Qwen3's q/k norms included)
+  -> ``RmsNormCPU``. No RmsNorm kernel.
+- ``flash_attention``: each ``FlashAttentionScore`` attribute (``core_attention.flash_attention``) ->
+  ``FlashAttentionCPU``; layouts BNSD/BSND/BSH/SBH (TND/TH are refused). No FlashAttentionScore kernel.
+- ``repeat_kv``: the global ``repeat_kv`` fix above: the MindFormers bug is the same in graph mode (GQA does not
+  compile).
+
+Not needed in graph mode, checked on the three models: ``morph`` (Morph is native there), ``one_hot`` and
+``zeros_like`` (OneHotExt and ZerosLikeExt compile and run on the CPU in graph mode), ``split_with_size`` (the
+gradient defect is PyNative's only). Against PyNative with ``enable()``, 2 SGD steps: losses bit-identical,
+parameter gradients within relative L2 6e-7.
+
 Usage::
 
-    from tensordiff.compat.mindformers_cpu import init_mindformers_cpu, mindformers_cpu
+    from tensordiff.compat.mindformers_cpu import init_mindformers_cpu, mindformers_cpu, mindformers_cpu_graph
     init_mindformers_cpu(seed=0)            # PyNative, CPU, seed, build_mf_context({"use_legacy": False})
                                             # (use_legacy=True before building legacy LlamaForCausalLM)
     with mindformers_cpu():                 # or enable() ... disable()
         loss, grads = mindspore.value_and_grad(loss_fn, None, model.trainable_params())(ids)
 
-``disable()`` puts back the identical original objects. Importing MindFormers creates ``./output/log``
-under the current directory (set ``LOCAL_DEFAULT_PATH`` or change directory to avoid it). The swaps act on
-PyNative calls only. This module never imports torch (MindFormers itself does, through tensorboardX);
-MindSpore and MindFormers are imported only when a function needs them.
+    mindspore.set_context(mode=mindspore.GRAPH_MODE)   # or keep PyNative and decorate a step with @mindspore.jit
+    with mindformers_cpu_graph(model):      # or enable_graph(model) ... disable_graph(model)
+        loss, grads = mindspore.value_and_grad(loss_fn, None, model.trainable_params())(ids)
 
-Why one file of ~550 lines (above the ~400 the rest of the package keeps to): the nine fixes share one
-swap/restore ledger, and ``disable()`` must put back every original object whatever subset was enabled;
-a user copies or reads this one file to see everything that was changed in MindSpore's behaviour.
+``disable()`` and ``disable_graph()`` put back the identical original objects. Importing MindFormers creates
+``./output/log`` under the current directory (set ``LOCAL_DEFAULT_PATH`` or change directory to avoid it).
+This module never imports torch (MindFormers itself does, through tensorboardX); MindSpore and MindFormers are
+imported only when a function needs them.
+
+Why one file of ~800 lines (above the ~400 the rest of the package keeps to): the PyNative and graph fixes
+share one implementation of each replacement and one swap/restore ledger for the global swaps, and the
+disable functions must put back every original object whatever subset was enabled; a user copies or reads
+this one file to see everything that was changed in MindSpore's behaviour.
 """
 from __future__ import annotations
 
@@ -125,6 +151,183 @@ def _ms():
 
 
 # --------------------------------------------------------------------------------------------------
+# composites: the maths of every replacement, once. Plain MindSpore ops, written so that the graph
+# compiler can parse them (``ops`` is reached through the closure), and used by both the PyNative
+# ``__call__`` swaps and the graph-mode cells.
+
+_COMPOSITES: dict[str, Any] = {}
+_GRAPH_LAYOUTS = ("BNSD", "BSND", "BSH", "SBH")
+
+
+def _composites() -> dict[str, Any]:
+    """Build the composites once, on first use (MindSpore is imported only then)."""
+    if _COMPOSITES:
+        return _COMPOSITES
+    import mindspore as ms
+    import numpy as np
+    from mindspore import nn, ops
+
+    fp32_min = float(np.finfo(np.float32).min)
+
+    def embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False):
+        """``mint.nn.functional.embedding`` as ``ops.gather(weight, input, 0)`` (no options supported)."""
+        if padding_idx is not None or max_norm is not None or scale_grad_by_freq:
+            raise NotImplementedError("mindformers_cpu embedding: padding_idx, max_norm and scale_grad_by_freq "
+                                      "are not supported by the CPU replacement")
+        return ops.gather(weight, input, 0)
+
+    def outer(input, vec2):
+        """``Outer`` as a broadcast product of a column and a row."""
+        return ops.reshape(input, (-1, 1)) * ops.reshape(vec2, (1, -1))
+
+    def rms_norm(x, gamma, epsilon):
+        """``y = x * rsqrt(mean(x**2) + eps) * gamma`` over gamma's dims, in fp32; returns ``(y, rstd)``."""
+        axes = tuple(range(x.ndim - gamma.ndim, x.ndim))
+        x32 = ops.cast(x, ms.float32)
+        rstd = ops.rsqrt(ops.mean(ops.square(x32), axes, keep_dims=True) + epsilon)
+        y = x32 * rstd * ops.cast(gamma, ms.float32)
+        return ops.cast(y, x.dtype), rstd
+
+    def repeat_kv(self, x, rep):
+        """``Attention._repeat_kv`` for the ``[S, B, N_kv, D]`` tensors it actually receives: head ``h`` -> ``h // rep``."""
+        if rep == 1:
+            return x
+        s, b, n_kv, d = x.shape
+        x = ops.broadcast_to(ops.expand_dims(x, 3), (s, b, n_kv, rep, d))
+        return ops.reshape(x, (s, b, n_kv * rep, d))
+
+    def band_mask(s1, s2, sparse_mode, pre_tokens, next_tokens, has_mask):
+        """Boolean ``[1, 1, s1, s2]``, True where FlashAttentionScore skips a position (before the explicit
+        mask), or None."""
+        i = ops.reshape(ops.arange(s1), (s1, 1))
+        j = ops.reshape(ops.arange(s2), (1, s2))
+        if sparse_mode == 0:  # defaultMask: the band applies only when a mask is passed (left-up aligned)
+            if not has_mask or (pre_tokens >= s1 + s2 and next_tokens >= s1 + s2):
+                return None
+            allowed = ops.logical_and(j - i <= next_tokens, i - j <= pre_tokens)
+        elif sparse_mode == 1:  # allMask: the full mask alone
+            return None
+        elif sparse_mode == 2:  # leftUpCausal
+            allowed = j <= i
+        elif sparse_mode == 3:  # rightDownCausal
+            allowed = j <= i + (s2 - s1)
+        else:  # 4: band, right-down aligned
+            d = j - i - (s2 - s1)
+            allowed = ops.logical_and(d <= next_tokens, 0 - d <= pre_tokens)
+        return ops.reshape(ops.logical_not(allowed), (1, 1, s1, s2))
+
+    def attend(q, k, v, real_shift, mask, scale):
+        """fp32 ``softmax(scale * (q k^T + real_shift), masked) v`` on ``[B, N, S, D]``, GQA by head repetition.
+
+        ``mask``: True = masked out. Returns ``(out, row_max, row_sum)``; the row max and row sum of exp carry
+        no gradient.
+        """
+        b, n1 = q.shape[0], q.shape[1]
+        n2, s2, d = k.shape[1], k.shape[2], k.shape[3]
+        if n2 != n1:  # GQA/MQA: query head h uses key/value head h // rep
+            rep = n1 // n2
+            k = ops.reshape(ops.broadcast_to(ops.expand_dims(k, 2), (b, n2, rep, s2, d)), (b, n1, s2, d))
+            v = ops.reshape(ops.broadcast_to(ops.expand_dims(v, 2), (b, n2, rep, s2, d)), (b, n1, s2, d))
+        scores = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2)))
+        if real_shift is not None:
+            scores = scores + ops.cast(real_shift, ms.float32)
+        scores = scores * scale
+        if mask is not None:
+            scores = ops.masked_fill(scores, ops.broadcast_to(mask, scores.shape), ms.Tensor(fp32_min, ms.float32))
+        probs = ops.softmax(scores, -1)
+        out = ops.matmul(probs, v)
+        row_max = ops.stop_gradient(ops.amax(scores, -1, True))
+        row_sum = ops.stop_gradient(ops.sum(ops.exp(scores - row_max), -1, True))
+        return out, row_max, row_sum
+
+    def to_bnsd(t, layout, head_dim):
+        """A BNSD/BSND/BSH/SBH tensor as fp32 ``[B, N, S, D]``."""
+        t = ops.cast(t, ms.float32)
+        if layout == "BSND":
+            return ops.transpose(t, (0, 2, 1, 3))
+        if layout == "BSH":
+            return ops.transpose(ops.reshape(t, t.shape[:2] + (-1, head_dim)), (0, 2, 1, 3))
+        if layout == "SBH":
+            return ops.transpose(ops.reshape(t, t.shape[:2] + (-1, head_dim)), (1, 2, 0, 3))
+        return t
+
+    def from_bnsd(out, layout):
+        """``[B, N, S, D]`` back to ``layout`` (BNSD/BSND/BSH/SBH)."""
+        if layout == "BSND":
+            return ops.transpose(out, (0, 2, 1, 3))
+        if layout == "BSH":
+            return ops.reshape(ops.transpose(out, (0, 2, 1, 3)), (out.shape[0], out.shape[2], -1))
+        if layout == "SBH":
+            return ops.reshape(ops.transpose(out, (2, 0, 1, 3)), (out.shape[2], out.shape[0], -1))
+        return out
+
+    def flash_attention(query, key, value, real_shift, attn_mask, head_num, scale, layout, sparse_mode,
+                        pre_tokens, next_tokens):
+        """``FlashAttentionScore`` for the BNSD/BSND/BSH/SBH layouts; mask value 1/True = masked out.
+
+        Returns ``(softmax_max, softmax_sum, softmax_out, attention_out)`` like the primitive: row max and row sum
+        repeated 8 times on the last axis, ``softmax_out`` an empty placeholder.
+        """
+        head_dim = query.shape[-1] // head_num
+        q = to_bnsd(query, layout, head_dim)
+        k = to_bnsd(key, layout, head_dim)
+        v = to_bnsd(value, layout, head_dim)
+        if q.shape[1] != head_num or head_num % k.shape[1]:
+            raise ValueError("FlashAttentionScore: head_num does not fit the query or the key/value heads")
+        s1, s2 = q.shape[2], k.shape[2]
+        mask = band_mask(s1, s2, sparse_mode, pre_tokens, next_tokens, attn_mask is not None)
+        if attn_mask is not None and sparse_mode in (0, 1):
+            explicit = ops.cast(attn_mask, ms.bool_)
+            if explicit.ndim == 2:
+                explicit = ops.reshape(explicit, (1, 1) + explicit.shape)
+            mask = explicit if mask is None else ops.logical_or(explicit, mask)
+        out, row_max, row_sum = attend(q, k, v, real_shift, mask, scale)
+        return (ops.tile(row_max, (1, 1, 1, 8)), ops.tile(row_sum, (1, 1, 1, 8)), ops.zeros((0,), query.dtype),
+                ops.cast(from_bnsd(out, layout), query.dtype))
+
+    class RmsNormCPU(nn.Cell):
+        """Graph-mode ``RmsNorm``: ``(y, rstd)``."""
+
+        def __init__(self, epsilon):
+            super().__init__()
+            self.epsilon = epsilon
+
+        def construct(self, x, gamma):
+            return rms_norm(x, gamma, self.epsilon)
+
+    class OuterCPU(nn.Cell):
+        """Graph-mode ``Outer``."""
+
+        def construct(self, input, vec2):
+            return outer(input, vec2)
+
+    class FlashAttentionCPU(nn.Cell):
+        """Graph-mode ``FlashAttentionScore`` (BNSD/BSND/BSH/SBH); the primitive's attributes are copied."""
+
+        def __init__(self, head_num, scale_value, layout, sparse_mode, pre_tokens, next_tokens):
+            super().__init__()
+            self.head_num = head_num
+            self.scale_value = scale_value
+            self.layout = layout
+            self.sparse_mode = sparse_mode
+            self.pre_tokens = pre_tokens
+            self.next_tokens = next_tokens
+
+        def construct(self, query, key, value, real_shift=None, drop_mask=None, padding_mask=None,
+                      attn_mask=None, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None):
+            if drop_mask is not None or padding_mask is not None or prefix is not None:
+                raise ValueError("mindformers_cpu flash_attention: drop_mask, padding_mask and prefix are not "
+                                 "supported")
+            return flash_attention(query, key, value, real_shift, attn_mask, self.head_num, self.scale_value,
+                                   self.layout, self.sparse_mode, self.pre_tokens, self.next_tokens)
+
+    _COMPOSITES.update(embedding=embedding, outer=outer, rms_norm=rms_norm, repeat_kv=repeat_kv,
+                       band_mask=band_mask, attend=attend, flash_attention=flash_attention,
+                       RmsNormCPU=RmsNormCPU, OuterCPU=OuterCPU, FlashAttentionCPU=FlashAttentionCPU)
+    return _COMPOSITES
+
+
+# --------------------------------------------------------------------------------------------------
 # replacements (module level so that they are the same objects across enable/disable cycles)
 
 
@@ -133,30 +336,14 @@ def _morph_call(self, *args):
     return self.__morph_fn__(*args)
 
 
-def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0,
-               scale_grad_by_freq=False):
-    """``mint.nn.functional.embedding`` as ``ops.gather(weight, input, 0)`` (no options supported)."""
-    if padding_idx is not None or max_norm is not None or scale_grad_by_freq:
-        raise NotImplementedError("mindformers_cpu embedding: padding_idx, max_norm and scale_grad_by_freq "
-                                  "are not supported by the CPU replacement")
-    return _ms().ops.gather(weight, input, 0)
-
-
 def _outer_call(self, input, vec2):
     """``Outer`` as a broadcast product of a column and a row."""
-    ops = _ms().ops
-    return ops.reshape(input, (-1, 1)) * ops.reshape(vec2, (1, -1))
+    return _composites()["outer"](input, vec2)
 
 
 def _rms_norm_call(self, x, gamma):
-    """``RmsNorm``: ``y = x * rsqrt(mean(x**2) + eps) * gamma`` over gamma's dims, in fp32; returns ``(y, rstd)``."""
-    ms = _ms()
-    ops = ms.ops
-    axes = tuple(range(x.ndim - gamma.ndim, x.ndim))
-    x32 = ops.cast(x, ms.float32)
-    rstd = ops.rsqrt(ops.mean(ops.square(x32), axes, keep_dims=True) + self.epsilon)
-    y = x32 * rstd * ops.cast(gamma, ms.float32)
-    return ops.cast(y, x.dtype), rstd
+    """``RmsNorm``: ``y = x * rsqrt(mean(x**2) + eps) * gamma`` in fp32; returns ``(y, rstd)``."""
+    return _composites()["rms_norm"](x, gamma, self.epsilon)
 
 
 _ONE_HOT: dict[int, Any] = {}
@@ -206,19 +393,8 @@ def _split_with_size_call(self, input, split_size, dim=0):
     return tuple(out)
 
 
-def _repeat_kv(self, x, rep):
-    """``Attention._repeat_kv`` for the ``[S, B, N_kv, D]`` tensors it actually receives: head ``h`` -> ``h // rep``."""
-    if rep == 1:
-        return x
-    ops = _ms().ops
-    s, b, n_kv, d = x.shape
-    x = ops.broadcast_to(ops.expand_dims(x, 3), (s, b, n_kv, rep, d))
-    return ops.reshape(x, (s, b, n_kv * rep, d))
-
-
 # ---- flash attention -----------------------------------------------------------------------------
 
-_INT_MAX = 2147483647
 _LAYOUT_NAMES = ("BSH", "BNSD", "SBH", "BSND", "TND", "TH")
 _LAYOUTS: dict[Any, str] = {}
 
@@ -246,26 +422,18 @@ def _as_ints(value, what: str) -> list[int]:
     return [int(v) for v in list(value)]
 
 
-def _allowed(s1: int, s2: int, sparse_mode: int, pre_tokens: int, next_tokens: int, has_mask: bool):
-    """Boolean ``[s1, s2]`` numpy array of positions the kernel computes (before the explicit mask), or None."""
-    import numpy as np
-
-    i = np.arange(s1)[:, None]
-    j = np.arange(s2)[None, :]
-    if sparse_mode == 0:  # defaultMask: the band applies only when a mask is passed (left-up aligned)
-        if not has_mask or (pre_tokens >= s1 + s2 and next_tokens >= s1 + s2):
-            return None
-        return (j - i <= next_tokens) & (i - j <= pre_tokens)
-    if sparse_mode == 1:  # allMask: the full mask alone
-        return None
-    if sparse_mode == 2:  # leftUpCausal
-        return j <= i
-    if sparse_mode == 3:  # rightDownCausal
-        return j <= i + (s2 - s1)
-    if sparse_mode == 4:  # band, right-down aligned
-        d = j - i - (s2 - s1)
-        return (d <= next_tokens) & (-d <= pre_tokens)
-    raise NotImplementedError(f"mindformers_cpu flash_attention: sparse_mode {sparse_mode} is not supported")
+def _flash_attention_attrs(prim) -> tuple[str, int, float, int, int, int]:
+    """``(layout, head_num, scale_value, sparse_mode, pre_tokens, next_tokens)`` of a FlashAttentionScore whose
+    settings the replacement supports; raises otherwise."""
+    keep_prob = float(prim.keep_prob)
+    if keep_prob != 1.0:
+        raise ValueError(f"mindformers_cpu flash_attention: keep_prob must be 1.0 (got {keep_prob}); "
+                         "set attention_dropout=0.0")
+    sparse_mode = int(prim.sparse_mode)
+    if sparse_mode not in (0, 1, 2, 3, 4):
+        raise NotImplementedError(f"mindformers_cpu flash_attention: sparse_mode {sparse_mode} is not supported")
+    return (_layout_name(prim), int(prim.head_num), float(prim.scale_value), sparse_mode, int(prim.pre_tokens),
+            int(prim.next_tokens))
 
 
 def _flash_attention_call(self, query, key, value, real_shift=None, drop_mask=None, padding_mask=None,
@@ -280,102 +448,50 @@ def _flash_attention_call(self, query, key, value, real_shift=None, drop_mask=No
 
     ms = _ms()
     ops = ms.ops
-    keep_prob = float(self.keep_prob)
-    if keep_prob != 1.0 or drop_mask is not None:
-        raise ValueError(f"mindformers_cpu flash_attention: keep_prob must be 1.0 (got {keep_prob}); "
+    comp = _composites()
+    layout, n1, scale, sparse_mode, pre_tokens, next_tokens = _flash_attention_attrs(self)
+    if drop_mask is not None:
+        raise ValueError("mindformers_cpu flash_attention: drop_mask is not supported (keep_prob must be 1.0); "
                          "set attention_dropout=0.0")
     if prefix is not None or padding_mask is not None:
         raise NotImplementedError("mindformers_cpu flash_attention: prefix and padding_mask are not supported")
-    layout = _layout_name(self)
-    n1 = int(self.head_num)
-    sparse_mode = int(self.sparse_mode)
-    pre_tokens, next_tokens = int(self.pre_tokens), int(self.next_tokens)
+    if layout in _GRAPH_LAYOUTS:
+        return comp["flash_attention"](query, key, value, real_shift, attn_mask, n1, scale, layout, sparse_mode,
+                                       pre_tokens, next_tokens)
+    if layout not in ("TND", "TH"):
+        raise NotImplementedError(f"mindformers_cpu flash_attention: layout {layout} is not supported")
+    if attn_mask is not None and sparse_mode in (0, 1):
+        raise NotImplementedError("mindformers_cpu flash_attention: explicit masks with TND are not supported")
+
+    # TND/TH: the packed sequences as one batch of [1, N, T, D], with a block-diagonal mask.
     out_dtype = query.dtype
     q, k, v = (ops.cast(t, ms.float32) for t in (query, key, value))
-
-    # -> [B, N, S, D]
-    if layout == "BNSD":
-        pass
-    elif layout == "BSND":
-        q, k, v = (ops.transpose(t, (0, 2, 1, 3)) for t in (q, k, v))
-    elif layout in ("BSH", "SBH"):
+    if layout == "TH":
         d = q.shape[-1] // n1
-        perm = (0, 2, 1, 3) if layout == "BSH" else (1, 2, 0, 3)
-        q, k, v = (ops.transpose(ops.reshape(t, t.shape[:2] + (-1, d)), perm) for t in (q, k, v))
-    elif layout in ("TND", "TH"):
-        if layout == "TH":
-            d = q.shape[-1] // n1
-            q, k, v = (ops.reshape(t, (t.shape[0], -1, d)) for t in (q, k, v))
-        q, k, v = (ops.expand_dims(ops.transpose(t, (1, 0, 2)), 0) for t in (q, k, v))
-    else:
-        raise NotImplementedError(f"mindformers_cpu flash_attention: layout {layout} is not supported")
-    b, nq, s1, _ = q.shape
-    n2, s2 = k.shape[1], k.shape[2]
-    if nq != n1 or n1 % n2:
-        raise ValueError(f"FlashAttentionScore: head_num {n1}, query heads {nq}, key/value heads {n2}")
-    if n2 != n1:  # GQA/MQA: query head h uses key/value head h // rep
-        rep = n1 // n2
-        k, v = (ops.reshape(ops.broadcast_to(ops.expand_dims(t, 2), (b, n2, rep, s2, t.shape[-1])),
-                            (b, n1, s2, t.shape[-1])) for t in (k, v))
-
-    scores = ops.matmul(q, ops.transpose(k, (0, 1, 3, 2)))
-    if real_shift is not None:
-        scores = scores + ops.cast(real_shift, ms.float32)
-    scores = scores * float(self.scale_value)
-
-    # Mask: True = masked out.
-    mask = None
-    if layout in ("TND", "TH"):
-        cq = _as_ints(actual_seq_qlen, "actual_seq_qlen")
-        ck = _as_ints(actual_seq_kvlen, "actual_seq_kvlen")
-        if len(cq) != len(ck):
-            raise ValueError("FlashAttentionScore: actual_seq_qlen and actual_seq_kvlen differ in length")
-        allowed = np.zeros((s1, s2), dtype=bool)
-        q0 = k0 = 0
-        for qe, ke in zip(cq, ck):
-            block = _allowed(qe - q0, ke - k0, sparse_mode, pre_tokens, next_tokens, attn_mask is not None)
-            allowed[q0:qe, k0:ke] = True if block is None else block
-            q0, k0 = qe, ke
-        mask = ms.Tensor(~allowed[None, None])
-        if attn_mask is not None and sparse_mode in (0, 1):
-            raise NotImplementedError("mindformers_cpu flash_attention: explicit masks with TND are not supported")
-    else:
-        allowed = _allowed(s1, s2, sparse_mode, pre_tokens, next_tokens, attn_mask is not None)
-        if allowed is not None:
-            mask = ms.Tensor(~allowed[None, None])
-        if attn_mask is not None and sparse_mode in (0, 1):
-            explicit = ops.cast(attn_mask, ms.bool_)
-            if explicit.ndim == 2:
-                explicit = ops.reshape(explicit, (1, 1) + explicit.shape)
-            mask = explicit if mask is None else ops.logical_or(explicit, mask)
-    if mask is not None:
-        scores = ops.masked_fill(scores, ops.broadcast_to(mask, scores.shape),
-                                 ms.Tensor(float(np.finfo(np.float32).min), ms.float32))
-
-    probs = ops.softmax(scores, -1)
-    out = ops.matmul(probs, v)  # [B, N1, S1, D]
-
-    row_max = ops.stop_gradient(ops.amax(scores, -1, True))
-    row_sum = ops.stop_gradient(ops.sum(ops.exp(scores - row_max), -1, True))
-    if layout == "BNSD":
-        pass
-    elif layout == "BSND":
-        out = ops.transpose(out, (0, 2, 1, 3))
-    elif layout == "BSH":
-        out = ops.reshape(ops.transpose(out, (0, 2, 1, 3)), (b, s1, -1))
-    elif layout == "SBH":
-        out = ops.reshape(ops.transpose(out, (2, 0, 1, 3)), (s1, b, -1))
-    else:  # TND / TH
-        out = ops.transpose(out[0], (1, 0, 2))
-        if layout == "TH":
-            out = ops.reshape(out, (s1, -1))
-        row_max = ops.transpose(row_max[0], (1, 0, 2))
-        row_sum = ops.transpose(row_sum[0], (1, 0, 2))
-    reps = (1,) * (row_max.ndim - 1) + (8,)
-    softmax_max = ops.tile(row_max, reps)
-    softmax_sum = ops.tile(row_sum, reps)
+        q, k, v = (ops.reshape(t, (t.shape[0], -1, d)) for t in (q, k, v))
+    q, k, v = (ops.expand_dims(ops.transpose(t, (1, 0, 2)), 0) for t in (q, k, v))
+    s1, s2 = q.shape[2], k.shape[2]
+    if q.shape[1] != n1 or n1 % k.shape[1]:
+        raise ValueError(f"FlashAttentionScore: head_num {n1}, query heads {q.shape[1]}, key/value heads "
+                         f"{k.shape[1]}")
+    cq = _as_ints(actual_seq_qlen, "actual_seq_qlen")
+    ck = _as_ints(actual_seq_kvlen, "actual_seq_kvlen")
+    if len(cq) != len(ck):
+        raise ValueError("FlashAttentionScore: actual_seq_qlen and actual_seq_kvlen differ in length")
+    masked = np.ones((s1, s2), dtype=bool)
+    q0 = k0 = 0
+    for qe, ke in zip(cq, ck):
+        block = comp["band_mask"](qe - q0, ke - k0, sparse_mode, pre_tokens, next_tokens, attn_mask is not None)
+        masked[q0:qe, k0:ke] = False if block is None else block.asnumpy()[0, 0]
+        q0, k0 = qe, ke
+    out, row_max, row_sum = comp["attend"](q, k, v, real_shift, ms.Tensor(masked[None, None]), scale)
+    out = ops.transpose(out[0], (1, 0, 2))
+    if layout == "TH":
+        out = ops.reshape(out, (s1, -1))
+    row_max = ops.transpose(row_max[0], (1, 0, 2))
+    row_sum = ops.transpose(row_sum[0], (1, 0, 2))
     softmax_out = ops.zeros((0,), out_dtype)
-    return softmax_max, softmax_sum, softmax_out, ops.cast(out, out_dtype)
+    return ops.tile(row_max, (1, 1, 8)), ops.tile(row_sum, (1, 1, 8)), softmax_out, ops.cast(out, out_dtype)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -392,7 +508,7 @@ def _fix_embedding() -> list[_Swap]:
     """No Embedding CPU kernel: ``mint.nn.functional.embedding`` becomes a gather."""
     mod = _resolve("embedding", "mindspore.mint.nn.functional")
     _resolve("embedding", "mindspore.mint.nn.functional", "embedding")
-    return [(mod, "embedding", "mindspore.mint.nn.functional.embedding", _embedding)]
+    return [(mod, "embedding", "mindspore.mint.nn.functional.embedding", _composites()["embedding"])]
 
 
 def _fix_outer() -> list[_Swap]:
@@ -437,7 +553,7 @@ def _fix_repeat_kv() -> list[_Swap]:
     if "_repeat_kv" not in vars(cls):
         raise RuntimeError(f"mindformers_cpu fix 'repeat_kv': {cls.__module__}.Attention._repeat_kv does not "
                            f"exist; installed: {_versions()}")
-    return [(cls, "_repeat_kv", f"{cls.__module__}.Attention._repeat_kv", _repeat_kv)]
+    return [(cls, "_repeat_kv", f"{cls.__module__}.Attention._repeat_kv", _composites()["repeat_kv"])]
 
 
 _FIX_FUNCS: dict[str, Callable[[], list[_Swap]]] = {
@@ -558,3 +674,130 @@ def init_mindformers_cpu(seed: int = 0, *, use_legacy: bool = False) -> None:
         ctx = build_mf_context({"use_legacy": bool(use_legacy)})
     if ctx.get_context("use_legacy") is not bool(use_legacy):
         ctx.set_context(use_legacy=bool(use_legacy))
+
+
+# --------------------------------------------------------------------------------------------------
+# graph mode: cell attribute swaps on a built model
+
+GRAPH_FIXES: tuple[str, ...] = ("embedding", "outer", "rms_norm", "flash_attention", "repeat_kv")
+# Graph fixes that are the global swaps of enable() (their replacements parse in graph mode).
+_GRAPH_GLOBAL = ("embedding", "repeat_kv")
+
+# (model, cell, attribute, original primitive, fix name, dotted path), in swap order.
+_GRAPH_ORIGINALS: list[tuple[Any, Any, str, Any, str, str]] = []
+# The models enable_graph was called on (compared with ``is``).
+_GRAPH_MODELS: list[Any] = []
+# The global fixes enable_graph turned on; turned off again when no model is left.
+_GRAPH_OWNS: set[str] = set()
+
+
+def _graph_cell_for(fix: str, prim: Any) -> Any:
+    """The replacement cell for primitive ``prim`` (checked here, in Python, not at compile time)."""
+    impl = _composites()
+    if fix == "rms_norm":
+        return impl["RmsNormCPU"](float(prim.epsilon))
+    if fix == "outer":
+        return impl["OuterCPU"]()
+    layout, head_num, scale, sparse_mode, pre_tokens, next_tokens = _flash_attention_attrs(prim)
+    if layout not in _GRAPH_LAYOUTS:
+        raise NotImplementedError(f"mindformers_cpu graph flash_attention: layout {layout} is not supported "
+                                  f"({', '.join(_GRAPH_LAYOUTS)} are); set use_flash_attention=False")
+    return impl["FlashAttentionCPU"](head_num, scale, layout, sparse_mode, pre_tokens, next_tokens)
+
+
+_GRAPH_PRIMS: dict[str, str] = {  # fix name -> primitive class in gen_ops_prim
+    "outer": "Outer",
+    "rms_norm": "RmsNorm",
+    "flash_attention": "FlashAttentionScore",
+}
+
+
+def _select_graph(fixes: Iterable[str] | None, exclude: Iterable[str]) -> list[str]:
+    if isinstance(fixes, str) or isinstance(exclude, str):
+        raise TypeError("fixes and exclude take a sequence of fix names, not a single string")
+    chosen = list(GRAPH_FIXES) if fixes is None else list(fixes)
+    excluded = set(exclude)
+    unknown = sorted((set(chosen) | excluded) - set(GRAPH_FIXES))
+    if unknown:
+        raise ValueError(f"unknown mindformers_cpu graph fix(es) {unknown}; known: {', '.join(GRAPH_FIXES)}")
+    return [name for name in GRAPH_FIXES if name in chosen and name not in excluded]
+
+
+def enable_graph(model: Any, fixes: Sequence[str] | None = None, exclude: Sequence[str] = ()) -> dict[str, str]:
+    """Make a built MindFormers ``model`` compile and train in GRAPH_MODE (and under ``mindspore.jit``) on the CPU.
+
+    Of ``GRAPH_FIXES`` (all by default, minus ``exclude``): swaps each Ascend-only primitive attribute of the
+    model's cells for an ``nn.Cell`` composite (``outer``, ``rms_norm``, ``flash_attention``), and turns on the
+    global fixes ``embedding`` and ``repeat_kv`` of ``enable()`` where they are off (their replacements parse
+    in graph mode; ``disable()`` turns them off too). The cells also run in PyNative, with the same numbers.
+    Idempotent: a swapped attribute is not swapped again. Every replacement is built (and checked) before
+    anything is swapped. Returns ``{dotted attribute path: fix name}`` of the cell swaps this call made.
+    """
+    wanted = _select_graph(fixes, exclude)
+    classes = {_gen_prim(fix, _GRAPH_PRIMS[fix]): fix for fix in wanted if fix in _GRAPH_PRIMS}
+    planned = []
+    for path, cell in model.cells_and_names():
+        prefix = f"{path}." if path else ""
+        for attr, value in list(vars(cell).items()):
+            fix = classes.get(type(value))
+            if fix is not None:
+                planned.append((cell, attr, value, fix, prefix + attr, _graph_cell_for(fix, value)))
+    globals_off = [fix for fix in wanted if fix in _GRAPH_GLOBAL and fix not in _ORIGINALS]
+    enable(globals_off)
+    _GRAPH_OWNS.update(globals_off)
+    for cell, attr, original, fix, path, replacement in planned:
+        del cell.__dict__[attr]  # Cell.__setattr__ keeps primitives in __dict__ (and in _primitives, left as is)
+        cell.insert_child_to_cell(attr, replacement)
+        _GRAPH_ORIGINALS.append((model, cell, attr, original, fix, path))
+    if not any(m is model for m in _GRAPH_MODELS):
+        _GRAPH_MODELS.append(model)
+    return {path: fix for _c, _a, _o, fix, path, _r in planned}
+
+
+def _restore_graph(entries: list[tuple[Any, Any, str, Any, str, str]]) -> None:
+    """Undo ``entries`` (newest first) and drop them from the ledger."""
+    for _model, cell, attr, original, _fix, _path in reversed(entries):
+        del cell._cells[attr]
+        object.__setattr__(cell, attr, original)
+    _GRAPH_ORIGINALS[:] = [e for e in _GRAPH_ORIGINALS if not any(e is u for u in entries)]
+
+
+def _release_graph_globals() -> None:
+    if not _GRAPH_MODELS and _GRAPH_OWNS:
+        disable(sorted(_GRAPH_OWNS))
+        _GRAPH_OWNS.clear()
+
+
+def disable_graph(model: Any = None) -> None:
+    """Undo ``enable_graph`` for ``model`` (default: every model): each attribute ``is`` the original again.
+
+    When no model is left, the global fixes that ``enable_graph`` turned on are turned off.
+    """
+    _restore_graph([e for e in _GRAPH_ORIGINALS if model is None or e[0] is model])
+    _GRAPH_MODELS[:] = [m for m in _GRAPH_MODELS if model is not None and m is not model]
+    _release_graph_globals()
+
+
+def graph_swaps(model: Any = None) -> dict[str, str]:
+    """The active graph swaps of ``model`` (default: all models): ``{dotted attribute path: fix name}``."""
+    return {path: fix for owner, _c, _a, _o, fix, path in _GRAPH_ORIGINALS if model is None or owner is model}
+
+
+@contextlib.contextmanager
+def mindformers_cpu_graph(model: Any, fixes: Sequence[str] | None = None,
+                          exclude: Sequence[str] = ()) -> Iterator[dict[str, str]]:
+    """``enable_graph(model, fixes, exclude)`` for the block; on exit the swaps it made are undone.
+
+    Yields the swaps made (``{dotted attribute path: fix name}``).
+    """
+    new_model = not any(m is model for m in _GRAPH_MODELS)
+    start = len(_GRAPH_ORIGINALS)
+    swaps = enable_graph(model, fixes, exclude)
+    added = _GRAPH_ORIGINALS[start:]
+    try:
+        yield swaps
+    finally:
+        _restore_graph(added)
+        if new_model:
+            _GRAPH_MODELS[:] = [m for m in _GRAPH_MODELS if m is not model]
+        _release_graph_globals()
