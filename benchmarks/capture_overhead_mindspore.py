@@ -1,6 +1,9 @@
-"""Step-time overhead and file size of capture on a MindFormers GPTModel on the CPU (MindSpore PyNative).
+"""Step-time overhead and file size of capture on a MindFormers GPTModel on the CPU (MindSpore PyNative or graph).
 
-    .venv/bin/python benchmarks/capture_overhead_mindspore.py [--layers 4 --hidden 256 --steps 12]
+    .venv/bin/python benchmarks/capture_overhead_mindspore.py [--layers 4 --hidden 256 --steps 12] [--graph]
+
+``--graph`` runs GRAPH_MODE (capture through probes compiled into the graph) and also reports the steps after
+the capture, and the one that compiles the graph again without the probes.
 
 Prints the median step time of: no capture; statistics only (every step captured); full
 tensors on the first step; and the capture file's size against the bytes of the tensors
@@ -40,8 +43,10 @@ def build(spec):
     return model
 
 
-def run(spec, steps: int, path: str | None, tensors: str, cap_steps: int) -> list[float]:
+def run(spec, steps: int, path: str | None, tensors: str, cap_steps: int, graph: bool = False) -> list[float]:
     model = build(spec)
+    if graph:
+        mindformers_cpu.enable_graph(model)
     batches = []
     for i in range(steps):
         b = make(spec.vocab_size, spec.seq_length, spec.batch_size, seed=i)
@@ -56,7 +61,7 @@ def run(spec, steps: int, path: str | None, tensors: str, cap_steps: int) -> lis
     with tensordiff.capture(model, path, steps=cap_steps, optimizer=opt, tensors=tensors) as cap:
         for b in batches:
             t0 = time.perf_counter()
-            loss, grads = grad_fn(b)
+            loss, grads = grad_fn(ms.mutable(b) if graph else b)
             opt(grads)
             cap.step(loss)
             times.append(time.perf_counter() - t0)
@@ -70,7 +75,10 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--graph", action="store_true", help="GRAPH_MODE: capture through probes compiled into the graph")
     args = p.parse_args()
+    if args.graph:
+        ms.set_context(mode=ms.GRAPH_MODE)
     mindformers_cpu.init_mindformers_cpu(seed=1)
     mindformers_cpu.enable()
     spec = replace(FAMILIES["llama"], num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=4 * args.hidden,
@@ -78,20 +86,26 @@ def main() -> None:
                    vocab_size=8192, seq_length=args.seq, batch_size=args.batch)
     nparams = sum(int(np.prod(p.shape)) for p in build(spec).trainable_params())
     print(f"MindFormers parallel_core GPTModel: {nparams / 1e6:.1f}M parameters, batch {args.batch}x{args.seq}, "
-          f"MindSpore {ms.__version__} PyNative CPU")
+          f"MindSpore {ms.__version__} {'GRAPH_MODE' if args.graph else 'PyNative'} CPU")
     warm = 2
     with tempfile.TemporaryDirectory() as tmp:
-        base = run(spec, args.steps, None, "none", 1)[warm:]
+        g = args.graph
+        base = run(spec, args.steps, None, "none", 1, g)[warm:]
         stats_path = os.path.join(tmp, "stats.h5")
-        stats = run(spec, args.steps, stats_path, "none", args.steps)[warm:]
+        stats = run(spec, args.steps, stats_path, "none", args.steps, g)[warm:]
         full_path = os.path.join(tmp, "full.h5")
-        full = run(spec, args.steps, full_path, "first", 1)
+        full = run(spec, args.steps, full_path, "first", 1, g)
         t_base = statistics.median(base)
         print(f"plain step                         {t_base * 1e3:8.1f} ms")
         print(f"statistics, every step             {statistics.median(stats) * 1e3:8.1f} ms  "
               f"{statistics.median(stats) / t_base:.2f}x")
         print(f"full tensors, first step           {full[0] * 1e3:8.1f} ms  {full[0] / t_base:.2f}x "
-              "(includes the first step's own warm-up)")
+              f"(includes the first step's own {'compile' if g else 'warm-up'})")
+        if g:
+            after = run(spec, args.steps, os.path.join(tmp, "two.h5"), "none", 2, g)
+            print(f"graph: step after a 2-step capture  {after[2] * 1e3:8.1f} ms  (compiles the graph without the probes)")
+            print(f"graph: later steps                 {statistics.median(after[3:]) * 1e3:8.1f} ms  "
+                  f"{statistics.median(after[3:]) / t_base:.2f}x")
         with CaptureFile(full_path) as c:
             held = sum(r.numel * np.dtype(r.dtype).itemsize for r in c.records(0) if r.has_data and r.same_as < 0)
         size = os.path.getsize(full_path)

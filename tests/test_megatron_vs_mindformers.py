@@ -21,10 +21,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = os.path.join(ROOT, "examples", "megatron_vs_mindformers", "run.py")
 
 
-def _run(tmp_path, family, fault="none"):
-    out = tmp_path / f"{family}-{fault}"
-    proc = subprocess.run([sys.executable, RUN, "--family", family, "--fault", fault, "--out", str(out)],
-                          capture_output=True, text=True, timeout=900)
+def _run(tmp_path, family, fault="none", graph=False):
+    out = tmp_path / f"{family}-{fault}{'-graph' if graph else ''}"
+    proc = subprocess.run([sys.executable, RUN, "--family", family, "--fault", fault, "--out", str(out)]
+                          + (["--graph"] if graph else []), capture_output=True, text=True, timeout=900)
     report = out / "report.json"
     assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(report) as f:
@@ -116,3 +116,28 @@ def test_mindspore_default_layernorm_epsilon_is_named(tmp_path):
     top = report["hints"][0]
     assert top["cause"] == "norm-epsilon" and "MindSpore nn.LayerNorm default" in top["title"]
     assert top["details"]["eps_b"] == pytest.approx(1e-7, rel=0.05)
+
+
+# The MindSpore side in GRAPH_MODE (captured through probes compiled into the graph): the verdicts of PyNative above.
+GRAPH_CASES = {
+    ("llama", "none"): None,
+    ("llama", "split-with-size"): (0, "backward", "decoder.layers.1.self_attention.linear_qkv", "grad_output",
+                                   "in the backward of code inside decoder.layers.1.self_attention between linear_qkv "
+                                   "and q_layernorm"),
+    ("gpt2", "gelu-approx"): (0, "forward", "decoder.layers.0.mlp.linear_fc2", "input",
+                              "inside decoder.layers.0.mlp between linear_fc1 and linear_fc2"),
+}
+
+
+@pytest.mark.parametrize(("family", "fault"), sorted(GRAPH_CASES))
+def test_graph_mode_gives_the_pynative_verdicts(tmp_path, family, fault):
+    code, report, out = _run(tmp_path, family, fault, graph=True)
+    assert report["b"]["capture_mode"] == "graph" and report["a"]["capture_mode"] == "hooks"
+    expected = GRAPH_CASES[(family, fault)]
+    if expected is None:
+        assert code == 0 and report["outcome"] == "agree", out[-3000:]
+        assert report["summary"]["diverged"] == 0 and report["summary"]["ok"] > 250
+        return
+    assert code == 1, out[-3000:]
+    first = report["first_divergence"]
+    assert (first["step"], first["phase"], first["module_a"], first["kind"], first["location"]) == expected

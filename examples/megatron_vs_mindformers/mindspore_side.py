@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         mindformers_cpu.init_mindformers_cpu(seed=0, use_legacy=args.family == "llama-legacy")
         mindformers_cpu.enable(exclude=("split_with_size",) if args.fault == "split-with-size" else ())
         model, loss_fn = _mindformers(spec, args.fault, state)
+        if args.graph:  # the Ascend-only primitives of the built model's cells become CPU composites
+            mindformers_cpu.enable_graph(model)
     b = load_batch(args.batch, vocab_size=spec.vocab_size, framework="mindspore")
     opt = ms.nn.SGD(model.trainable_params(), learning_rate=spec.lr)
     def batch_loss(batch: dict) -> Any:  # a def, not a lambda: the graph compiler parses it; the batch an argument,

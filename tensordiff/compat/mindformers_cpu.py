@@ -288,6 +288,8 @@ def _composites() -> dict[str, Any]:
     class RmsNormCPU(nn.Cell):
         """Graph-mode ``RmsNorm``: ``(y, rstd)``."""
 
+        _tensordiff_internal = True  # stands in for a primitive: capture does not record it as a cell
+
         def __init__(self, epsilon):
             super().__init__()
             self.epsilon = epsilon
@@ -298,11 +300,15 @@ def _composites() -> dict[str, Any]:
     class OuterCPU(nn.Cell):
         """Graph-mode ``Outer``."""
 
+        _tensordiff_internal = True  # stands in for a primitive: capture does not record it as a cell
+
         def construct(self, input, vec2):
             return outer(input, vec2)
 
     class FlashAttentionCPU(nn.Cell):
         """Graph-mode ``FlashAttentionScore`` (BNSD/BSND/BSH/SBH); the primitive's attributes are copied."""
+
+        _tensordiff_internal = True  # stands in for a primitive: capture does not record it as a cell
 
         def __init__(self, head_num, scale_value, layout, sparse_mode, pre_tokens, next_tokens):
             super().__init__()

@@ -318,7 +318,8 @@ def _not_tested(statuses: list[CheckStatus]) -> str:
 
 
 def _side(path: str, attrs: dict) -> dict[str, Any]:
-    return {"path": path, "framework": attrs.get("framework"), "framework_version": attrs.get("framework_version")}
+    return {"path": path, "framework": attrs.get("framework"), "framework_version": attrs.get("framework_version"),
+            "capture_mode": attrs.get("capture_mode") or "hooks"}
 
 
 def _who(attrs: dict) -> str:
@@ -329,6 +330,8 @@ def _who(attrs: dict) -> str:
             parts.append(f"{label} {attrs[key]}")
     if "model_class" in attrs:
         parts.append(str(attrs["model_class"]))
+    if attrs.get("capture_mode") == "graph":
+        parts.append("graph mode")
     return ", ".join(p.strip() for p in parts)
 
 

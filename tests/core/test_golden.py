@@ -237,7 +237,7 @@ def test_diff_report_json_keys(gelu_pair):
                            "first_divergence", "rows", "outcome", "exit_code", "inconclusive_reasons", "coverage"}
     assert (report["outcome"], report["exit_code"], report["inconclusive_reasons"]) == ("diverged", 1, [])
     assert set(report["coverage"]) == {"weights", "forward", "loss", "backward", "param_grad"}
-    assert set(report["a"]) == {"path", "framework", "framework_version"}
+    assert set(report["a"]) == {"path", "framework", "framework_version", "capture_mode"}
     assert set(report["summary"]) >= {"ok", "diverged", "drift", "only_a", "only_b", "shape_mismatch"}
     assert set(report["rows"][0]) >= {"step", "phase", "verdict", "a", "b", "metrics"}
     assert report["first_divergence"]["location"] == "inside mlp between linear_fc1 and linear_fc2"
