@@ -120,12 +120,11 @@ def test_mindspore_default_layernorm_epsilon_is_named(tmp_path):
 
 # The MindSpore side in GRAPH_MODE (captured through probes compiled into the graph): the verdicts of PyNative above.
 GRAPH_CASES = {
-    ("llama", "none"): None,
-    ("llama", "split-with-size"): (0, "backward", "decoder.layers.1.self_attention.linear_qkv", "grad_output",
-                                   "in the backward of code inside decoder.layers.1.self_attention between linear_qkv "
-                                   "and q_layernorm"),
+    ("gpt2", "none"): None,
     ("gpt2", "gelu-approx"): (0, "forward", "decoder.layers.0.mlp.linear_fc2", "input",
                               "inside decoder.layers.0.mlp between linear_fc1 and linear_fc2"),
+    ("llama", "fc1-unconverted"): (0, "weights", "decoder.layers.0.mlp.linear_fc1", "param",
+                                   "in decoder.layers.0.mlp.linear_fc1.weight before the first step (the checkpoint)"),
 }
 
 
@@ -136,7 +135,7 @@ def test_graph_mode_gives_the_pynative_verdicts(tmp_path, family, fault):
     expected = GRAPH_CASES[(family, fault)]
     if expected is None:
         assert code == 0 and report["outcome"] == "agree", out[-3000:]
-        assert report["summary"]["diverged"] == 0 and report["summary"]["ok"] > 250
+        assert report["summary"]["diverged"] == 0 and report["summary"]["ok"] > 150
         return
     assert code == 1, out[-3000:]
     first = report["first_divergence"]

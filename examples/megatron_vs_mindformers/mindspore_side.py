@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> list[float]:
         from tensordiff.compat import mindformers_cpu
 
         mindformers_cpu.init_mindformers_cpu(seed=0, use_legacy=args.family == "llama-legacy")
+        if args.graph:  # init_mindformers_cpu sets PyNative
+            ms.set_context(mode=ms.GRAPH_MODE)
         mindformers_cpu.enable(exclude=("split_with_size",) if args.fault == "split-with-size" else ())
         model, loss_fn = _mindformers(spec, args.fault, state)
         if args.graph:  # the Ascend-only primitives of the built model's cells become CPU composites

@@ -76,39 +76,33 @@ def through_grad(ops_: tuple, cell: int, local: int, x: Any) -> Any:
 
 
 def probe_args(ops_: tuple, cell: int, args: tuple) -> tuple:
-    """Graph code: record the tensors among a call's positional arguments (one tuple level deep). Their gradients are
-    not probed: a probe here would see only the share of the gradient that flows through this call, where a
-    PyNative tensor hook sees the tensor's whole gradient (a residual input's too)."""
+    """Graph code: record the tensors among a call's positional arguments (one tuple level deep). The arguments go
+    on unchanged, and their gradients are not probed: a probe here would see only the share of the gradient that
+    flows through this call, where a PyNative tensor hook sees the tensor's whole gradient (a residual input's).
+    Returned (and used by the caller): the compiler drops a call whose result nobody uses, side effects and all."""
     out: tuple = ()
     for i, a in enumerate(args):
         if isinstance(a, Tensor) and i < 256:
             record(ops_, cell, TAG_ARG + i, a)
-            out = out + (a,)
         elif isinstance(a, tuple) and i < 48:
             for j, b in enumerate(a):
                 if isinstance(b, Tensor) and j < NESTED:
                     record(ops_, cell, TAG_ARG_NESTED + i * NESTED + j, b)
-            out = out + (a,)
-        else:
-            out = out + (a,)
+        out = out + (a,)
     return out
 
 
 def probe_kwargs(ops_: tuple, cell: int, names: tuple, kwargs: dict) -> dict:
-    """Graph code: the same for keyword arguments named in the cell's ``construct`` signature."""
-    out = {}
+    """Graph code: the same for keyword arguments named in the cell's ``construct`` signature; ``kwargs`` returned as
+    it came (a dict built anew here fails to unpack in MindSpore 2.9 when it holds None)."""
     for k, v in kwargs.items():
         if isinstance(v, Tensor) and k in names:
             record(ops_, cell, TAG_KW + names.index(k), v)
-            out[k] = v
         elif isinstance(v, tuple) and k in names:
             for j, b in enumerate(v):
                 if isinstance(b, Tensor) and j < NESTED and names.index(k) < 48:
                     record(ops_, cell, TAG_KW_NESTED + names.index(k) * NESTED + j, b)
-            out[k] = v
-        else:
-            out[k] = v
-    return out
+    return kwargs
 
 
 def probe_outputs(ops_: tuple, cell: int, out: Any) -> Any:
@@ -157,7 +151,8 @@ def _probed_optimizer_class(cls: Any, tag: str) -> type:
     return type(f"{cls.__name__}_TdProbe{tag}", (cls,), {"construct": construct, "__module__": cls.__module__})
 
 
-def _make_probes(on_value: Callable[[int, np.ndarray], None], on_grad: Callable[[int, np.ndarray], None]) -> tuple:
+def _make_probes(on_value: Callable[[int, np.ndarray], None],
+                 on_grad: Callable[[int, np.ndarray, np.ndarray], None]) -> tuple:
     """The three custom ops of one capture: (record, gradient probe); the gradient probe's backward calls a third.
     Tags, not op instances, say what is recorded: one op per capture, whatever the model's size (creating a
     custom op costs ~0.5 ms)."""
@@ -166,8 +161,8 @@ def _make_probes(on_value: Callable[[int, np.ndarray], None], on_grad: Callable[
         on_value(int(tag), x)
         return x
 
-    def record_grad(d: np.ndarray, tag: np.ndarray) -> np.ndarray:
-        on_grad(int(tag), d)
+    def record_grad(d: np.ndarray, tag: np.ndarray, x: np.ndarray) -> np.ndarray:
+        on_grad(int(tag), d, x)
         return d
 
     def identity(x: np.ndarray, tag: np.ndarray) -> np.ndarray:
@@ -178,7 +173,7 @@ def _make_probes(on_value: Callable[[int, np.ndarray], None], on_grad: Callable[
     grad_rec = ops.Custom(record_grad, out_shape=_first, out_dtype=_first, func_type="pyfunc")
 
     def bprop(x: Any, tag: Any, out: Any, dout: Any) -> Any:
-        return grad_rec(dout, tag), ops.zeros_like(tag)
+        return grad_rec(dout, tag, x), ops.zeros_like(tag)  # x: which call's output this gradient is for
 
     grad = ops.Custom(identity, out_shape=_first, out_dtype=_first, func_type="pyfunc", bprop=bprop)
     return rec, grad
@@ -213,6 +208,12 @@ def graph_mode_wanted(graph: bool | None = None) -> bool:
     if flag:
         return flag not in ("0", "false", "no")
     return bool(ms.get_context("mode") == ms.GRAPH_MODE)
+
+
+def _value_key(x: np.ndarray) -> tuple:
+    """(dtype, shape, BLAKE2b digest of the bytes) of an array."""
+    data = np.ascontiguousarray(x)
+    return str(data.dtype), data.shape, hashlib.blake2b(data.view(np.uint8).data, digest_size=16).digest()
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -305,8 +306,9 @@ class MindSporeGraphCapture(MindSporeCapture):
                 continue  # a cell standing in for a primitive (tensordiff.compat): not one of the model's cells
             if self._pattern is not None and name and not self._pattern.search(name):
                 continue
-            self._swap(c, _probed_cell_class(type(c), str(len(self._probed))), probes, _argument_names(type(c)))
-            self._probed.append((name, _argument_names(type(c))))
+            names = _argument_names(type(c))  # of the model's class, before the swap
+            self._swap(c, _probed_cell_class(type(c), str(len(self._probed))), probes, names)
+            self._probed.append((name, names))
         if self.optimizer is not None:
             self._owners = [self._param_ids.get(id(p)) or _split(p.name) for p in self.optimizer.parameters]
             self._swap(self.optimizer, _probed_optimizer_class(type(self.optimizer), "opt"), probes, ())
@@ -352,14 +354,16 @@ class MindSporeGraphCapture(MindSporeCapture):
                 key = (module, kind, slot)
                 call = self._calls_of[key]
                 self._calls_of[key] += 1
+                value = _value_key(x)
                 seq = self._record("forward", kind, module, call, slot, self._classes.get(module, ""), x,
                                    parent=module.rpartition(".")[0] if module else "", track=False,
-                                   same_as=self._same_bytes("forward", x))
+                                   same_as=self._same_bytes("forward", value))
                 self._fwd_seqs[key].append(seq)
+                self._by_value[(key, value)].append(seq)
             except Exception as err:
                 self._fail(err)
 
-    def _on_grad(self, tag: int, d: np.ndarray) -> None:
+    def _on_grad(self, tag: int, d: np.ndarray, x: np.ndarray) -> None:
         with self._lock:
             if not self.active or not self._in_step or not self.options.grads:
                 return
@@ -369,30 +373,34 @@ class MindSporeGraphCapture(MindSporeCapture):
                 if kind == "input" and not self.options.inputs:
                     return
                 key = (module, kind, slot)
-                fwd = self._fwd_seqs.get(key, [])
-                k = self._bwd_counts[key]
+                # the call whose output this is: the forward record of the same value (a cell called twice on
+                # parallel branches, RoPE on q and k, has its backward calls in any order); else the reverse order
+                same = self._by_value.get((key, _value_key(x))) if isinstance(x, np.ndarray) else None
+                if same:
+                    of = same.pop(0)
+                else:
+                    fwd = self._fwd_seqs.get(key, [])
+                    k = self._bwd_counts[key]
+                    of = fwd[len(fwd) - 1 - k] if k < len(fwd) else -1
                 self._bwd_counts[key] += 1
-                of = fwd[len(fwd) - 1 - k] if k < len(fwd) else -1  # backward visits the calls in reverse
                 call = self._rows[of]["call"] if of >= 0 else k
                 if not isinstance(d, np.ndarray):  # a 0-d gradient arrives as a Python number: its value's dtype
                     d = np.asarray(d, dtype=self._rows[of]["dtype"] if of >= 0 else np.float32)
-                self._record("backward", f"grad_{kind}", module, call, slot, self._classes.get(module, ""), d,
-                             parent=module.rpartition(".")[0] if module else "", grad_of=of, track=False,
-                             same_as=self._same_bytes("backward", d))
+                seq = self._record("backward", f"grad_{kind}", module, call, slot, self._classes.get(module, ""), d,
+                                   parent=module.rpartition(".")[0] if module else "", grad_of=of, track=False)
+                self._grad_values[seq] = _value_key(d)  # linked at the end of the step (_link_gradients)
             except Exception as err:
                 self._fail(err)
 
-    def _same_bytes(self, phase: str, x: np.ndarray) -> int:
-        """The seq of an earlier record of this step and phase holding the same bytes (dtype, shape and a BLAKE2b
-        digest), else -1 and ``x`` is remembered. In PyNative a cell returning its child's output tensor is recorded
-        as a link to it (and its gradient once); the graph hands over copies, so identity is recognised by content,
-        which is what a link promises the diff."""
-        data = np.ascontiguousarray(x)
-        key = (phase, str(data.dtype), data.shape, hashlib.blake2b(data.view(np.uint8).data, digest_size=16).digest())
-        earlier = self._digests.get(key)
+    def _same_bytes(self, phase: str, value: tuple) -> int:
+        """The seq of an earlier record of this step and phase holding the same bytes (``value``: dtype, shape and a
+        BLAKE2b digest), else -1 and this one is remembered. In PyNative a cell returning its child's output tensor
+        is recorded as a link to it (and its gradient once); the graph hands over copies, so identity is recognised
+        by content, which is what a link promises the diff."""
+        earlier = self._digests.get((phase, value))
         if earlier is not None:
             return earlier
-        self._digests[key] = self._seq
+        self._digests[(phase, value)] = self._seq
         return -1
 
     # steps ------------------------------------------------------------------------
@@ -431,15 +439,40 @@ class MindSporeGraphCapture(MindSporeCapture):
             self._reset_step()
             return
         self._set_enters()
+        self._link_gradients()
         super()._end_step()
 
     def _reset_step(self) -> None:
         super()._reset_step()
         self._digests: dict[tuple, int] = {}
+        self._by_value: dict[tuple, list[int]] = defaultdict(list)  # (module, kind, slot), value -> forward seqs
+        self._grad_values: dict[int, tuple] = {}  # backward seq -> value key
         if hasattr(self, "_fwd_seqs"):
             self._fwd_seqs.clear()
             self._bwd_counts.clear()
             self._calls_of.clear()
+
+    def _link_gradients(self) -> None:
+        """Gradients with the same bytes are one tensor's, as PyNative sees it: a cell returning its child's output
+        has one output tensor, hooked once, at the child's (first) record. Here each probe hands over its own copy,
+        and the outermost cell's arrives first; so the record whose value was recorded first in the forward holds
+        the data and the others become links to it."""
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for seq, value in self._grad_values.items():
+            groups[value].append(seq)
+        rows = self._rows
+        for seqs in groups.values():
+            if len(seqs) < 2:
+                continue
+            owner = min(seqs, key=lambda q: (rows[q]["grad_of"] < 0, rows[q]["grad_of"], q))
+            for q in seqs:
+                if q != owner:
+                    rows[q]["same_as"] = owner
+                    self._data.pop(q, None)
+        for row in rows:  # a link never points at a link (the diff reads the source's data)
+            src = row["same_as"]
+            if src >= 0 and rows[src]["same_as"] >= 0:
+                row["same_as"] = rows[src]["same_as"]
 
     def _set_enters(self) -> None:
         """Where each call was entered, as a PyNative capture has it: the first record of the cells it called
