@@ -80,7 +80,6 @@ def probe_args(ops_: tuple, cell: int, args: tuple) -> tuple:
     on unchanged, and their gradients are not probed: a probe here would see only the share of the gradient that
     flows through this call, where a PyNative tensor hook sees the tensor's whole gradient (a residual input's).
     Returned (and used by the caller): the compiler drops a call whose result nobody uses, side effects and all."""
-    out: tuple = ()
     for i, a in enumerate(args):
         if isinstance(a, Tensor) and i < 256:
             record(ops_, cell, TAG_ARG + i, a)
@@ -88,8 +87,7 @@ def probe_args(ops_: tuple, cell: int, args: tuple) -> tuple:
             for j, b in enumerate(a):
                 if isinstance(b, Tensor) and j < NESTED:
                     record(ops_, cell, TAG_ARG_NESTED + i * NESTED + j, b)
-        out = out + (a,)
-    return out
+    return args  # as it came: a tuple built anew loses its None constants (the callee's `if x is None` branches)
 
 
 def probe_kwargs(ops_: tuple, cell: int, names: tuple, kwargs: dict) -> dict:
@@ -133,22 +131,30 @@ def record_all(ops_: tuple, cell: int, values: Any) -> Any:
 
 
 def _probed_cell_class(cls: Any, tag: str) -> type:
-    def construct(self: Any, *args: Any, **kwargs: Any) -> Any:
-        probes, cell = self._td_probes, self._td_cell
-        args = probe_args(probes, cell, args)
-        kwargs = probe_kwargs(probes, cell, self._td_names, kwargs)
-        out = cls.construct(self, *args, **kwargs)
-        return probe_outputs(probes, cell, out)
+    class Probed(cls):
+        def construct(self: Any, *args: Any, **kwargs: Any) -> Any:
+            probes, cell = self._td_probes, self._td_cell
+            args = probe_args(probes, cell, args)
+            kwargs = probe_kwargs(probes, cell, self._td_names, kwargs)
+            # super(), not cls.construct(self, ...): the compiler folds the model's `if self.flag:` branches only
+            # when construct runs as the cell's own method
+            out = super().construct(*args, **kwargs)
+            return probe_outputs(probes, cell, out)
 
-    return type(f"{cls.__name__}_TdProbe{tag}", (cls,), {"construct": construct, "__module__": cls.__module__})
+    Probed.__name__ = Probed.__qualname__ = f"{cls.__name__}_TdProbe{tag}"
+    Probed.__module__ = cls.__module__
+    return Probed
 
 
 def _probed_optimizer_class(cls: Any, tag: str) -> type:
-    def construct(self: Any, gradients: Any, *rest: Any) -> Any:
-        record_all(self._td_probes, self._td_cell, gradients)
-        return cls.construct(self, gradients, *rest)
+    class ProbedOptimizer(cls):
+        def construct(self: Any, gradients: Any, *rest: Any) -> Any:
+            gradients = record_all(self._td_probes, self._td_cell, gradients)
+            return super().construct(gradients, *rest)
 
-    return type(f"{cls.__name__}_TdProbe{tag}", (cls,), {"construct": construct, "__module__": cls.__module__})
+    ProbedOptimizer.__name__ = ProbedOptimizer.__qualname__ = f"{cls.__name__}_TdProbe{tag}"
+    ProbedOptimizer.__module__ = cls.__module__
+    return ProbedOptimizer
 
 
 def _make_probes(on_value: Callable[[int, np.ndarray], None],
