@@ -4,26 +4,27 @@ Python hooks never run in a compiled graph, and kernel scope names do not say re
 kernel belongs to (shared graphs, expanded ops, gradients built elsewhere). So the cell boundaries are
 made explicit instead, and attribution holds by construction:
 
-* every selected cell gets a class of its own (``type(cell)`` subclassed, ``cell.__class__`` swapped
-  back afterwards: parameter names, ``cells_and_names`` and the cell's state are untouched) whose
-  ``construct`` calls the original and passes each tensor output through two probes of its own:
-  a *record* probe (a ``pyfunc`` custom op marked as having a side effect, so it runs even when the
-  output is unused, and whose result is dropped) and a *gradient* probe (an identity whose ``bprop``
-  hands the incoming gradient to a record probe; eliminated with the output when nobody uses it, as a
-  PyNative tensor hook never fires there);
-* the optimizer (when given) gets the same treatment for the gradients it receives: the step's
-  parameter gradients;
+* every cell gets a class of its own (a subclass of its class, ``cell.__class__`` swapped back afterwards:
+  parameter names, ``cells_and_names`` and the cell's state are untouched) whose ``construct`` records the
+  call's tensor arguments, calls ``super().construct`` and records each tensor output, passing float
+  outputs through a gradient probe;
+* three custom ``pyfunc`` ops per capture do it, told apart by a constant *tag* input (cell, argument or
+  output slot): a record op marked as having a side effect (it runs even for an output nobody uses), an
+  identity whose ``bprop`` hands the incoming gradient, with the forward value, to a third op (the value
+  says which call of a cell the gradient belongs to; eliminated with an output nobody uses, as a PyNative
+  tensor hook never fires there);
+* the optimizer (when given) gets the same for the gradients it receives: the parameter gradients;
 * MindSpore caches compiled graphs under a key holding its hook version; installing and removing the
-  probes bumps it (by registering and removing a no-op hook, MindSpore's public API), so the next step
-  compiles with the probes and the first step after the capture compiles without them: the steps after
-  capture run the user's own graph.
+  probes moves it on (registering and removing a no-op hook, its public API), so the next step compiles
+  with the probes and the first step after the capture without them: later steps run the user's graph.
 
 The probes call back into Python with host arrays, on MindSpore's runtime threads (a lock serialises
-them). Records get the same names as a PyNative capture's (module, call, ``output`` / ``grad_output``,
-slot). Not recorded in graph mode: cell inputs and their gradients (the file says so in its
-``not_recorded`` attribute, and the diff accounts for them); the weights are read when capture starts
-and after each captured step. The probes are ``pyfunc`` ops, which MindSpore runs on the CPU backend
-only: on another device target capture refuses with one line, and training goes on.
+them). Records get the names of a PyNative capture's (module, call, kind, slot); tensors with the same
+bytes become links, as one tensor object does in PyNative. Not recorded: the gradients of cell inputs
+(a probe there sees only its call's share of the gradient; the file's ``not_recorded`` says so and the
+diff accounts for them). Weights are read when capture starts and after each captured step, never from
+inside a running graph. ``pyfunc`` ops run on the CPU backend only: on another device target capture
+refuses with one line, and training goes on.
 """
 
 from __future__ import annotations
