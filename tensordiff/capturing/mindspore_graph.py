@@ -53,7 +53,6 @@ STRIDE = 1 << 14
 TAG_ARG, TAG_ARG_NESTED, TAG_KW, TAG_KW_NESTED, TAG_OUT, TAG_OUT_NESTED = 0, 256, 1024, 1280, 2048, 2304
 INTERNAL = "_tensordiff_internal"  # a cell with this attribute true is never probed
 NESTED = 16  # tensors recorded inside one tuple argument or output
-_SLOT_LIMITS = {TAG_ARG: 256, TAG_KW: 256, TAG_OUT: 256}
 
 
 def _first(*items: Any) -> Any:
@@ -76,6 +75,13 @@ def through_grad(ops_: tuple, cell: int, local: int, x: Any) -> Any:
     return x
 
 
+def record_tuple(ops_: tuple, cell: int, base: int, values: tuple) -> None:
+    """Graph code: record the tensors of a tuple argument or output under ``base`` + their index."""
+    for j, b in enumerate(values):
+        if isinstance(b, Tensor) and j < NESTED:
+            record(ops_, cell, base + j, b)
+
+
 def probe_args(ops_: tuple, cell: int, args: tuple) -> tuple:
     """Graph code: record the tensors among a call's positional arguments (one tuple level deep). The arguments go
     on unchanged, and their gradients are not probed: a probe here would see only the share of the gradient that
@@ -85,9 +91,7 @@ def probe_args(ops_: tuple, cell: int, args: tuple) -> tuple:
         if isinstance(a, Tensor) and i < 256:
             record(ops_, cell, TAG_ARG + i, a)
         elif isinstance(a, tuple) and i < 48:
-            for j, b in enumerate(a):
-                if isinstance(b, Tensor) and j < NESTED:
-                    record(ops_, cell, TAG_ARG_NESTED + i * NESTED + j, b)
+            record_tuple(ops_, cell, TAG_ARG_NESTED + i * NESTED, a)
     return args  # as it came: a tuple built anew loses its None constants (the callee's `if x is None` branches)
 
 
@@ -97,10 +101,8 @@ def probe_kwargs(ops_: tuple, cell: int, names: tuple, kwargs: dict) -> dict:
     for k, v in kwargs.items():
         if isinstance(v, Tensor) and k in names:
             record(ops_, cell, TAG_KW + names.index(k), v)
-        elif isinstance(v, tuple) and k in names:
-            for j, b in enumerate(v):
-                if isinstance(b, Tensor) and j < NESTED and names.index(k) < 48:
-                    record(ops_, cell, TAG_KW_NESTED + names.index(k) * NESTED + j, b)
+        elif isinstance(v, tuple) and k in names and names.index(k) < 48:
+            record_tuple(ops_, cell, TAG_KW_NESTED + names.index(k) * NESTED, v)
     return kwargs
 
 
@@ -115,9 +117,7 @@ def probe_outputs(ops_: tuple, cell: int, out: Any) -> Any:
             if isinstance(o, Tensor) and i < 256:
                 record(ops_, cell, TAG_OUT + i, o)
             elif isinstance(o, tuple) and i < 16:
-                for j, b in enumerate(o):
-                    if isinstance(b, Tensor) and j < NESTED:
-                        record(ops_, cell, TAG_OUT_NESTED + i * NESTED + j, b)
+                record_tuple(ops_, cell, TAG_OUT_NESTED + i * NESTED, o)
         return tuple(through_grad(ops_, cell, TAG_OUT + i, o) if isinstance(o, Tensor) and i < 256 else o
                      for i, o in enumerate(out))
     return out
@@ -286,9 +286,6 @@ class MindSporeGraphCapture(MindSporeCapture):
         self._swapped: list[tuple[Any, type]] = []
         self._probed: list[tuple[str, tuple[str, ...]]] = []  # cell id -> (cell name, construct's argument names)
         self._owners: list[tuple[str, str]] = []  # the optimizer's parameters: (module, attribute)
-        self._fwd_seqs: dict[tuple[str, str, str], list[int]] = defaultdict(list)
-        self._bwd_counts: dict[tuple[str, str, str], int] = defaultdict(int)
-        self._calls_of: dict[tuple[str, str, str], int] = defaultdict(int)
         skipped = ["grad_input"] if options.inputs else ["input", "grad_input"]
         meta = {**(meta or {}), "capture_mode": "graph", "not_recorded": ",".join(skipped)}
         if cells:
@@ -364,7 +361,7 @@ class MindSporeGraphCapture(MindSporeCapture):
                 value = _value_key(x)
                 seq = self._record("forward", kind, module, call, slot, self._classes.get(module, ""), x,
                                    parent=module.rpartition(".")[0] if module else "", track=False,
-                                   same_as=self._same_bytes("forward", value))
+                                   same_as=self._same_bytes(value))
                 self._fwd_seqs[key].append(seq)
                 self._by_value[(key, value)].append(seq)
             except Exception as err:
@@ -383,13 +380,13 @@ class MindSporeGraphCapture(MindSporeCapture):
                 # the call whose output this is: the forward record of the same value (a cell called twice on
                 # parallel branches, RoPE on q and k, has its backward calls in any order); else the reverse order
                 same = self._by_value.get((key, _value_key(x))) if isinstance(x, np.ndarray) else None
+                fwd = self._fwd_seqs.get(key, [])
+                k = self._bwd_counts[key]
+                self._bwd_counts[key] += 1
                 if same:
                     of = same.pop(0)
                 else:
-                    fwd = self._fwd_seqs.get(key, [])
-                    k = self._bwd_counts[key]
                     of = fwd[len(fwd) - 1 - k] if k < len(fwd) else -1
-                self._bwd_counts[key] += 1
                 call = self._rows[of]["call"] if of >= 0 else k
                 if not isinstance(d, np.ndarray):  # a 0-d gradient arrives as a Python number: its value's dtype
                     d = np.asarray(d, dtype=self._rows[of]["dtype"] if of >= 0 else np.float32)
@@ -399,15 +396,15 @@ class MindSporeGraphCapture(MindSporeCapture):
             except Exception as err:
                 self._fail(err)
 
-    def _same_bytes(self, phase: str, value: tuple) -> int:
-        """The seq of an earlier record of this step and phase holding the same bytes (``value``: dtype, shape and a
-        BLAKE2b digest), else -1 and this one is remembered. In PyNative a cell returning its child's output tensor
-        is recorded as a link to it (and its gradient once); the graph hands over copies, so identity is recognised
-        by content, which is what a link promises the diff."""
-        earlier = self._digests.get((phase, value))
+    def _same_bytes(self, value: tuple) -> int:
+        """The seq of an earlier forward record of this step holding the same bytes (``value``: dtype, shape and a
+        BLAKE2b digest), else -1 and this one is remembered (gradients: ``_link_gradients``). In PyNative a cell
+        returning its child's output tensor is recorded as a link to it; the graph hands over copies, so identity
+        is recognised by content, which is what a link promises the diff."""
+        earlier = self._digests.get(value)
         if earlier is not None:
             return earlier
-        self._digests[(phase, value)] = self._seq
+        self._digests[value] = self._seq
         return -1
 
     # steps ------------------------------------------------------------------------
@@ -451,13 +448,13 @@ class MindSporeGraphCapture(MindSporeCapture):
 
     def _reset_step(self) -> None:
         super()._reset_step()
-        self._digests: dict[tuple, int] = {}
+        # per (module, kind, slot): the calls recorded, their forward seqs, the gradients seen
+        self._calls_of: dict[tuple[str, str, str], int] = defaultdict(int)
+        self._fwd_seqs: dict[tuple[str, str, str], list[int]] = defaultdict(list)
+        self._bwd_counts: dict[tuple[str, str, str], int] = defaultdict(int)
+        self._digests: dict[tuple, int] = {}  # forward value key -> the seq holding it
         self._by_value: dict[tuple, list[int]] = defaultdict(list)  # (module, kind, slot), value -> forward seqs
         self._grad_values: dict[int, tuple] = {}  # backward seq -> value key
-        if hasattr(self, "_fwd_seqs"):
-            self._fwd_seqs.clear()
-            self._bwd_counts.clear()
-            self._calls_of.clear()
 
     def _link_gradients(self) -> None:
         """Gradients with the same bytes are one tensor's, as PyNative sees it: a cell returning its child's output
@@ -502,10 +499,9 @@ class MindSporeGraphCapture(MindSporeCapture):
                 enters[key] = enter
             row["enter"] = enters[key]
             prev_end[row["module"]] = i
-        by_seq = {row["seq"]: row for row in self._rows}
-        by_call = {(row["module"], row["slot"], row["call"]): row["seq"] for row in forward}
-        for row in self._rows:
+        outputs = {(row["module"], row["slot"], row["call"]): row["seq"] for row in forward if row["kind"] == "output"}
+        for row in self._rows:  # rows[seq] is the record of seq
             if row["phase"] == "backward" and row["grad_of"] < 0:  # its gradient came before its value
-                row["grad_of"] = by_call.get((row["module"], row["slot"], row["call"]), -1)
+                row["grad_of"] = outputs.get((row["module"], row["slot"], row["call"]), -1)
             if row["phase"] == "backward" and row["grad_of"] >= 0:
-                row["enter"] = by_seq[row["grad_of"]]["enter"]
+                row["enter"] = self._rows[row["grad_of"]]["enter"]

@@ -580,15 +580,17 @@ assert tuple(_FIX_FUNCS) == FIXES
 # public API
 
 
-def _select(fixes: Iterable[str] | None, exclude: Iterable[str]) -> list[str]:
+def _select(fixes: Iterable[str] | None, exclude: Iterable[str], known: Sequence[str] = FIXES,
+            what: str = "fix") -> list[str]:
+    """The fixes of ``known`` chosen by ``fixes`` (all by default) minus ``exclude``, in ``known``'s order."""
     if isinstance(fixes, str) or isinstance(exclude, str):
         raise TypeError("fixes and exclude take a sequence of fix names, not a single string")
-    chosen = list(FIXES) if fixes is None else list(fixes)
+    chosen = list(known) if fixes is None else list(fixes)
     excluded = set(exclude)
-    unknown = sorted((set(chosen) | excluded) - set(FIXES))
+    unknown = sorted((set(chosen) | excluded) - set(known))
     if unknown:
-        raise ValueError(f"unknown mindformers_cpu fix(es) {unknown}; known: {', '.join(FIXES)}")
-    return [name for name in FIXES if name in chosen and name not in excluded]
+        raise ValueError(f"unknown mindformers_cpu {what}(es) {unknown}; known: {', '.join(known)}")
+    return [name for name in known if name in chosen and name not in excluded]
 
 
 def enable(fixes: Sequence[str] | None = None, exclude: Sequence[str] = ()) -> tuple[str, ...]:
@@ -718,17 +720,6 @@ _GRAPH_PRIMS: dict[str, str] = {  # fix name -> primitive class in gen_ops_prim
 }
 
 
-def _select_graph(fixes: Iterable[str] | None, exclude: Iterable[str]) -> list[str]:
-    if isinstance(fixes, str) or isinstance(exclude, str):
-        raise TypeError("fixes and exclude take a sequence of fix names, not a single string")
-    chosen = list(GRAPH_FIXES) if fixes is None else list(fixes)
-    excluded = set(exclude)
-    unknown = sorted((set(chosen) | excluded) - set(GRAPH_FIXES))
-    if unknown:
-        raise ValueError(f"unknown mindformers_cpu graph fix(es) {unknown}; known: {', '.join(GRAPH_FIXES)}")
-    return [name for name in GRAPH_FIXES if name in chosen and name not in excluded]
-
-
 def enable_graph(model: Any, fixes: Sequence[str] | None = None, exclude: Sequence[str] = ()) -> dict[str, str]:
     """Make a built MindFormers ``model`` compile and train in GRAPH_MODE (and under ``mindspore.jit``) on the CPU.
 
@@ -739,7 +730,7 @@ def enable_graph(model: Any, fixes: Sequence[str] | None = None, exclude: Sequen
     Idempotent: a swapped attribute is not swapped again. Every replacement is built (and checked) before
     anything is swapped. Returns ``{dotted attribute path: fix name}`` of the cell swaps this call made.
     """
-    wanted = _select_graph(fixes, exclude)
+    wanted = _select(fixes, exclude, GRAPH_FIXES, "graph fix")
     classes = {_gen_prim(fix, _GRAPH_PRIMS[fix]): fix for fix in wanted if fix in _GRAPH_PRIMS}
     planned = []
     for path, cell in model.cells_and_names():
