@@ -174,3 +174,47 @@ def test_a_graph_only_difference_is_found_at_its_cell(pair, tmp_path):
 
     first = json.loads(report.read_text())["first_divergence"]
     assert first["module_b"] == "decoder.layers.0.mlp.activation_func", first
+
+
+class _WithIdentity(ms.nn.Cell):
+    """Dense -> a split into heads (not a cell) -> nn.Identity (an identity norm, as an attention without qk-norm has
+    for its query) -> Dense; the loss a mean square."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = ms.nn.Dense(8, 16)
+        self.norm = ms.nn.Identity()
+        self.down = ms.nn.Dense(16, 4)
+
+    def construct(self, x):
+        q = self.norm(self.up(x).reshape((3, 4, 4)))
+        return (self.down(q.reshape((3, 16))) ** 2).mean()
+
+
+def _identity_run(mode: int, path: str) -> float:
+    ms.set_context(mode=mode)
+    ms.set_seed(5)
+    model = _WithIdentity()
+    x = ms.Tensor(np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32))
+    opt = ms.nn.SGD(model.trainable_params(), learning_rate=0.1)
+    grad_fn = ms.value_and_grad(model, None, opt.parameters)
+    with tensordiff.capture(model, path, steps=1, optimizer=opt, tensors="all") as cap:
+        loss, grads = grad_fn(x)
+        opt(grads)
+        cap.step(loss)
+    return float(loss)
+
+
+def test_an_identity_cells_gradient_has_its_pynative_name(tmp_path):
+    """PyNative has one tensor for an identity cell's input and output, hooked at its first record (the input): its
+    gradient is ``grad_input``. Graph mode sees it at the output probe and records it under the same name."""
+    pyn, graph = str(tmp_path / "p.h5"), str(tmp_path / "g.h5")
+    assert _identity_run(ms.PYNATIVE_MODE, pyn) == _identity_run(ms.GRAPH_MODE, graph)
+    with CaptureFile(pyn) as cp, CaptureFile(graph) as cg:
+        want = {_key(r) for r in cp.records(0) if r.module == "norm" and r.phase == "backward"}
+        got = {_key(r): r for r in cg.records(0) if r.module == "norm" and r.phase == "backward"}
+        assert want == set(got) == {("backward", "norm", 0, "grad_input", "0")}
+        p = next(r for r in cp.records(0) if _key(r) in want)
+        np.testing.assert_allclose(cg.array(got[_key(p)]), cp.array(p), rtol=1e-6)
+        source = got[("backward", "norm", 0, "grad_input", "0")].grad_of
+        assert next(r for r in cg.records(0) if r.seq == source).slot == "0"  # the input's forward record

@@ -22,9 +22,10 @@ The probes call back into Python with host arrays, on MindSpore's runtime thread
 them). Records get the names of a PyNative capture's (module, call, kind, slot); tensors with the same
 bytes become links, as one tensor object does in PyNative. Not recorded: the gradients of cell inputs
 (a probe there sees only its call's share of the gradient; the file's ``not_recorded`` says so and the
-diff accounts for them). Weights are read when capture starts and after each captured step, never from
-inside a running graph. ``pyfunc`` ops run on the CPU backend only: on another device target capture
-refuses with one line, and training goes on.
+diff accounts for them), except an identity cell's (its output's gradient, named as PyNative names it).
+Weights are read when capture starts and after each captured step, never from inside a running graph.
+``pyfunc`` ops run on the CPU backend only: on another device target capture refuses with one line, and
+training goes on.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from mindspore import Tensor, ops
 from ..errors import UsageError
 from .mindspore import MindSporeCapture, MindSporeTensors, numpy_stats
 
-_FLOATS = (ms.float32, ms.float16, ms.bfloat16, ms.float64)
+_NO_GRAD = (ms.bool_,)  # outputs never passed through the gradient probe
 
 # A probe's tag says what it records: ((cell id * STRIDE + local) * 2 + scalar flag), local as in TAG_*.
 STRIDE = 1 << 14
@@ -69,8 +70,10 @@ def record(ops_: tuple, cell: int, local: int, x: Any) -> None:
 
 
 def through_grad(ops_: tuple, cell: int, local: int, x: Any) -> Any:
-    """Graph code: ``x`` through the gradient probe (its gradient is recorded under the tag) if it is a float tensor."""
-    if x.dtype in _FLOATS:
+    """Graph code: ``x`` through the gradient probe (its gradient is recorded under the tag) unless it is boolean.
+    Integer tensors too: the dtype the compiler infers can be wrong (MindFormers' embedding Morph infers its
+    input's int32 for a float output); the callback drops the gradients of values that are not floats."""
+    if x.dtype not in _NO_GRAD:
         return ops_[1](x, Tensor((cell * STRIDE + local) * 2, ms.int32))
     return x
 
@@ -376,6 +379,8 @@ class MindSporeGraphCapture(MindSporeCapture):
                 kind, slot, _ = decode(tag, names)
                 if kind == "input" and not self.options.inputs:
                     return
+                if isinstance(x, np.ndarray) and x.dtype.kind != "f":
+                    return  # the gradient of an integer output (the probe is there for outputs inferred wrongly)
                 key = (module, kind, slot)
                 # the call whose output this is: the forward record of the same value (a cell called twice on
                 # parallel branches, RoPE on q and k, has its backward calls in any order); else the reverse order
@@ -443,6 +448,7 @@ class MindSporeGraphCapture(MindSporeCapture):
             self._reset_step()
             return
         self._set_enters()
+        self._name_pass_through_gradients()
         self._link_gradients()
         super()._end_step()
 
@@ -455,6 +461,22 @@ class MindSporeGraphCapture(MindSporeCapture):
         self._digests: dict[tuple, int] = {}  # forward value key -> the seq holding it
         self._by_value: dict[tuple, list[int]] = defaultdict(list)  # (module, kind, slot), value -> forward seqs
         self._grad_values: dict[int, tuple] = {}  # backward seq -> value key
+
+    def _name_pass_through_gradients(self) -> None:
+        """A cell that returns one of its inputs (an identity norm) has, in PyNative, one tensor for both: recorded
+        first as the input, hooked there, its gradient named ``grad_input``. Here the output probe sees it; the
+        record takes the input's name, as the PyNative capture of the same model has it."""
+        rows = self._rows
+        for row in rows:
+            of = row["grad_of"]
+            if row["phase"] != "backward" or row["kind"] != "grad_output" or of < 0:
+                continue
+            src = rows[of]["same_as"]
+            if src < 0:
+                continue
+            first = rows[src]
+            if first["kind"] == "input" and first["module"] == row["module"] and first["call"] == row["call"]:
+                row["kind"], row["slot"], row["grad_of"] = "grad_input", first["slot"], src
 
     def _link_gradients(self) -> None:
         """Gradients with the same bytes are one tensor's, as PyNative sees it: a cell returning its child's output

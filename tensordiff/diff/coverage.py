@@ -77,6 +77,7 @@ def coverage(rows: list[Row], skip_a: frozenset[str] = frozenset(),
     (``not_recorded_a`` / ``_b``), named in the report, not left as "only in"."""
     seen_a = {_tensor(r.pair.a) for r in rows if r.verdict in COMPARED and r.pair.a is not None}
     seen_b = {_tensor(x) for r in rows if r.verdict in COMPARED for x in r.pair.b_records}
+    input_only_a, input_only_b = _input_only_partners(rows)
     out = {phase: PhaseCoverage(phase) for phase in PHASES}
     for row in rows:
         cov = out[row.phase]
@@ -98,10 +99,10 @@ def coverage(rows: list[Row], skip_a: frozenset[str] = frozenset(),
                 cov.compared_b += 1
                 cov.linked_b += 1
                 row.linked = True
-            elif a is not None and a.kind in skip_b:
+            elif a is not None and (a.kind in skip_b or ("grad_input" in skip_b and _tensor_of(a) in input_only_a)):
                 cov.not_recorded_a += 1
                 row.not_recorded = True
-            elif b is not None and b.kind in skip_a:
+            elif b is not None and (b.kind in skip_a or ("grad_input" in skip_a and _tensor_of(b) in input_only_b)):
                 cov.not_recorded_b += 1
                 row.not_recorded = True
             else:
@@ -114,6 +115,37 @@ def coverage(rows: list[Row], skip_a: frozenset[str] = frozenset(),
         else:
             cov.stats_only += 1
     return {phase: cov for phase, cov in out.items() if cov.recorded_a or cov.recorded_b}
+
+
+def _tensor_of(rec: Record) -> tuple[int, int] | None:
+    """The forward tensor a gradient record belongs to (its ``grad_of``, as the seq first holding it), else None."""
+    return (rec.step, rec.grad_of) if rec.phase == "backward" and rec.grad_of >= 0 else None
+
+
+def _input_only_partners(rows: list[Row]) -> tuple[set, set]:
+    """A's forward tensors (as ``_tensor``, and every seq of A's holding them) whose paired B tensor B holds only as
+    cell inputs, and the reverse. A side that never records the gradients of cell inputs (graph mode) has no gradient
+    of such a tensor under any name: the other side's gradient of it is accounted for as never recorded there (the
+    tensor a Megatron ``core_attention`` returns is, in a compiled MindSpore graph, only ``wo``'s input)."""
+    outputs_a = {_tensor(r.pair.a) for r in rows if r.phase == "forward" and r.pair.a is not None
+                 and r.pair.a.kind == "output"}
+    outputs_b = {_tensor(x) for r in rows if r.phase == "forward" for x in r.pair.b_records if x.kind == "output"}
+    partners_a: dict[tuple[int, int], set] = {}
+    partners_b: dict[tuple[int, int], set] = {}
+    for r in rows:
+        if r.phase != "forward" or r.verdict not in COMPARED or r.pair.a is None:
+            continue
+        for x in r.pair.b_records:
+            partners_a.setdefault(_tensor(r.pair.a), set()).add(_tensor(x))
+            partners_b.setdefault(_tensor(x), set()).add(_tensor(r.pair.a))
+    only_a = {t for t, bs in partners_a.items() if not bs & outputs_b}
+    only_b = {t for t, as_ in partners_b.items() if not as_ & outputs_a}
+    # a gradient names its forward record, which may be a link: every seq of the tensor stands for it
+    links_a = {(r.pair.a.step, r.pair.a.seq): _tensor(r.pair.a) for r in rows if r.phase == "forward"
+               and r.pair.a is not None}
+    links_b = {(x.step, x.seq): _tensor(x) for r in rows if r.phase == "forward" for x in r.pair.b_records}
+    return ({seq for seq, t in links_a.items() if t in only_a} | only_a,
+            {seq for seq, t in links_b.items() if t in only_b} | only_b)
 
 
 def judge_outcome(result: DiffResult) -> tuple[Outcome, list[str]]:

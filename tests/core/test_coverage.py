@@ -177,3 +177,44 @@ def test_arguments_of_other_names_paired_by_order_are_uncertain(tmp_path):
     assert row.pair.how == "order" and row.pair.b.slot == "labels" and row.verdict == "uncertain"
     assert "A's argument input.position_ids of <model> vs B's input.labels of <model>" in row.note
     assert res.first is None and res.outcome == "inconclusive"
+
+
+def _graph_pair(tmp_path, b_attrs):
+    """A: the hooks' records, where emb's output tensor (fc's input) has its gradient recorded first, as emb's
+    grad_output. B: the same model with the lookup done by plain ops (no emb cell call), captured in graph mode:
+    the tensor is only fc's input there, and gradients of inputs are never recorded."""
+    v = values()
+    a_recs = records(v, backward=False) + [
+        T("backward", "fc", "grad_output", "0", v["dy"], grad_of=6, enter=5, module_class="Linear"),
+        T("backward", "emb", "grad_output", "0", v["dh"], grad_of=4, enter=3, module_class="Embedding"),
+        T("param_grad", "fc", "grad", "weight", v["dW"], module_class="Linear")]
+    b_recs = [T("weights", "emb", "param", "weight", v["E"], module_class="Embedding"),
+              T("weights", "fc", "param", "weight", v["W"], module_class="Linear"),
+              T("forward", "", "input", "0", v["ids"], enter=2, module_class="Net"),                         # 2
+              T("forward", "fc", "input", "0", v["h"], enter=3, module_class="Linear"),                      # 3
+              T("forward", "fc", "output", "0", v["y"], enter=3, module_class="Linear"),                     # 4
+              T("forward", "", "output", "0", v["y"], same_as=4, enter=2, module_class="Net", extra=LINK),
+              T("loss", "loss", "loss", "value", v["loss"], module_class="Loss"),
+              T("backward", "fc", "grad_output", "0", v["dy"], grad_of=4, enter=3, module_class="Linear"),
+              T("param_grad", "fc", "grad", "weight", v["dW"], module_class="Linear")]
+    a = capture(tmp_path, "a", a_recs)
+    b = write_capture(str(tmp_path / "b.h5"), [b_recs], framework="mindspore", **b_attrs)
+    return a, b
+
+
+def test_a_gradient_whose_tensor_the_graph_side_holds_only_as_an_input_is_accounted_for(tmp_path):
+    a, b = _graph_pair(tmp_path, {"capture_mode": "graph", "not_recorded": "grad_input"})
+    res = diff(a, b)
+    bwd = res.coverage["backward"]
+    assert (bwd.recorded_a, bwd.compared_a, bwd.not_recorded_a, bwd.only_a) == (2, 1, 1, 0)
+    assert (res.outcome, res.exit_code) == ("agree", 0)
+    row = next(r for r in res.rows if r.pair.a is not None and r.pair.a.module == "emb" and r.phase == "backward")
+    assert row.not_recorded and not row.linked
+
+
+def test_the_same_gradient_is_only_in_a_when_the_other_side_records_input_gradients(tmp_path):
+    a, b = _graph_pair(tmp_path, {})  # B could have recorded it (as fc's grad_input) and did not: not a pass
+    res = diff(a, b)
+    bwd = res.coverage["backward"]
+    assert (bwd.not_recorded_a, bwd.only_a) == (0, 1)
+    assert (res.outcome, res.exit_code) == ("inconclusive", 3)
