@@ -77,10 +77,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--graph", action="store_true", help="GRAPH_MODE: capture through probes compiled into the graph")
     args = p.parse_args()
+    mindformers_cpu.init_mindformers_cpu(seed=1)  # sets PyNative: graph mode after it
+    mindformers_cpu.enable()
     if args.graph:
         ms.set_context(mode=ms.GRAPH_MODE)
-    mindformers_cpu.init_mindformers_cpu(seed=1)
-    mindformers_cpu.enable()
     spec = replace(FAMILIES["llama"], num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=4 * args.hidden,
                    num_attention_heads=max(1, args.hidden // 64), num_query_groups=max(1, args.hidden // 64),
                    vocab_size=8192, seq_length=args.seq, batch_size=args.batch)

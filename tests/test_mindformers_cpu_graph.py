@@ -315,3 +315,62 @@ def test_trains_like_pynative(name, variant, monkeypatch, tmp_path):
             assert _rel(grad, ref) <= GRAD_RTOL, (step, p.name, _rel(grad, ref))
     for p, ref in zip(params, after_reference):
         assert _rel(p.asnumpy(), ref) <= GRAD_RTOL, p.name
+
+
+class _LossHead(ms.nn.Cell):
+    """A Dense head and MindFormers' parallel_core CrossEntropyLoss, whose _LogSoftmax and _NLLLoss cells have custom
+    bprops (MindSpore's PyNative never calls their forward hooks; their construct's gradient never runs)."""
+
+    def __init__(self):
+        super().__init__()
+        from mindformers.parallel_core.training_graph.loss_func import CrossEntropyLoss
+
+        self.head = ms.nn.Dense(8, 16)
+        self.loss = CrossEntropyLoss()
+
+    def construct(self, x, labels, mask):
+        return self.loss(self.head(x), labels, mask)
+
+
+def _capture_loss_head(mode, path):
+    import tensordiff
+
+    ms.set_context(mode=mode)
+    ms.set_seed(3)
+    model = _LossHead()
+    rng = np.random.default_rng(0)
+    x = ms.Tensor(rng.standard_normal((6, 8)).astype(np.float32))
+    labels = ms.Tensor(rng.integers(0, 16, 6).astype(np.int32))
+    mask = ms.Tensor(np.ones(6, np.float32))
+    opt = ms.nn.SGD(model.trainable_params(), learning_rate=0.1)
+    grad_fn = ms.value_and_grad(model, None, opt.parameters)
+    classes = [type(c) for _, c in model.cells_and_names()]
+    with tensordiff.capture(model, path, steps=1, optimizer=opt, tensors="all") as cap:
+        loss, grads = grad_fn(x, labels, mask)
+        opt(grads)
+        cap.step(loss)
+    assert [type(c) for _, c in model.cells_and_names()] == classes  # the cells' classes put back
+    return float(loss)
+
+
+def test_custom_bprop_cells_are_captured_alike_in_pynative_and_graph_mode(parallel_core, tmp_path):
+    from tensordiff.store import CaptureFile
+
+    pyn, graph = str(tmp_path / "p.h5"), str(tmp_path / "g.h5")
+    with mfc.mindformers_cpu():
+        loss_p = _capture_loss_head(ms.PYNATIVE_MODE, pyn)
+    loss_g = _capture_loss_head(ms.GRAPH_MODE, graph)
+    assert loss_p == loss_g
+    want = {("forward", "loss._log_softmax", "output", "0"), ("forward", "loss._nllloss", "output", "0"),
+            ("backward", "loss._log_softmax", "grad_output", "0"), ("backward", "loss._nllloss", "grad_output", "0")}
+    with CaptureFile(pyn) as cp, CaptureFile(graph) as cg:
+        for c in (cp, cg):
+            got = {(r.phase, r.module, r.kind, r.slot): r for r in c.records(0)}
+            assert want <= set(got), sorted(want - set(got))
+            # no "gradient" of an integer tensor (the one-hot labels' zeros), as torch has none
+            assert all(r.dtype.startswith("float") for r in c.records(0) if r.phase == "backward")
+        p = {(r.phase, r.module, r.kind, r.slot): r for r in cp.records(0)}
+        g = {(r.phase, r.module, r.kind, r.slot): r for r in cg.records(0)}
+        for key in want:
+            a, b = cp.array(p[key]), cg.array(g[key])
+            assert _rel(b.astype(np.float64), a.astype(np.float64)) <= 1e-6, key

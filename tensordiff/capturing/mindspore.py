@@ -34,6 +34,8 @@ from .model_config import model_config_attr
 from .options import CaptureOptions, base_attrs, rank_path
 from .recorder import Recorder
 
+_GRAD_DTYPES = (ms.float32, ms.float16, ms.bfloat16, ms.float64)
+
 
 def numpy_stats(x: np.ndarray) -> tuple[float, float, float, float, float, float]:
     """[min, max, sum, l2, nan, inf] in float64."""
@@ -95,6 +97,8 @@ class MindSporeTensors(TensorBackend):
 
     def hook_grad(self, t: Any, fn: Any) -> Any:
         if isinstance(t, ms.Parameter) or not _requires_grad_now():
+            return None
+        if t.dtype not in _GRAD_DTYPES:  # an integer tensor's "gradient" (zeros a custom bprop returns): none in torch
             return None
 
         def hook(grad: Any) -> Any:
@@ -186,7 +190,10 @@ class MindSporeCapture(Recorder):
             if getattr(cell, "_tensordiff_internal", False):
                 continue  # a cell standing in for a primitive (tensordiff.compat): not one of the model's cells
             self._handles.append(cell.register_forward_pre_hook(self._make_pre_hook(name), with_kwargs=True))
-            self._handles.append(cell.register_forward_hook(self._make_post_hook(name)))
+            if getattr(cell, "has_bprop", False):  # MindSpore never calls a custom-bprop cell's forward hooks
+                self._handles.append(_CallHook(cell, self._make_post_hook(name)))
+            else:
+                self._handles.append(cell.register_forward_hook(self._make_post_hook(name)))
         if self.optimizer is not None:
             self._handles.append(self.optimizer.register_forward_pre_hook(self._optimizer_pre_hook))
             self._handles.append(self.optimizer.register_forward_hook(self._optimizer_post_hook))
@@ -240,3 +247,26 @@ class MindSporeCapture(Recorder):
                 where = (mod, pname)
             out.append((where[0], where[1], grad))
         return out
+
+
+class _CallHook:
+    """The forward hook of a cell with a custom ``bprop`` (MindFormers' loss cells), which MindSpore's PyNative never
+    calls: the cell gets a subclass of its class (``bprop`` and all inherited) whose ``__call__`` calls the hook on
+    what the call returns (the tensor the caller gets, so a gradient hook on it fires), until ``remove()`` puts the
+    class back, as a hook handle is removed."""
+
+    def __init__(self, cell: Any, post_hook: Any):
+        self.cell, self.original = cell, type(cell)
+
+        class WithForwardHook(self.original):  # type: ignore[name-defined]
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                out = super().__call__(*args, **kwargs)
+                post_hook(self, args, out)
+                return out
+
+        WithForwardHook.__name__ = WithForwardHook.__qualname__ = self.original.__name__
+        WithForwardHook.__module__ = self.original.__module__
+        cell.__class__ = WithForwardHook
+
+    def remove(self) -> None:
+        self.cell.__class__ = self.original

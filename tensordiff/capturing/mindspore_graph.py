@@ -48,6 +48,7 @@ from ..errors import UsageError
 from .mindspore import MindSporeCapture, MindSporeTensors, numpy_stats
 
 _NO_GRAD = (ms.bool_,)  # outputs never passed through the gradient probe
+_GRAD_FLOATS = (ms.float32, ms.float16, ms.bfloat16, ms.float64)
 
 # A probe's tag says what it records: ((cell id * STRIDE + local) * 2 + scalar flag), local as in TAG_*.
 STRIDE = 1 << 14
@@ -134,16 +135,79 @@ def record_all(ops_: tuple, cell: int, values: Any) -> Any:
     return values
 
 
+def probe_dout(ops_: tuple, cell: int, out: Any, dout: Any) -> Any:
+    """Graph code, in a custom ``bprop``: the gradients of a cell's outputs (``dout``) through the gradient record op
+    with the forward values (``out``), float ones only; returned for the cell's own ``bprop``."""
+    if isinstance(dout, Tensor):
+        if dout.dtype in _GRAD_FLOATS:
+            return ops_[2](dout, Tensor((cell * STRIDE + TAG_OUT) * 2, ms.int32), out)
+        return dout
+    if isinstance(dout, tuple):
+        return tuple(ops_[2](d, Tensor((cell * STRIDE + TAG_OUT + i) * 2, ms.int32), o)
+                     if isinstance(d, Tensor) and d.dtype in _GRAD_FLOATS and i < 256 else d
+                     for i, (d, o) in enumerate(zip(dout, out)))
+    return dout
+
+
+def _bprop_arity(cls: Any) -> int:
+    """How many inputs a cell class's custom ``bprop`` takes (-1: it has none, or its signature is not a plain one)."""
+    fn = getattr(cls, "bprop", None)
+    if not callable(fn):
+        return -1
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return -1
+    if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params):
+        return -1
+    return len(params) - 3  # self, out, dout
+
+
 def _probed_cell_class(cls: Any, tag: str) -> type:
-    class Probed(cls):
-        def construct(self: Any, *args: Any, **kwargs: Any) -> Any:
-            probes, cell = self._td_probes, self._td_cell
-            args = probe_args(probes, cell, args)
-            kwargs = probe_kwargs(probes, cell, self._td_names, kwargs)
-            # super(), not cls.construct(self, ...): the compiler folds the model's `if self.flag:` branches only
-            # when construct runs as the cell's own method
-            out = super().construct(*args, **kwargs)
-            return probe_outputs(probes, cell, out)
+    """The class a probed cell gets. A cell with a custom ``bprop`` (MindFormers' loss cells) runs that instead of the
+    gradient of its ``construct``: its output gradients are probed in a ``bprop`` of the same arity around it (the
+    compiler wants its exact parameters, and ``super()`` only one level down, so each arity is spelled out)."""
+    arity = _bprop_arity(cls)
+    # each class below: the construct of the plain case, and a bprop handing dout to probe_dout first
+    if arity == 1:
+        class Probed(cls):
+            def construct(self: Any, *args: Any, **kwargs: Any) -> Any:
+                probes, cell = self._td_probes, self._td_cell
+                args = probe_args(probes, cell, args)
+                kwargs = probe_kwargs(probes, cell, self._td_names, kwargs)
+                return probe_outputs(probes, cell, super().construct(*args, **kwargs))
+
+            def bprop(self: Any, a0: Any, out: Any, dout: Any) -> Any:
+                return super().bprop(a0, out, probe_dout(self._td_probes, self._td_cell, out, dout))
+    elif arity == 2:
+        class Probed(cls):  # type: ignore[no-redef]
+            def construct(self: Any, *args: Any, **kwargs: Any) -> Any:
+                probes, cell = self._td_probes, self._td_cell
+                args = probe_args(probes, cell, args)
+                kwargs = probe_kwargs(probes, cell, self._td_names, kwargs)
+                return probe_outputs(probes, cell, super().construct(*args, **kwargs))
+
+            def bprop(self: Any, a0: Any, a1: Any, out: Any, dout: Any) -> Any:
+                return super().bprop(a0, a1, out, probe_dout(self._td_probes, self._td_cell, out, dout))
+    elif arity == 3:
+        class Probed(cls):  # type: ignore[no-redef]
+            def construct(self: Any, *args: Any, **kwargs: Any) -> Any:
+                probes, cell = self._td_probes, self._td_cell
+                args = probe_args(probes, cell, args)
+                kwargs = probe_kwargs(probes, cell, self._td_names, kwargs)
+                return probe_outputs(probes, cell, super().construct(*args, **kwargs))
+
+            def bprop(self: Any, a0: Any, a1: Any, a2: Any, out: Any, dout: Any) -> Any:
+                return super().bprop(a0, a1, a2, out, probe_dout(self._td_probes, self._td_cell, out, dout))
+    else:  # no custom bprop (or one of another arity: its output gradients are not probed)
+        class Probed(cls):  # type: ignore[no-redef]
+            def construct(self: Any, *args: Any, **kwargs: Any) -> Any:
+                probes, cell = self._td_probes, self._td_cell
+                args = probe_args(probes, cell, args)
+                kwargs = probe_kwargs(probes, cell, self._td_names, kwargs)
+                # super(), not cls.construct(self, ...): the compiler folds the model's `if self.flag:` branches
+                # only when construct runs as the cell's own method
+                return probe_outputs(probes, cell, super().construct(*args, **kwargs))
 
     Probed.__name__ = Probed.__qualname__ = f"{cls.__name__}_TdProbe{tag}"
     Probed.__module__ = cls.__module__
@@ -163,7 +227,8 @@ def _probed_optimizer_class(cls: Any, tag: str) -> type:
 
 def _make_probes(on_value: Callable[[int, np.ndarray], None],
                  on_grad: Callable[[int, np.ndarray, np.ndarray], None]) -> tuple:
-    """The three custom ops of one capture: (record, gradient probe); the gradient probe's backward calls a third.
+    """The three custom ops of one capture: (record, gradient probe, gradient record); the gradient probe's backward
+    calls the third, as does a custom ``bprop``'s probe.
     Tags, not op instances, say what is recorded: one op per capture, whatever the model's size (creating a
     custom op costs ~0.5 ms)."""
 
@@ -186,7 +251,7 @@ def _make_probes(on_value: Callable[[int, np.ndarray], None],
         return grad_rec(dout, tag, x), ops.zeros_like(tag)  # x: which call's output this gradient is for
 
     grad = ops.Custom(identity, out_shape=_first, out_dtype=_first, func_type="pyfunc", bprop=bprop)
-    return rec, grad
+    return rec, grad, grad_rec
 
 
 def decode(tag: int, names: Sequence[str]) -> tuple[str, str, bool]:
