@@ -312,3 +312,32 @@ def test_window_and_extra_thresholds(logs, tmp_path, capsys):
     assert "--window 150: expected LO:HI" in capsys.readouterr().err
     assert main(["runs", str(whole), str(other), "--window", "300:400"]) == 2
     assert "no common step is judged" in capsys.readouterr().err
+
+
+def _nan_log(path, bad_from=None, value="nan"):
+    """Megatron-LM lines whose loss is ``value`` from iteration ``bad_from`` on (None: never)."""
+    with open(path, "w") as f:
+        for it in range(10, 101, 10):
+            loss = value if bad_from is not None and it >= bad_from else f"{10 * math.exp(-it / 80) + 2:.6E}"
+            f.write(f" [2026-11-30 04:00:00] iteration {it:8d}/     100 | lm loss: {loss} | grad norm: 1.5 |\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(("bad_a", "bad_b", "value"), [(10, 10, "nan"), (None, 50, "nan"), (10, None, "inf")])
+def test_non_finite_losses_never_pass(tmp_path, capsys, bad_a, bad_b, value):
+    a = _nan_log(tmp_path / "a.log", bad_a, value)
+    b = _nan_log(tmp_path / "b.log", bad_b, value)
+    assert main(["runs", a, b, "--width", "100"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "PASS" not in out
+    first_bad = min(s for s in (bad_a, bad_b) if s is not None)
+    assert f"the loss is {value} at step {first_bad}" in " ".join(out.split())
+
+
+@pytest.mark.parametrize("flag", [["--threshold", "nan"], ["--threshold", "-1"], ["--threshold", "inf"],
+                                  ["--ppl-threshold", "nan"], ["--grad-norm-threshold", "-0.5"]])
+def test_a_threshold_that_cannot_fail_is_refused(tmp_path, capsys, flag):
+    a = _nan_log(tmp_path / "a.log")
+    assert main(["runs", a, a, *flag]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flag[0] in err and "finite number >= 0" in err

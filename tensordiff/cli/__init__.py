@@ -2,8 +2,9 @@
 
 One module per command (argparse, then one call into the library and one renderable); one
 error handler here. Exit codes: 0 no divergence (or success), 1 divergence found, 2 bad input
-or error, 3 inconclusive (``diff``: no divergence, but not everything was compared). Errors print one
-line, never a traceback (``TENSORDIFF_DEBUG=1`` shows it for a bug).
+or error, 3 inconclusive (``diff``: no divergence, but not everything was compared), 4 an internal error
+(a bug in tensordiff: never read as a verdict). Errors print one line, never a traceback (``--debug`` or
+``TENSORDIFF_DEBUG=1`` shows it for a bug).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from ..errors import TensordiffError
 from . import batch, capture, check, ckpt, diff, inspect, map, merge, replay, runs
 
 EXAMPLE = "example: tensordiff capture -o a.h5 --steps 2 -- python train.py; tensordiff diff a.h5 b.h5 --first-divergence"
+#: Exit code of an internal error (a bug in tensordiff), apart from every verdict and from bad input.
+EXIT_INTERNAL = 4
 #: The commands, in the order ``--help`` lists them.
 COMMANDS = (capture, diff, map, merge, check, replay, runs, batch, inspect, ckpt)
 
@@ -28,6 +31,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tensordiff", description="Find where two training runs first part ways, layer by layer.",
                                 epilog=EXAMPLE)
     p.add_argument("--version", action="version", version=f"tensordiff {__version__}")
+    p.add_argument("--debug", action="store_true", help="print the traceback of an internal error (exit code 4)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         command.add_parsers(sub)
@@ -53,12 +57,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
         return 0
     except Exception as err:  # a bug in tensordiff, not bad input: one line, the traceback on request
-        if os.environ.get("TENSORDIFF_DEBUG"):
+        if args.debug or os.environ.get("TENSORDIFF_DEBUG"):
             traceback.print_exc()
         line = first_line(err, 300, default="")
         print(f"tensordiff: internal error in {args.command}: {type(err).__name__}: {line}; please report it "
-              "(TENSORDIFF_DEBUG=1 shows the traceback)", file=sys.stderr)
-        return 2
+              f"(tensordiff --debug {args.command} ... shows the traceback; exit code {EXIT_INTERNAL})", file=sys.stderr)
+        return EXIT_INTERNAL
 
 
 if __name__ == "__main__":  # pragma: no cover

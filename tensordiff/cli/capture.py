@@ -58,14 +58,17 @@ def add_parsers(sub: Any) -> None:
                                    "before the first step. Writes per-tensor tolerances for diff --noise-file.",
                        epilog="example: tensordiff noise -o noise.json --steps 1 -- python train.py; "
                               "tensordiff diff a.h5 b.h5 --noise-file noise.json")
-    n.add_argument("runs", nargs="*", help="R1 R2 (two captures of the same run), or -- COMMAND")
-    n.add_argument("-o", "--output", required=True, help="noise file to write (JSON)")
+    n.add_argument("runs", nargs=argparse.REMAINDER, help="R1 R2 (two captures of the same run), or -- COMMAND")
+    n.add_argument("-o", "--output", help="noise file to write (JSON; required)")
     n.add_argument("--steps", type=int, default=1, help="with COMMAND: steps to capture (default 1)")
     n.add_argument("--seed", type=int, default=1, help="with COMMAND: seed of the one-ulp perturbation (default 1)")
     n.set_defaults(run=run_noise)
 
 
 def run_capture(args: argparse.Namespace) -> int:
+    if args.cmd and args.cmd[0] != "--":  # a program is run only when it follows '--': never a misnamed file
+        raise UsageError(f"tensordiff capture: put the training command after '--' (got {' '.join(args.cmd[:3])!r}), "
+                         "e.g. tensordiff capture -o run.h5 -- python train.py")
     cmd = command_after_dashes(args.cmd)
     if not cmd:
         raise UsageError("no training command given; put it after '--', e.g. tensordiff capture -o run.h5 -- python train.py")
@@ -178,9 +181,35 @@ def _check_auto_importable(python: str) -> None:
                          f"environment, or start the command with {sys.executable}")
 
 
+def _noise_files(args: argparse.Namespace) -> list[str]:
+    """R1 R2 of ``tensordiff noise`` (options may follow them: ``noise r1.h5 r2.h5 -o n.json``)."""
+    p = argparse.ArgumentParser(prog="tensordiff noise", add_help=False)
+    p.add_argument("files", nargs="*")
+    p.add_argument("-o", "--output")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--seed", type=int)
+    try:
+        more, unknown = p.parse_known_args(args.runs)
+    except SystemExit:
+        raise UsageError("tensordiff noise: bad options after the capture files; see tensordiff noise --help") from None
+    if unknown:
+        raise UsageError(f"tensordiff noise: unknown argument(s) {' '.join(unknown)}; a command to run goes after '--'")
+    for name in ("output", "steps", "seed"):
+        if getattr(more, name) is not None:
+            setattr(args, name, getattr(more, name))
+    return list(more.files)
+
+
 def run_noise(args: argparse.Namespace) -> int:
-    runs = command_after_dashes(args.runs)
-    if len(runs) == 2 and all(r.endswith(".h5") for r in runs):
+    command = args.runs[0:1] == ["--"]  # a program is run only when it follows '--': never a misnamed file
+    runs = args.runs[1:] if command else _noise_files(args)
+    if not args.output:
+        raise UsageError("tensordiff noise needs -o NOISE.json, the noise file to write")
+    if not command and len(runs) != 2:
+        raise UsageError(f"tensordiff noise takes two captures of the same run (R1 R2), got {len(runs)} file(s); to "
+                         "measure by running the training twice, put the command after '--': tensordiff noise -o "
+                         "noise.json -- python train.py")
+    if not command:
         paths, how = runs, "two captures of the same run"
         measured = noises.measure_noise(runs[0], runs[1])
     elif runs:

@@ -121,11 +121,25 @@ def _rel(a: float, b: float) -> float:
     return abs(b - a) / abs(a) if a != 0 else (0.0 if b == 0 else math.inf)
 
 
+def _over(x: float, threshold: float) -> bool:
+    """``x`` exceeds ``threshold``; NaN always does (a comparison with NaN is false: never a silent pass)."""
+    return not x <= threshold
+
+
+def _order(x: float) -> float:
+    """Sort key of a relative error: NaN above everything."""
+    return math.inf if math.isnan(x) else x
+
+
 def compare_runs(a: Run, b: Run, threshold: float = 0.01, warmup: int = 0, window: tuple[int, int] | None = None,
                  ppl_threshold: float | None = None, grad_norm_threshold: float | None = None) -> Comparison:
     """Align by step (only steps both logged) and judge the relative loss error after ``warmup`` steps
     (and inside ``window``, both ends included). Optional thresholds: the relative difference of the
     final and validation perplexities (``ppl_threshold``), the mean relative grad-norm difference."""
+    for name, value in (("--threshold", threshold), ("--ppl-threshold", ppl_threshold),
+                        ("--grad-norm-threshold", grad_norm_threshold)):
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise RunsError(f"{name} {value}: a relative error threshold is a finite number >= 0 (0.01 is 1%)")
     steps = sorted(set(a.loss) & set(b.loss))
     if not steps:
         raise RunsError(f"{a.path} (steps {min(a.loss)}..{max(a.loss)}) and {b.path} (steps {min(b.loss)}..{max(b.loss)}) "
@@ -138,8 +152,8 @@ def compare_runs(a: Run, b: Run, threshold: float = 0.01, warmup: int = 0, windo
                         f"{warmup}" + (f" and the window is {lo}..{hi}" if window else "") +
                         "; lower --warmup or widen --window")
     values = [rel[s] for s in judged]
-    worst = max(judged, key=lambda s: rel[s])
-    first_over = next((s for s in judged if rel[s] > threshold), None)
+    worst = max(judged, key=lambda s: _order(rel[s]))
+    first_over = next((s for s in judged if _over(rel[s], threshold)), None)
     last = steps[-1]
     final = (a.loss[last], b.loss[last])
     ppl = (_ppl(final[0]), _ppl(final[1]))
@@ -149,6 +163,10 @@ def compare_runs(a: Run, b: Run, threshold: float = 0.01, warmup: int = 0, windo
     gn = [_rel(a.grad_norm[s], b.grad_norm[s]) for s in gn_steps]
     gn_mean = sum(gn) / len(gn) if gn else None
     failures = []
+    for run in (a, b):  # a NaN or inf loss is never within any threshold, even on both sides
+        bad = next((s for s in judged if not math.isfinite(run.loss[s])), None)
+        if bad is not None:
+            failures.append(f"{run.path}: the loss is {run.loss[bad]} at step {bad} (first non-finite judged step)")
     if first_over is not None:
         failures.append(f"the relative loss error first exceeds {_thr(threshold)} at step {first_over} "
                         f"(max {pct(rel[worst])} at step {worst})")
@@ -157,12 +175,12 @@ def compare_runs(a: Run, b: Run, threshold: float = 0.01, warmup: int = 0, windo
         if val is not None:
             checks.append((f"validation perplexity at step {val[0]}", (_ppl(val[1]), _ppl(val[2]))))
         for name, (pa, pb) in checks:
-            if _rel(pa, pb) > ppl_threshold:
+            if _over(_rel(pa, pb), ppl_threshold):
                 failures.append(f"the {name} differs by {pct(_rel(pa, pb))} > {_thr(ppl_threshold)}")
     if grad_norm_threshold is not None:
         if gn_mean is None:
             failures.append("a grad-norm threshold was given but the runs share no logged grad norm")
-        elif gn_mean > grad_norm_threshold:
+        elif _over(gn_mean, grad_norm_threshold):
             failures.append(f"the mean relative grad-norm difference is {pct(gn_mean)} > {_thr(grad_norm_threshold)}")
     return Comparison(
         a=a, b=b, steps=steps, threshold=threshold, warmup=warmup, rel_loss=rel,

@@ -20,19 +20,38 @@ def test_a_malformed_var_is_one_line_with_an_example(tmp_path, capsys):
     assert capsys.readouterr().err == "tensordiff: error: --var 'heads': expected NAME=VALUE, e.g. --var heads=12\n"
 
 
-def test_a_bug_is_one_line_and_the_traceback_only_on_request(monkeypatch, capsys):
+def test_a_bug_is_one_line_its_own_exit_code_and_the_traceback_only_on_request(monkeypatch, capsys):
     def broken(args):
         raise RuntimeError("index out of step\nsecond line")
 
     monkeypatch.setattr(inspect, "run_ls", broken)
-    assert cli.main(["ls", "x.h5"]) == 2
+    assert cli.main(["ls", "x.h5"]) == cli.EXIT_INTERNAL == 4  # never 1 (diverged), 2 (bad input) or 0
     err = capsys.readouterr().err
     assert err == ("tensordiff: internal error in ls: RuntimeError: index out of step; please report it "
-                   "(TENSORDIFF_DEBUG=1 shows the traceback)\n")
-    monkeypatch.setenv("TENSORDIFF_DEBUG", "1")
-    assert cli.main(["ls", "x.h5"]) == 2
+                   "(tensordiff --debug ls ... shows the traceback; exit code 4)\n")
+    assert cli.main(["--debug", "ls", "x.h5"]) == 4
     err = capsys.readouterr().err
-    assert "Traceback (most recent call last)" in err and err.endswith("(TENSORDIFF_DEBUG=1 shows the traceback)\n")
+    assert "Traceback (most recent call last)" in err and err.endswith("exit code 4)\n")
+    monkeypatch.setenv("TENSORDIFF_DEBUG", "1")
+    assert cli.main(["ls", "x.h5"]) == 4
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+
+
+def test_a_capture_file_is_never_run_as_a_command(tmp_path, capsys, monkeypatch):
+    """noise and capture run a program only after '--': a capture named where a command could go is refused."""
+    monkeypatch.chdir(tmp_path)  # where the file would leave its mark, had it run
+    run = tmp_path / "run.h5"
+    run.write_text("#!/bin/sh\ntouch ran\n")
+    run.chmod(0o755)
+    assert cli.main(["noise", "-o", str(tmp_path / "n.json"), str(run)]) == 2
+    assert "got 1 file(s)" in capsys.readouterr().err
+    assert cli.main(["capture", "-o", str(tmp_path / "c.h5"), str(run)]) == 2
+    assert "put the training command after '--'" in capsys.readouterr().err
+    assert not (tmp_path / "ran").exists()
+    # the files first, options after them: still two captures, read as such
+    assert cli.main(["noise", str(run), str(run), "-o", str(tmp_path / "n.json")]) == 2
+    assert capsys.readouterr().err.startswith(f"tensordiff: error: {run}: not a readable HDF5 file")
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "n.json").exists()
 
 
 def test_every_command_has_a_runner():
