@@ -52,17 +52,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tensordiff: interrupted", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # the reader went away (tensordiff ls --records | head): stop quietly
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
-        return 0
+    except BrokenPipeError:
+        return _broken_pipe()
+    except OSError as err:
+        if err.filename is None:
+            return _internal(args, err)
+        # a path the user gave that cannot be read or written (a missing folder, a folder, no permission, a full disk)
+        print(f"tensordiff: error: {err.filename}: {err.strerror or type(err).__name__}; check the path (a file, in a "
+              "folder that exists and can be written)", file=sys.stderr)
+        return 2
     except Exception as err:  # a bug in tensordiff, not bad input: one line, the traceback on request
-        if args.debug or os.environ.get("TENSORDIFF_DEBUG"):
-            traceback.print_exc()
-        line = first_line(err, 300, default="")
-        print(f"tensordiff: internal error in {args.command}: {type(err).__name__}: {line}; please report it "
-              f"(tensordiff --debug {args.command} ... shows the traceback; exit code {EXIT_INTERNAL})", file=sys.stderr)
-        return EXIT_INTERNAL
+        return _internal(args, err)
+
+
+def _broken_pipe() -> int:
+    """The reader went away (tensordiff ls --records | head): stop quietly."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+    return 0
+
+
+def _internal(args: argparse.Namespace, err: BaseException) -> int:
+    if args.debug or os.environ.get("TENSORDIFF_DEBUG"):
+        traceback.print_exception(err)
+    line = first_line(err, 300, default="")
+    print(f"tensordiff: internal error in {args.command}: {type(err).__name__}: {line}; please report it "
+          f"(tensordiff --debug {args.command} ... shows the traceback; exit code {EXIT_INTERNAL})", file=sys.stderr)
+    return EXIT_INTERNAL
 
 
 if __name__ == "__main__":  # pragma: no cover

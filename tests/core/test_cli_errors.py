@@ -107,3 +107,16 @@ def test_a_closed_pipe_ends_quietly(tmp_path):
                           capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=root))
     assert proc.stdout == "forward    m0 output.0  float32 3\n"
     assert proc.stderr == ""
+
+
+def test_an_output_path_that_cannot_be_written_is_bad_input(tmp_path, capsys):
+    """A folder given as a file, a file in a folder that does not exist: one line naming the path, exit 2."""
+    log = tmp_path / "a.log"
+    log.write_text("".join(f" iteration {i:8d}/ 30 | lm loss: {3 - i / 100:.6E} |\n" for i in range(1, 31)))
+    assert cli.main(["runs", str(tmp_path), str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"tensordiff: error: {tmp_path}: Is a directory; check the path (a file, in a "
+                                       "folder that exists and can be written)\n")
+    missing = tmp_path / "no" / "r.json"
+    assert cli.main(["runs", str(log), str(log), "--json", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(missing) in err and "Traceback" not in err
