@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
@@ -87,3 +89,20 @@ def apply_jobs(args: argparse.Namespace) -> None:
     from ..store.fanout import configure
 
     configure(getattr(args, "jobs", None), getattr(args, "dask", None))
+
+
+def check_numbers(args: argparse.Namespace, positive: Sequence[str] = (), finite: Sequence[str] = (),
+                  at_least_zero: Sequence[str] = ()) -> None:
+    """Options that must be finite and > 0 (``positive``), finite and >= 0 (``finite``), or integers >= 0
+    (``at_least_zero``): a tolerance of -1 or NaN would make every comparison fail, or none; a UsageError naming the
+    option otherwise."""
+    for name in (*positive, *finite):
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and (value > 0 or (name in finite and value == 0))):
+            raise UsageError(f"--{name.replace('_', '-')} {value}: must be a finite number "
+                             f"{'>= 0' if name in finite else '> 0'}")
+    for name in at_least_zero:
+        values = getattr(args, name, None)
+        for value in values if isinstance(values, list) else [values]:
+            if value is not None and value < 0:
+                raise UsageError(f"--{name.replace('_', '-')} {value}: must be >= 0")

@@ -10,8 +10,9 @@ from ..diff.align import RenameRules
 from ..diff.result import DiffOptions
 from ..diff.tolerance import Tolerances
 from ..explain import diagnose
+from ..record import PHASES
 from ..report.diff import DiffReport
-from ._args import add_jobs, add_output, add_var, apply_jobs, console, parse_vars, write_json
+from ._args import add_jobs, add_output, add_var, apply_jobs, check_numbers, console, parse_vars, write_json
 
 
 def add_parsers(sub: Any) -> None:
@@ -42,7 +43,7 @@ def add_parsers(sub: Any) -> None:
     d.add_argument("--jump", type=float, default=3.0, help="error growth that counts as introduced (default 3x)")
     d.add_argument("--no-order", action="store_true", help="do not match leftovers by execution order and shape")
     d.add_argument("--no-hints", action="store_true", help="do not test likely causes at the first divergence")
-    d.add_argument("--phase", action="append", help="show only this phase (repeatable)")
+    d.add_argument("--phase", action="append", choices=PHASES, help="show only this phase (repeatable)")
     d.add_argument("--step", type=int, action="append", help="compare only this step (repeatable)")
     d.add_argument("--max-rows", type=int, default=40, help="rows per table before ok rows collapse (0: all)")
     d.add_argument("--json", metavar="FILE", help="also write a machine-readable report")
@@ -53,6 +54,8 @@ def add_parsers(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_numbers(args, positive=("reference_factor", "noise_factor", "jump"), finite=("rtol",),
+                  at_least_zero=("step", "max_rows"))
     apply_jobs(args)
     variables = parse_vars(args.var)
     mapping = RenameRules.load(args.mapping, variables) if args.mapping else None

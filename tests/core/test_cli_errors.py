@@ -120,3 +120,21 @@ def test_an_output_path_that_cannot_be_written_is_bad_input(tmp_path, capsys):
     assert cli.main(["runs", str(log), str(log), "--json", str(missing)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(missing) in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(("flag", "message"), [
+    (["--rtol", "-1"], "--rtol -1.0: must be a finite number >= 0"),
+    (["--rtol", "nan"], "--rtol nan: must be a finite number >= 0"),
+    (["--reference-factor", "-1"], "--reference-factor -1.0: must be a finite number > 0"),
+    (["--noise-factor", "inf"], "--noise-factor inf: must be a finite number > 0"),
+    (["--step", "-1"], "--step -1: must be >= 0"),
+])
+def test_a_diff_option_that_would_make_the_verdict_meaningless_is_refused(capsys, flag, message):
+    assert cli.main(["diff", "a.h5", "b.h5", *flag]) == 2  # refused before any file is read
+    assert capsys.readouterr().err == f"tensordiff: error: {message}\n"
+
+
+def test_an_unknown_phase_is_refused(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["diff", "a.h5", "b.h5", "--phase", "nope"])
+    assert exc.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err
