@@ -13,7 +13,9 @@ says whether ``submit`` waits or drops the step's full tensors (its statistics a
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
+import resource
 import threading
 import warnings
 from collections.abc import Iterator
@@ -24,6 +26,7 @@ import h5py
 import numpy as np
 
 from .. import dtypes
+from .._text import first_line
 from . import codec
 from .format import (
     CHUNK_MIN_BYTES,
@@ -46,6 +49,11 @@ POLICY_ENV = "TENSORDIFF_WRITE_POLICY"
 COMPRESSION_ENV = "TENSORDIFF_WRITE_COMPRESSION"
 
 DEFAULT_QUEUE_GB = 8.0
+#: Kept free on the capture's filesystem beyond a step's size: a step that would leave less is not written.
+GUARD_BYTES = 4 << 20
+#: Held by a ``.reserve`` file next to the capture and given back when a write fails (or at close), so that HDF5 can
+#: still write the metadata of the steps it has (a full disk inside HDF5's flush can crash the process).
+RESERVE_BYTES = 8 << 20
 POLICIES = ("wait", "drop")
 COMPRESSIONS = ("gzip", "none")
 
@@ -151,12 +159,55 @@ class CaptureWriter:
                 self._file.attrs[key] = value
         self._file.create_group("steps")
         self._file.flush()
+        self._reserve = self._make_reserve()
+
+    def _make_reserve(self) -> str | None:
+        path = f"{self.path}.reserve"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                try:
+                    os.posix_fallocate(fd, 0, RESERVE_BYTES)
+                except OSError:  # a small filesystem: a smaller reserve
+                    os.posix_fallocate(fd, 0, RESERVE_BYTES // 8)
+            finally:
+                os.close(fd)
+            return path
+        except OSError:  # no room even for that (the guard stops the first step), or no fallocate here
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return None
+
+    def _release_reserve(self) -> None:
+        path, self._reserve = getattr(self, "_reserve", None), None
+        if path:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def _check_room(self, step: int, nbytes: int, nrows: int) -> None:
+        """Refuse a step that would fill the filesystem or pass the file-size limit (``ulimit -f``) before HDF5 sees
+        either (HDF5 can crash the process when its own flush hits a full disk)."""
+        need = nbytes + 256 * nrows + (1 << 20)
+        folder = os.path.dirname(os.path.abspath(self.path))
+        st = os.statvfs(folder)
+        free = st.f_bavail * st.f_frsize
+        if free < need + GUARD_BYTES:
+            raise StorageFull(f"{folder}: {free / 2**20:.0f} MiB free, step {step} needs ~{need / 2**20:.0f} MiB and "
+                              f"{GUARD_BYTES >> 20} MiB stay free")
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY:
+            size = os.path.getsize(self.path)
+            if size + need + RESERVE_BYTES > limit:
+                raise StorageFull(f"the file-size limit (ulimit -f, {limit / 2**20:.0f} MiB) would be passed by step "
+                                  f"{step} (file {size / 2**20:.0f} MiB, step ~{need / 2**20:.0f} MiB)")
 
     def _close_file(self) -> None:
+        self._release_reserve()  # room for the metadata written at close
         try:
             self._file.close()
         except Exception as err:  # pragma: no cover - closing a broken file
-            warnings.warn(f"tensordiff: closing {self.path} failed: {err}", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"tensordiff: closing {self.path} failed: {first_line(err, 200)}", RuntimeWarning,
+                          stacklevel=3)
 
     def _room(self, nbytes: int) -> bool:
         """Room for a step with ``nbytes`` of full tensors (the caller holds the condition): always for statistics
@@ -219,17 +270,16 @@ class CaptureWriter:
                 self._write(*job)
         except BaseException as err:  # never let storage problems reach training
             self.error = err
+            self._release_reserve()  # HDF5 may need room to write what it holds
             with self._cv:
                 self._cv.notify_all()  # a submit waiting for room gives up
-            warnings.warn(
-                f"tensordiff: writing {'scalars' if job[0] == 'scalars' else f'step {job[0]}'} to {self.path} "
-                f"failed ({err}); "
-                "capture stopped, training goes on",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+            what = "scalars" if job[0] == "scalars" else f"step {job[0]}"
+            done = "" if job[0] == "scalars" else f"; the file keeps the steps written before step {job[0]}"
+            warnings.warn(f"tensordiff: writing {what} to {self.path} failed ({first_line(err, 300)}): capture "
+                          f"stopped{done}; training goes on", RuntimeWarning, stacklevel=2)
 
     def _write_scalars(self, step: int, values: dict[str, float]) -> None:
+        self._check_room(step, 0, len(values))
         if self._scalars is None:
             self._scalars = self._file.create_dataset("scalars", shape=(0,), maxshape=(None,), dtype=SCALAR_DTYPE,
                                                       chunks=(1024,))
@@ -242,6 +292,7 @@ class CaptureWriter:
             self._file.flush()
 
     def _write(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any]) -> None:
+        self._check_room(step, sum(int(a.nbytes) for a in data.values()), len(rows))
         grp = self._file.create_group(step_group_name(step))
         index = np.zeros(len(rows), dtype=INDEX_DTYPE)
         for i, row in enumerate(rows):
@@ -292,6 +343,10 @@ class CaptureWriter:
 
         for dsid, offset, mask, stored in codec.parallel_map(encode, chunks(), self._pool.submit, 2 * self.threads + 2):
             dsid.write_direct_chunk(offset, stored, filter_mask=mask)
+
+
+class StorageFull(OSError):
+    """No room for the next step on the capture's filesystem (or under its file-size limit)."""
 
 
 def _direct(dtype: np.dtype) -> bool:

@@ -1,0 +1,66 @@
+"""The run comes first: a capture that runs out of room stops itself, warns once, and training goes on unchanged.
+
+A file-size limit (``ulimit -f``, no root needed) stands in for a full disk: the writer refuses the step that would
+pass it before HDF5 sees the error (HDF5 can crash the process when its own flush hits a full disk)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+from tensordiff.store import CaptureFile
+
+TRAIN = r"""
+import json, sys, torch, tensordiff
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256))
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+x = torch.randn(64, 256)
+losses = []
+path = sys.argv[1] if sys.argv[1] != "-" else None
+with tensordiff.capture(m, path, steps=int(sys.argv[2]), optimizer=opt, tensors=sys.argv[3]) as cap:
+    for i in range(int(sys.argv[2])):
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        cap.step(loss)
+        losses.append(loss.item())
+print(json.dumps(losses))
+"""
+
+
+def _train(path, steps, tensors, limit=None):
+    def limited():
+        if limit is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run([sys.executable, "-c", TRAIN, path, str(steps), tensors], capture_output=True, text=True,
+                          timeout=600, preexec_fn=limited)
+    return proc
+
+
+@pytest.mark.parametrize(("tensors", "steps", "limit"), [("all", 12, 12 << 20), ("none", 400, 9 << 20 | 1 << 19)])
+def test_a_capture_that_runs_out_of_room_stops_and_training_goes_on(tmp_path, tensors, steps, limit):
+    plain = _train("-", steps, tensors)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    path = str(tmp_path / "run.h5")
+    proc = _train(path, steps, tensors, limit=limit)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # never a crash (SIGSEGV, SIGXFSZ) of the training
+    assert json.loads(proc.stdout) == json.loads(plain.stdout)  # the same numbers, every step
+    warned = [line for line in proc.stderr.splitlines() if "tensordiff:" in line]
+    assert len(warned) == 1 and "file-size limit" in warned[0] and "capture stopped" in warned[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    with CaptureFile(path) as c:
+        kept = c.steps
+        assert kept == list(range(len(kept))) and 0 < len(kept) < steps  # every step before the refused one
+        for step in kept:
+            assert len(c.records(step)) > 0
+    assert not os.path.exists(path + ".reserve")
