@@ -247,9 +247,9 @@ class RenameRules:
             out = []
             for item in items or []:
                 spec = item if isinstance(item, dict) else {"module": item}
-                if "module" not in spec:
-                    raise MappingError(f"{path}: {where}: an entry is a module regex or {{module: REGEX, kinds: [...], "
-                                       f"slots: [...]}}, got {item!r}")
+                if "module" not in spec or not isinstance(spec["module"], str):
+                    raise MappingError(f"{path}: {where}: an entry is a module regex (text) or {{module: REGEX, kinds: "
+                                       f"[...], slots: [...]}}, got {item!r}")
                 try:
                     pattern = re.compile(subst(spec["module"], where))
                 except re.error as err:
@@ -266,6 +266,14 @@ class RenameRules:
             if not isinstance(raw, dict) or "a" not in raw or "b" not in raw:
                 raise MappingError(f"{path}: {where} needs both 'a:' (A's module name) and 'b:' (a regex on B's module name)")
             sources = raw["b"] if isinstance(raw["b"], list) else [raw["b"]]
+            if not isinstance(raw["a"], str) or not all(isinstance(x, str) for x in sources):
+                raise MappingError(f"{path}: {where}: 'a:' must be a module name and 'b:' a regex or a list of them, "
+                                   f"as text (got a: {raw['a']!r}, b: {raw['b']!r}); quote them: b: 'layers\\.(\\d+)'")
+            for key in ("kinds", "phases", "only_slots"):
+                value = raw.get(key)
+                if value is not None and not (isinstance(value, list) and all(isinstance(x, (str, int)) for x in value)):
+                    raise MappingError(f"{path}: {where}: '{key}:' must be a list, e.g. {key}: [output, grad_output] "
+                                       f"(got {value!r})")
             compiled_list = []
             for source in sources:
                 try:
@@ -308,9 +316,12 @@ class RenameRules:
                         rules[-1].split_for(kind)
                     except MappingError as err:
                         raise MappingError(f"{path}: {where}: {err}") from None
+        order_fallback = doc.get("order_fallback", True)
+        if not isinstance(order_fallback, bool):  # 'no' or 0 must not read as true
+            raise MappingError(f"{path}: order_fallback must be true or false, unquoted (got {order_fallback!r})")
         return cls(
             rules=rules,
-            order_fallback=bool(doc.get("order_fallback", True)),
+            order_fallback=order_fallback,
             ignore_a=patterns(doc.get("ignore_a"), "ignore_a"),
             ignore_b=patterns(doc.get("ignore_b"), "ignore_b"),
             strip_b=tuple(str(p) for p in (doc.get("strip_b") or [])),
