@@ -147,6 +147,9 @@ def diff_checkpoints(path_a: str, path_b: str, mapping: str | None = None, varia
     notes: list[str] = []
     table = (ConversionTable.load(mapping, variables) if mapping
              else _detect(a, b, path_a, path_b, variables, sides, notes))
+    if table is None and sides is not None:  # never accepted and then ignored
+        raise UsageError(f"--sides {','.join(sides)}: no conversion table applies to {path_a} and {path_b} (names are "
+                         "compared as they are); name one with --mapping, or leave --sides out")
     how, described = "(names compared as they are)", None
     origin: dict[str, tuple[str, ...]] = {}
     conv = None

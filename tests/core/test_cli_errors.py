@@ -138,3 +138,18 @@ def test_an_unknown_phase_is_refused(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["diff", "a.h5", "b.h5", "--phase", "nope"])
     assert exc.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_ckpt_diff_sides_with_no_table_to_apply_them_to_is_refused(tmp_path, capsys):
+    import numpy as np
+
+    from tensordiff.ckpt.files import save
+
+    a, b = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    for path in (a, b):
+        save({"w": np.ones((2, 3), np.float32)}, path)
+    assert cli.main(["ckpt", "diff", a, b]) == 0  # the same names, compared as they are
+    capsys.readouterr()
+    assert cli.main(["ckpt", "diff", a, b, "--sides", "a,b"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tensordiff: error: --sides a,b: no conversion table applies") and err.count("\n") == 1
