@@ -64,3 +64,34 @@ def test_a_capture_that_runs_out_of_room_stops_and_training_goes_on(tmp_path, te
         for step in kept:
             assert len(c.records(step)) > 0
     assert not os.path.exists(path + ".reserve")
+
+
+class _Payload:
+    """What a hostile pickle holds: loading it would run a shell command that leaves a file behind."""
+
+    def __init__(self, mark: str):
+        self.mark = mark
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.mark}",))
+
+
+def test_a_hostile_torch_checkpoint_is_refused_and_never_run(tmp_path):
+    import pickle
+    import zipfile
+
+    mark = tmp_path / "ran"
+    zipped, plain = tmp_path / "evil.pt", tmp_path / "evil_plain.pt"
+    with zipfile.ZipFile(zipped, "w") as z:  # torch.save's layout, data.pkl naming os.system
+        z.writestr("archive/data.pkl", pickle.dumps({"w": _Payload(str(mark))}, protocol=2))
+        z.writestr("archive/version", "3\n")
+    plain.write_bytes(pickle.dumps({"w": _Payload(str(mark))}))
+    for path, expected in ((zipped, "refused: loading it would call posix.system (code, not tensors)"),
+                           (plain, "refused by torch's safe loader (weights_only=True")):
+        proc = subprocess.run([sys.executable, "-m", "tensordiff", "ckpt", "diff", str(path), str(path)],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("tensordiff:")]
+        assert errors == [errors[0]] and errors[0].startswith(f"tensordiff: error: {path}: {expected}"), proc.stderr
+        assert "Traceback" not in proc.stderr
+    assert not mark.exists()

@@ -65,6 +65,8 @@ def from_numpy(x: np.ndarray) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------ checkpoints
 _UNSUPPORTED_GLOBAL = re.compile(r"Unsupported global: GLOBAL ([\w.]+)")
+_BLOCKED_GLOBAL = re.compile(r"unsupported GLOBAL ([\w.]+) whose module [\w.]+ is blocked")
+_UNPICKLER_ERROR = re.compile(r"WeightsUnpickler error: \s*(.+?)\s*(?:\n|$)")
 
 
 def load_checkpoint(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -79,7 +81,17 @@ def load_checkpoint(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
                 "and tensordiff never unpickles other objects; fix: if you trust the file, save its "
                 "state dict alone, e.g. python -c \"import torch; c = torch.load('IN', weights_only=False); "
                 "torch.save(c['model'], 'model.pt')\"") from None
-        raise CheckpointError(f"{path}: not a readable torch checkpoint (corrupt, or not written by torch.save)") from None
+        blocked = _BLOCKED_GLOBAL.search(str(err))
+        if blocked:  # a pickle that would run code when loaded: refused, never run
+            raise CheckpointError(
+                f"{path}: refused: loading it would call {blocked.group(1)} (code, not tensors); tensordiff reads "
+                "checkpoints with torch's safe loader only (weights_only=True) and never runs what a file names; fix: "
+                "do not use this file unless you know where it came from") from None
+        detail = _UNPICKLER_ERROR.search(str(err))
+        raise CheckpointError(f"{path}: refused by torch's safe loader (weights_only=True"
+                              f"{': ' + detail.group(1) if detail else ''}): not a torch.save file of tensors, a "
+                              "damaged one, or one that holds other objects; tensordiff never unpickles anything "
+                              "else") from None
     except (RuntimeError, EOFError, OSError, ValueError) as err:
         raise CheckpointError(f"{path}: not a readable torch checkpoint ({first_line(err)}); is it truncated?") from None
     out: dict[str, np.ndarray] = {}
