@@ -38,7 +38,7 @@ def _is_mindspore_cell(obj: Any) -> bool:
 def capture(model: Any, path: str | None = None, steps: int | None = None, *, optimizer: Any = None,
             tensors: str | None = None, inputs: bool = True, grads: bool = True, background: bool = True,
             tensors_max_mb: float | None = None, tensors_match: str | None = None, writer: str | None = None,
-            meta: dict | None = None, graph: bool | None = None, cells: str | None = None) -> Any:
+            meta: dict | None = None, graph: bool | None = None, cells: str | None = None, durable: bool = False) -> Any:
     """Record the first ``steps`` training steps of ``model`` into the HDF5 file ``path``.
 
     ``model`` is a ``torch.nn.Module`` or a ``mindspore.nn.Cell``. MindSpore in GRAPH_MODE (or ``graph=True``, for
@@ -52,6 +52,8 @@ def capture(model: Any, path: str | None = None, steps: int | None = None, *, op
     stored in full; the rest keep their statistics. Models of 1B parameters or more default to 64 MiB per record.
     ``writer='process'`` writes the file from a child process (the default when a GPU model stores full tensors:
     HDF5 then never holds the training process's GIL), ``'thread'`` from threads of this process.
+    ``durable=True`` (or ``TENSORDIFF_DURABLE=1``): ``step()`` returns only once its step is flushed to the file, so
+    a killed run loses no step whose ``step()`` returned (the thread writer is used; the step waits for the write).
     ``tensordiff capture -o FILE --steps N -- cmd`` sets FILE, N and the tensor mode
     through the environment, overriding the arguments; with no path at all the
     capture is off and the returned object records nothing. A capture that cannot
@@ -61,7 +63,8 @@ def capture(model: Any, path: str | None = None, steps: int | None = None, *, op
     from .capturing.recorder import NullCapture
 
     options = options_from_env(path, steps, tensors, inputs=inputs, grads=grads, background=background,
-                               tensors_max_mb=tensors_max_mb, tensors_match=tensors_match, writer=writer)
+                               tensors_max_mb=tensors_max_mb, tensors_match=tensors_match, writer=writer,
+                               durable=durable)
     if options is None:
         return NullCapture()
     try:

@@ -95,3 +95,48 @@ def test_a_hostile_torch_checkpoint_is_refused_and_never_run(tmp_path):
         assert errors == [errors[0]] and errors[0].startswith(f"tensordiff: error: {path}: {expected}"), proc.stderr
         assert "Traceback" not in proc.stderr
     assert not mark.exists()
+
+
+KILLED = r"""
+import sys, torch, tensordiff
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+opt = torch.optim.SGD(m.parameters(), lr=0.01)
+x = torch.randn(128, 256)
+with tensordiff.capture(m, sys.argv[1], steps=40, optimizer=opt, tensors="all", durable=True) as cap:
+    for i in range(40):
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        cap.step(loss)
+        print(f"returned {i}", flush=True)
+"""
+
+
+def test_a_sigkill_loses_no_step_whose_step_call_returned_with_durable(tmp_path):
+    """Kill loop, fixed seed: SIGKILL at a random moment after step k's ``cap.step()`` returned; the file opens and
+    holds every step 0..k complete (the guarantee ``durable=True`` documents)."""
+    import random
+    import signal
+    import time
+
+    rng = random.Random(15)
+    for trial in range(4):
+        path = str(tmp_path / f"killed{trial}.h5")
+        target, delay = rng.randrange(2, 30), rng.uniform(0.0, 0.05)
+        proc = subprocess.Popen([sys.executable, "-c", KILLED, path], stdout=subprocess.PIPE, text=True)
+        returned = -1
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            returned = int(line.split()[1])
+            if returned >= target:
+                time.sleep(delay)
+                proc.send_signal(signal.SIGKILL)
+                break
+        proc.wait(timeout=120)
+        assert proc.returncode == -signal.SIGKILL, (trial, proc.returncode)
+        with CaptureFile(path) as c:
+            kept = c.steps
+            assert kept[: returned + 1] == list(range(returned + 1)), (trial, target, returned, kept)
+            assert all(len(c.records(s)) > 0 for s in kept)

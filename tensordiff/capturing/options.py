@@ -22,6 +22,7 @@ ENV_PERTURB = "TENSORDIFF_PERTURB"
 ENV_TENSORS_MAX_MB = "TENSORDIFF_TENSORS_MAX_MB"
 ENV_TENSORS_MATCH = "TENSORDIFF_TENSORS_MATCH"
 ENV_WRITER = "TENSORDIFF_WRITER"
+ENV_DURABLE = "TENSORDIFF_DURABLE"
 WRITERS = ("thread", "process")
 
 #: Models of at least this many parameters store full tensors only up to BIG_MODEL_MAX_MB each unless told otherwise.
@@ -50,6 +51,8 @@ class CaptureOptions:
     """Record gradients of module outputs and inputs during backward."""
     background: bool = True
     """Write on a background thread (off the training thread)."""
+    durable: bool = False
+    """``step()`` returns once its step is on disk (flushed): a killed run loses no step whose ``step()`` returned."""
     perturb: int | None = None
     """Seed: move every float parameter by one ulp before the first step (only ``tensordiff noise`` sets it)."""
     tensors_max_mb: float | None = None
@@ -104,6 +107,8 @@ def options_from_env(path: str | None, steps: int | None, tensors: str | None, *
     tensors = os.environ.get(ENV_TENSORS) or tensors or "first"
     kw["tensors_max_mb"] = _env_number(ENV_TENSORS_MAX_MB, float, "a size in MiB", kw.get("tensors_max_mb"))
     kw["perturb"] = _env_number(ENV_PERTURB, int, "a whole-number seed", kw.get("perturb"))
+    if os.environ.get(ENV_DURABLE, "") not in ("", "0"):
+        kw["durable"] = True
     for env, key in ((ENV_WRITER, "writer"), (ENV_TENSORS_MATCH, "tensors_match")):
         if os.environ.get(env):
             kw[key] = os.environ[env]

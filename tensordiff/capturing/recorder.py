@@ -50,10 +50,10 @@ class Recorder:
         self.options = options
         self.path = path
         writer = options.writer or ("process" if accelerator and options.tensors != "none" else "thread")
-        if writer == "process" and options.background:
+        if writer == "process" and options.background and not options.durable:
             self._writer: CaptureWriter = ProcessWriter(path, attrs)
-        else:
-            self._writer = CaptureWriter(path, attrs, background=options.background)
+        else:  # durable: the thread writer, which says when a step is on disk
+            self._writer = CaptureWriter(path, attrs, background=options.background, durable=options.durable)
         _OPEN.add(self)
         self._params = list(params)  # (module, attribute, parameter)
         self._classes = classes

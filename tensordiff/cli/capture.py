@@ -13,6 +13,7 @@ from typing import Any
 
 from ..capturing.options import (
     AUTO_MODULE,
+    ENV_DURABLE,
     ENV_OUTPUT,
     ENV_PERTURB,
     ENV_STATUS,
@@ -49,6 +50,8 @@ def add_parsers(sub: Any) -> None:
                         "(default: no limit; 64 for models of 1B parameters or more)")
     c.add_argument("--tensors-match", default=None, metavar="REGEX",
                    help="store full tensors only for modules whose name matches REGEX (statistics for the rest)")
+    c.add_argument("--durable", action="store_true",
+                   help="each captured step is on disk before training goes on: a killed run loses no finished step")
     c.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the training command")
     c.set_defaults(run=run_capture)
 
@@ -96,6 +99,8 @@ def run_capture(args: argparse.Namespace) -> int:
         except re.error as err:
             raise UsageError(f"--tensors-match {args.tensors_match!r}: not a regular expression ({err})") from None
         env[ENV_TENSORS_MATCH] = args.tensors_match
+    if args.durable:
+        env[ENV_DURABLE] = "1"
     for path in rank_files(out):  # a rank file left by an earlier run would pass for this run's
         os.remove(path)
     code = run_program(cmd, env)

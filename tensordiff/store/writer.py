@@ -82,6 +82,7 @@ class CaptureWriter:
     """
 
     def __init__(self, path: str, attrs: dict[str, Any], background: bool = True, max_pending: int | None = None, *,
+                 durable: bool = False,
                  threads: int | None = None, queue_gb: float | None = None, policy: str | None = None,
                  compression: str | None = None):
         self.path = path
@@ -101,6 +102,9 @@ class CaptureWriter:
         self._pool: ThreadPoolExecutor | None = None
         self._background = background
         self._max_pending = max_pending
+        self.durable = durable  # submit returns once its step is flushed (or capture stopped)
+        self._submitted = 0  # steps handed over, and steps written or given up (the writer's thread)
+        self._finished = 0
         # the queue: steps (with the bytes of their full tensors) and scalars, guarded by one condition that is
         # never held while writing, so submit_scalars takes it only for an append
         self._cv = threading.Condition()
@@ -137,7 +141,11 @@ class CaptureWriter:
                 return
             self._steps.append((step, rows, data, attrs, nbytes))
             self._pending_bytes += nbytes
+            self._submitted += 1
+            ticket = self._submitted
             self._cv.notify_all()
+            while self.durable and self.error is None and self._finished < ticket:
+                self._cv.wait()  # the step is flushed when this returns: a SIGKILL after it cannot lose it
         if behind:
             if not self.dropped_steps:
                 warnings.warn(f"tensordiff: writer behind by {behind / 1e9:.1f} GB; full tensors of step {step} dropped, "
@@ -254,6 +262,7 @@ class CaptureWriter:
                 self._write_guarded(job[:4])
                 with self._cv:
                     self._pending_bytes -= job[4]
+                    self._finished += 1
                     self._cv.notify_all()
             while self._scalar_jobs:
                 self._write_guarded(self._scalar_jobs.popleft())
