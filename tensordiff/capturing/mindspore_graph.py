@@ -163,52 +163,39 @@ def _bprop_arity(cls: Any) -> int:
     return len(params) - 3  # self, out, dout
 
 
+def _probing_bprop(original: Any, arity: int) -> Any:
+    """A ``bprop`` of ``arity`` inputs handing ``dout`` to ``probe_dout`` before the cell's own ``original`` (the
+    compiler wants a bprop's exact parameters, so each arity is spelled out); None for another arity (the cell's
+    output gradients are then not probed)."""
+    def bprop1(self: Any, a0: Any, out: Any, dout: Any) -> Any:
+        return original(self, a0, out, probe_dout(self._td_probes, self._td_cell, out, dout))
+
+    def bprop2(self: Any, a0: Any, a1: Any, out: Any, dout: Any) -> Any:
+        return original(self, a0, a1, out, probe_dout(self._td_probes, self._td_cell, out, dout))
+
+    def bprop3(self: Any, a0: Any, a1: Any, a2: Any, out: Any, dout: Any) -> Any:
+        return original(self, a0, a1, a2, out, probe_dout(self._td_probes, self._td_cell, out, dout))
+
+    return {1: bprop1, 2: bprop2, 3: bprop3}.get(arity)
+
+
 def _probed_cell_class(cls: Any, tag: str) -> type:
     """The class a probed cell gets. A cell with a custom ``bprop`` (MindFormers' loss cells) runs that instead of the
-    gradient of its ``construct``: its output gradients are probed in a ``bprop`` of the same arity around it (the
-    compiler wants its exact parameters, and ``super()`` only one level down, so each arity is spelled out)."""
+    gradient of its ``construct``: its output gradients are probed in a ``bprop`` around it."""
+
+    class Probed(cls):
+        def construct(self: Any, *args: Any, **kwargs: Any) -> Any:
+            probes, cell = self._td_probes, self._td_cell
+            args = probe_args(probes, cell, args)
+            kwargs = probe_kwargs(probes, cell, self._td_names, kwargs)
+            # super(), not cls.construct(self, ...): the compiler folds the model's `if self.flag:` branches only
+            # when construct runs as the cell's own method
+            return probe_outputs(probes, cell, super().construct(*args, **kwargs))
+
     arity = _bprop_arity(cls)
-    # each class below: the construct of the plain case, and a bprop handing dout to probe_dout first
-    if arity == 1:
-        class Probed(cls):
-            def construct(self: Any, *args: Any, **kwargs: Any) -> Any:
-                probes, cell = self._td_probes, self._td_cell
-                args = probe_args(probes, cell, args)
-                kwargs = probe_kwargs(probes, cell, self._td_names, kwargs)
-                return probe_outputs(probes, cell, super().construct(*args, **kwargs))
-
-            def bprop(self: Any, a0: Any, out: Any, dout: Any) -> Any:
-                return super().bprop(a0, out, probe_dout(self._td_probes, self._td_cell, out, dout))
-    elif arity == 2:
-        class Probed(cls):  # type: ignore[no-redef]
-            def construct(self: Any, *args: Any, **kwargs: Any) -> Any:
-                probes, cell = self._td_probes, self._td_cell
-                args = probe_args(probes, cell, args)
-                kwargs = probe_kwargs(probes, cell, self._td_names, kwargs)
-                return probe_outputs(probes, cell, super().construct(*args, **kwargs))
-
-            def bprop(self: Any, a0: Any, a1: Any, out: Any, dout: Any) -> Any:
-                return super().bprop(a0, a1, out, probe_dout(self._td_probes, self._td_cell, out, dout))
-    elif arity == 3:
-        class Probed(cls):  # type: ignore[no-redef]
-            def construct(self: Any, *args: Any, **kwargs: Any) -> Any:
-                probes, cell = self._td_probes, self._td_cell
-                args = probe_args(probes, cell, args)
-                kwargs = probe_kwargs(probes, cell, self._td_names, kwargs)
-                return probe_outputs(probes, cell, super().construct(*args, **kwargs))
-
-            def bprop(self: Any, a0: Any, a1: Any, a2: Any, out: Any, dout: Any) -> Any:
-                return super().bprop(a0, a1, a2, out, probe_dout(self._td_probes, self._td_cell, out, dout))
-    else:  # no custom bprop (or one of another arity: its output gradients are not probed)
-        class Probed(cls):  # type: ignore[no-redef]
-            def construct(self: Any, *args: Any, **kwargs: Any) -> Any:
-                probes, cell = self._td_probes, self._td_cell
-                args = probe_args(probes, cell, args)
-                kwargs = probe_kwargs(probes, cell, self._td_names, kwargs)
-                # super(), not cls.construct(self, ...): the compiler folds the model's `if self.flag:` branches
-                # only when construct runs as the cell's own method
-                return probe_outputs(probes, cell, super().construct(*args, **kwargs))
-
+    bprop = _probing_bprop(cls.bprop, arity) if arity >= 0 else None
+    if bprop is not None:
+        Probed.bprop = bprop
     Probed.__name__ = Probed.__qualname__ = f"{cls.__name__}_TdProbe{tag}"
     Probed.__module__ = cls.__module__
     return Probed
