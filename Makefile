@@ -46,11 +46,11 @@ lint: setup
 	$(VENV)/bin/ruff check tensordiff tests examples benchmarks hooks
 	$(VENV)/bin/mypy
 
-# the framework-free core alone: a venv with numpy, h5py, rich and pyyaml only (no torch, MindSpore, ml_dtypes)
+# the framework-free core alone: a venv with numpy, h5py, rich, pyyaml and regex only (no torch, MindSpore, ml_dtypes)
 CORE_VENV := .venv-core
 $(CORE_VENV)/.done:
 	$(PYTHON) -m venv $(CORE_VENV)
-	$(CORE_VENV)/bin/python -m pip install -q "numpy>=1.24,<2" "h5py>=3.8" "rich>=13" "pyyaml>=6" "pytest>=8"
+	$(CORE_VENV)/bin/python -m pip install -q "numpy>=1.24,<2" "h5py>=3.8" "rich>=13" "pyyaml>=6" "regex>=2023.0" "pytest>=8" "hypothesis>=6.100"
 	touch $@
 
 test-core: $(CORE_VENV)/.done

@@ -29,7 +29,9 @@ from typing import Any
 import h5py
 import numpy as np
 
+from . import _watchdog as watchdog
 from . import frameworks
+from ._text import first_line
 from .errors import BatchError
 
 FORMAT = 1
@@ -116,22 +118,40 @@ def read(path: str, vocab_size: int | None = None) -> Batch:
     if not os.path.exists(path):
         raise BatchError(f"{path}: no such batch file; write one with: tensordiff batch -o {path} --vocab V --seq S --batch B")
     try:
-        f = h5py.File(path, "r")
+        with watchdog.section(path, "the batch file"):
+            f = h5py.File(path, "r")
     except OSError:
         raise BatchError(f"{path}: not an HDF5 file (truncated or another format); write it again with tensordiff "
                          "batch") from None
-    with f:
-        if "tensordiff_batch" not in f.attrs:
-            raise BatchError(f"{path}: not a tensordiff batch file (no 'tensordiff_batch' attribute); "
-                             "write one with tensordiff batch")
-        if int(f.attrs["tensordiff_batch"]) > FORMAT:
-            raise BatchError(f"{path}: batch format {int(f.attrs['tensordiff_batch'])} is newer than this tensordiff "
-                             f"reads ({FORMAT}); upgrade tensordiff")
-        missing = [name for name in FIELDS if name not in f]
-        if missing:
-            raise BatchError(f"{path}: missing field(s) {', '.join(missing)}; write it again with tensordiff batch")
-        arrays = {name: f[name][()] for name in FIELDS}
-        attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
+    try:
+        with f, watchdog.section(path, "the batch file"):
+            return _read(f, path, vocab_size)
+    except (OSError, RuntimeError, KeyError, ValueError, TypeError, MemoryError) as err:  # HDF5 on a damaged file
+        raise BatchError(f"{path}: damaged ({first_line(err, 160, default=type(err).__name__)}); write it again with "
+                         "tensordiff batch") from None
+
+
+def _read(f: h5py.File, path: str, vocab_size: int | None) -> Batch:
+    if "tensordiff_batch" not in f.attrs:
+        raise BatchError(f"{path}: not a tensordiff batch file (no 'tensordiff_batch' attribute); "
+                         "write one with tensordiff batch")
+    if int(f.attrs["tensordiff_batch"]) > FORMAT:
+        raise BatchError(f"{path}: batch format {int(f.attrs['tensordiff_batch'])} is newer than this tensordiff "
+                         f"reads ({FORMAT}); upgrade tensordiff")
+    missing = [name for name in FIELDS if name not in f]
+    if missing:
+        raise BatchError(f"{path}: missing field(s) {', '.join(missing)}; write it again with tensordiff batch")
+    arrays = {name: f[name][()] for name in FIELDS}
+    for name, array in arrays.items():
+        if not isinstance(array, np.ndarray) or array.ndim != (4 if name == "attention_mask" else 2) or \
+                array.dtype.kind not in "biuf":
+            raise BatchError(f"{path}: {name} is not a table of numbers ({getattr(array, 'dtype', type(array))}, "
+                             f"shape {getattr(array, 'shape', ())}); write it again with tensordiff batch")
+    for name in ("tokens", "labels", "position_ids"):
+        if arrays[name].dtype.kind not in "iu":
+            raise BatchError(f"{path}: {name} holds {arrays[name].dtype}, expected integer ids; write it again with "
+                             "tensordiff batch")
+    attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
     b, s = arrays["tokens"].shape
     for name in ("labels", "loss_mask", "position_ids"):
         if arrays[name].shape != (b, s):

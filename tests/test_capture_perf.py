@@ -166,7 +166,7 @@ def test_billion_parameter_models_default_to_64_mib_a_record(tmp_path):
 def test_bad_selection_options_are_refused_in_one_line():
     with pytest.raises(tensordiff.errors.UsageError, match="tensors_max_mb=-1"):
         CaptureOptions(path="x.h5", tensors_max_mb=-1)
-    with pytest.raises(tensordiff.errors.UsageError, match="not a regular expression"):
+    with pytest.raises(tensordiff.errors.UsageError, match="bad regular expression"):
         CaptureOptions(path="x.h5", tensors_match="(")
 
 
@@ -247,7 +247,7 @@ def test_capture_command_refuses_bad_selection_flags_in_one_line(tmp_path):
     import sys
 
     for flags, expected in ((["--tensors-max-mb", "-1"], "--tensors-max-mb -1"),
-                            (["--tensors-match", "("], "not a regular expression")):
+                            (["--tensors-match", "("], "bad regular expression")):
         proc = subprocess.run([sys.executable, "-m", "tensordiff", "capture", "-o", str(tmp_path / "x.h5"), *flags,
                                "--", sys.executable, "-c", "pass"], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2

@@ -75,12 +75,13 @@ class CaptureOptions:
         if self.tensors_max_mb is not None and not (self.tensors_max_mb >= 0):
             raise UsageError(f"tensors_max_mb={self.tensors_max_mb}: expected a size in MiB, 0 for no limit")
         if self.tensors_match is not None:
-            import re
+            from .._regex import compile_user
+            from ..errors import MappingError
 
-            try:
-                self._match = re.compile(self.tensors_match)
-            except re.error as err:
-                raise UsageError(f"tensors_match={self.tensors_match!r}: not a regular expression ({err})") from None
+            try:  # matched with a time bound: a pattern that backtracks without end stops capture, not training
+                self._match = compile_user(self.tensors_match, f"tensors_match={self.tensors_match!r}")
+            except MappingError as err:
+                raise UsageError(str(err)) from None
 
     def full_tensor_selected(self, module: str, nbytes: int) -> bool:
         """Whether a record of ``module`` holding ``nbytes`` is stored in full (in a step that stores tensors)."""

@@ -72,6 +72,9 @@ class ConversionTable:
         try:
             with open(path, encoding="utf-8") as fh:
                 text = fh.read()
+        except UnicodeDecodeError as err:
+            raise MappingError(f"{path}: not UTF-8 text (byte {err.start}: {err.object[err.start:err.start + 4]!r}); save the "
+                               "table as UTF-8") from None
         except OSError as err:
             known = ", ".join(tables) or "none"
             raise MappingError(f"{name_or_path}: no such checkpoint mapping ({err.strerror}); built-in tables: {known}; "

@@ -15,6 +15,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from .. import _watchdog as watchdog
 from .._text import first_line
 from .._version import __version__
 from ..errors import TensordiffError
@@ -44,6 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         p.print_help()
         return 2
+    if argv is None:  # the command itself (not a call from Python): a read that never returns is ended, exit 2
+        supervised = watchdog.supervise()
+        if supervised is not None:
+            return supervised
     try:
         return int(args.run(args))
     except TensordiffError as err:

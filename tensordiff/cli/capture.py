@@ -11,6 +11,7 @@ import sys
 import tempfile
 from typing import Any
 
+from .._regex import compile_user
 from ..capturing.options import (
     AUTO_MODULE,
     ENV_DURABLE,
@@ -25,7 +26,7 @@ from ..capturing.options import (
     rank_files,
 )
 from ..diff import noise as noises
-from ..errors import UsageError
+from ..errors import MappingError, UsageError
 from ..report.capture import NoiseSummary
 from ..store import CaptureFile
 from ._args import command_after_dashes, console, program_failed, run_program
@@ -95,9 +96,9 @@ def run_capture(args: argparse.Namespace) -> int:
         env[ENV_TENSORS_MAX_MB] = f"{args.tensors_max_mb:g}"
     if args.tensors_match is not None:
         try:
-            re.compile(args.tensors_match)
-        except re.error as err:
-            raise UsageError(f"--tensors-match {args.tensors_match!r}: not a regular expression ({err})") from None
+            compile_user(args.tensors_match, f"--tensors-match {args.tensors_match!r}")
+        except MappingError as err:
+            raise UsageError(str(err)) from None
         env[ENV_TENSORS_MATCH] = args.tensors_match
     if args.durable:
         env[ENV_DURABLE] = "1"

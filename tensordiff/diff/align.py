@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from .._regex import BoundedPattern, compile_user
 from .._yaml import load_yaml
 from ..errors import MappingError
 from ..mappings import rename_rules
@@ -99,7 +100,7 @@ class Pair:
 
 @dataclass
 class Rule:
-    b: re.Pattern
+    b: BoundedPattern
     a: str
     phases: frozenset[str] | None = None
     kinds: frozenset[str] | None = None
@@ -108,7 +109,7 @@ class Rule:
     inputs: tuple[Op, ...] = ()
     outputs: tuple[Op, ...] = ()
     params: dict[str, tuple[Op, ...]] = field(default_factory=dict)
-    parts: tuple[re.Pattern, ...] = ()
+    parts: tuple[BoundedPattern, ...] = ()
     """a join: B's modules (``b`` is the first), joined in this order."""
     join: str = ""
     """the join's split, e.g. ``qkv_groups(heads=4, groups=2)``; see ``split_for``."""
@@ -184,7 +185,7 @@ def joined_record(parts: tuple[Record, ...], split: Split) -> Record:
 class Ignore:
     """Records left out on purpose: a module regex, optionally only some kinds or slots."""
 
-    module: re.Pattern
+    module: BoundedPattern
     kinds: frozenset[str] | None = None
     slots: frozenset[str] | None = None
 
@@ -216,6 +217,9 @@ class RenameRules:
         try:
             with open(path, encoding="utf-8") as fh:
                 text = fh.read()
+        except UnicodeDecodeError as err:
+            raise MappingError(f"{path}: not UTF-8 text (byte {err.start}: {err.object[err.start:err.start + 4]!r}); save the "
+                               "mapping file as UTF-8") from None
         except OSError as err:
             raise MappingError(f"{path}: cannot read the mapping file ({err.strerror}); check the --mapping path") from None
         return cls.from_text(text, path, variables)
@@ -225,7 +229,10 @@ class RenameRules:
         doc = load_yaml(text, path, "mapping file")
         if not isinstance(doc, dict) or "rules" not in doc:
             raise MappingError(f"{path}: a mapping file is a YAML mapping with a 'rules:' list (see docs/mapping.md)")
-        values = {str(k): str(v) for k, v in (doc.get("vars") or {}).items()}
+        raw_vars = doc.get("vars") or {}
+        if not isinstance(raw_vars, dict) or not all(isinstance(v, (str, int, float)) for v in raw_vars.values()):
+            raise MappingError(f"{path}: 'vars:' maps names to values (text or numbers), e.g. vars: {{layers: 32}}")
+        values = {str(k): str(v) for k, v in raw_vars.items()}
         values.update(variables or {})
 
         def subst(text: Any, where: str) -> str:
@@ -250,10 +257,7 @@ class RenameRules:
                 if "module" not in spec or not isinstance(spec["module"], str):
                     raise MappingError(f"{path}: {where}: an entry is a module regex (text) or {{module: REGEX, kinds: "
                                        f"[...], slots: [...]}}, got {item!r}")
-                try:
-                    pattern = re.compile(subst(spec["module"], where))
-                except re.error as err:
-                    raise MappingError(f"{path}: {where}: bad regular expression {spec['module']!r} ({err})") from None
+                pattern = compile_user(subst(spec["module"], where), f"{path}: {where}")
                 kinds = spec.get("kinds")
                 slots = spec.get("slots")
                 out.append(Ignore(pattern, frozenset(kinds) if kinds is not None else None,
@@ -276,10 +280,7 @@ class RenameRules:
                                        f"(got {value!r})")
             compiled_list = []
             for source in sources:
-                try:
-                    compiled_list.append(re.compile(subst(source, where)))
-                except re.error as err:
-                    raise MappingError(f"{path}: {where}: bad regular expression {source!r} ({err})") from None
+                compiled_list.append(compile_user(subst(source, where), f"{path}: {where}"))
             compiled = tuple(compiled_list)
             if not compiled:
                 raise MappingError(f"{path}: {where}: 'b:' is an empty list; give a regex, or a list of them with 'join:'")

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Literal
 
 from .. import dtypes
+from ..errors import CaptureFileError
 from ..record import Record
 from ..store import CaptureFile
 from .align import Pair
@@ -55,6 +56,8 @@ def measure_pair(ca: CaptureFile, cb: CaptureFile, pair: Pair, ulp_k: int) -> Me
     xa = ca.array(a) if a.has_data else None
     try:
         xb = pair.b_tensor(cb.array) if b.has_data else None
+    except CaptureFileError:  # a damaged file is reported as such, never as a layout that does not fit
+        raise
     except Exception as err:  # a join or transform that does not fit this tensor
         how = " then ".join(([str(pair.join)] if pair.join is not None else []) + [str(op) for op in pair.ops])
         return None, "shape", f"{how} failed on B {b.shape}: {err}"

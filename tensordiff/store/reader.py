@@ -5,21 +5,35 @@ Tensors stored with gzip + shuffle (or no filter) are read as raw chunks under h
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import h5py
 import numpy as np
 
+from .. import _watchdog as watchdog
 from .. import dtypes
+from .._text import first_line
 from ..errors import CaptureFileError
 from ..record import Record
-from . import codec
-from .format import FORMAT_ATTR, FORMAT_VERSION, META_GROUP, decode, parse_shape, step_group_name
+from . import codec, validate
+from .format import FORMAT_ATTR, FORMAT_VERSION, META_GROUP, step_group_name
 
-#: What reading a damaged tensor raises.
-_DAMAGED: tuple[type[BaseException], ...] = (OSError, *codec.ERRORS)
+#: What h5py and the codec raise on a damaged file (HDF5's own checks surface as any of these, anywhere).
+_DAMAGED: tuple[type[BaseException], ...] = (OSError, RuntimeError, KeyError, ValueError, MemoryError, *codec.ERRORS)
+
+
+@contextlib.contextmanager
+def _reading(path: str, where: str) -> Iterator[None]:
+    """Errors of HDF5 on a damaged file become one CaptureFileError naming the file and what was being read."""
+    try:
+        with watchdog.section(path, where):
+            yield
+    except _DAMAGED as err:
+        raise validate.damaged(path, where, f"HDF5 cannot read it ({first_line(err, 160, default=type(err).__name__)})") \
+            from None
 
 
 class CaptureFile:
@@ -33,7 +47,8 @@ class CaptureFile:
             raise CaptureFileError(f"{path}: is a directory, not a capture file; pass the .h5 file written by `tensordiff "
                                    "capture`")
         try:
-            self._file = h5py.File(path, "r")
+            with watchdog.section(path, "the file's superblock"):
+                self._file = h5py.File(path, "r")
         except OSError as err:
             if "unable to lock file" in str(err):
                 raise CaptureFileError(f"{path}: still open for writing (a capture in progress holds its lock); "
@@ -45,37 +60,38 @@ class CaptureFile:
             raise CaptureFileError(
                 f"{path}: not a readable HDF5 file ({reason}); the file is truncated or of another kind, re-run the capture"
             ) from None
-        if FORMAT_ATTR not in self._file.attrs:
+        try:
+            with _reading(path, "the file's attributes and steps"):
+                self._open(path)
+        except BaseException:
             self._file.close()
+            raise
+        self._cache: dict[int, list[Record]] = {}
+
+    def _open(self, path: str) -> None:
+        if FORMAT_ATTR not in self._file.attrs:
             raise CaptureFileError(
                 f"{path}: an HDF5 file but not a tensordiff capture (no '{FORMAT_ATTR}' attribute); write captures with "
                 "`tensordiff capture` or tensordiff.capture()"
             )
-        version = int(self._file.attrs[FORMAT_ATTR])
+        version = validate.format_version(path, self._file.attrs[FORMAT_ATTR])
         if version > FORMAT_VERSION:
-            self._file.close()
-            raise CaptureFileError(
-                f"{path}: capture format {version} is newer than this tensordiff reads ({FORMAT_VERSION}); upgrade tensordiff"
-            )
-        self.attrs: dict[str, Any] = {k: (decode(v) if isinstance(v, (bytes, str)) else v) for k, v in self._file.attrs.items()}
-        meta = self._file.get(META_GROUP)
-        if meta is not None:  # attributes too large for HDF5's attribute storage
-            for key in meta:
-                try:
-                    self.attrs[key] = decode(meta[key][()])
-                except (OSError, KeyError):
-                    continue
+            raise CaptureFileError(f"{path}: capture format {version} is newer than this tensordiff reads "
+                                   f"({FORMAT_VERSION}); upgrade tensordiff")
+        self.attrs: dict[str, Any] = validate.file_attrs(path, self._file.attrs, self._file.get(META_GROUP))
         self.steps: list[int] = []
         self.incomplete_steps: list[int] = []
         steps = self._file.get("steps")
-        if steps is not None:
-            for name in sorted(steps.keys()):
-                try:
-                    complete = bool(steps[name].attrs.get("complete", 0))
-                except (KeyError, OSError):
-                    complete = False
-                (self.steps if complete else self.incomplete_steps).append(int(name))
-        self._cache: dict[int, list[Record]] = {}
+        if steps is not None and not isinstance(steps, h5py.Group):
+            raise validate.damaged(path, "'/steps'", "expected the group of steps, found a dataset")
+        for name in sorted(steps.keys() if steps is not None else ()):
+            group = steps[name]  # type: ignore[index]
+            step = validate.step_number(path, name, group)
+            try:
+                raw = group.attrs.get("complete", 0)
+            except (KeyError, OSError):
+                raw = 0
+            (self.steps if validate.complete_flag(path, name, raw) else self.incomplete_steps).append(step)
 
     # context manager -------------------------------------------------------
     def __enter__(self) -> CaptureFile:
@@ -93,17 +109,19 @@ class CaptureFile:
         return str(self.attrs.get("framework", "?"))
 
     def step_attrs(self, step: int) -> dict[str, Any]:
-        return {k: (decode(v) if isinstance(v, bytes) else v) for k, v in self._file[step_group_name(step)].attrs.items()}
+        with _reading(self.path, f"step {step} attributes"):
+            attrs = self._file[step_group_name(step)].attrs
+            return {k: (validate.text(self.path, f"step {step} attribute {k!r}", v) if isinstance(v, bytes) else v)
+                    for k, v in attrs.items()}
 
     def scalars(self) -> dict[str, dict[int, float]]:
         """Per-step scalars of the run: name -> {step: value} (a later value of a step wins)."""
         out: dict[str, dict[int, float]] = {}
-        ds = self._file.get("scalars")
-        if not isinstance(ds, h5py.Dataset) or ds.dtype.names is None or \
-                not {"step", "name", "value"} <= set(ds.dtype.names):
-            return out
-        for row in ds[()]:
-            out.setdefault(decode(row["name"]), {})[int(row["step"])] = float(row["value"])
+        with _reading(self.path, "'/scalars'"):
+            rows = validate.scalars_table(self.path, self._file.get("scalars"))
+        for row in rows if rows is not None else ():
+            name = validate.text(self.path, "'/scalars' name", row["name"])
+            out.setdefault(name, {})[int(row["step"])] = float(row["value"])
         return out
 
     def records(self, step: int) -> list[Record]:
@@ -111,38 +129,14 @@ class CaptureFile:
         if cached is not None:
             return cached
         try:
-            index = self._file[step_group_name(step)]["index"][()]
+            index = self._file[step_group_name(step)]["index"]
         except (KeyError, OSError) as err:
             raise CaptureFileError(f"{self.path}: step {step} is damaged ({err}); re-run the capture") from None
-        out = []
-        for row in index:
-            shape = parse_shape(decode(row["shape"]))
-            out.append(
-                Record(
-                    step=step,
-                    seq=int(row["seq"]),
-                    phase=decode(row["phase"]),
-                    module=decode(row["module"]),
-                    call=int(row["call"]),
-                    kind=decode(row["kind"]),
-                    slot=decode(row["slot"]),
-                    module_class=decode(row["module_class"]),
-                    dtype=decode(row["dtype"]),
-                    shape=shape,
-                    min=float(row["min"]),
-                    max=float(row["max"]),
-                    mean=float(row["mean"]),
-                    l2=float(row["l2"]),
-                    nan=int(row["nan"]),
-                    inf=int(row["inf"]),
-                    numel=int(row["numel"]),
-                    has_data=bool(row["has_data"]),
-                    same_as=int(row["same_as"]),
-                    grad_of=int(row["grad_of"]),
-                    enter=int(row["enter"]),
-                    parent=decode(row["parent"]),
-                )
-            )
+        with _reading(self.path, f"step {step} index"):
+            rows = validate.index_rows(self.path, step, index)
+            data = self._file[step_group_name(step)].get("data")
+            stored = set(data.keys()) if isinstance(data, h5py.Group) else None
+        out = validate.records(self.path, step, rows, stored)
         self._cache[step] = out
         return out
 
@@ -156,13 +150,17 @@ class CaptureFile:
         if record.same_as >= 0:
             seq = record.same_as
         try:
+            if not record.has_data:
+                return None
             ds = self._file[step_group_name(record.step)]["data"].get(str(seq))
             if ds is None:
-                return None
-            raw = read_dataset(ds)
+                raise validate.damaged(self.path, f"step {record.step} tensor {record.label}", f"data/{seq} is missing")
+            validate.check_data(self.path, record, ds)
+            with watchdog.section(self.path, f"step {record.step} tensor {record.label}"):
+                raw = read_dataset(ds)
         except _DAMAGED as err:
-            raise CaptureFileError(f"{self.path}: tensor {record.label} of step {record.step} is damaged ({err}); re-run the "
-                                   "capture") from None
+            raise CaptureFileError(f"{self.path}: tensor {record.label} of step {record.step} is damaged "
+                                   f"({first_line(err, 160, default=type(err).__name__)}); re-run the capture") from None
         return dtypes.from_storage(np.asarray(raw), record.dtype).reshape(record.shape)
 
     def nbytes(self) -> int:

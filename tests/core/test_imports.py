@@ -18,7 +18,7 @@ import pytest
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tensordiff")
 
 #: Leaf modules every stage may use.
-CORE = {"_version", "errors", "_text", "_yaml", "dtypes", "record", "transforms", "mappings"}
+CORE = {"_version", "errors", "_text", "_yaml", "_regex", "_watchdog", "dtypes", "record", "transforms", "mappings"}
 #: Stage -> the stages it may import (besides itself and the core).
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
@@ -41,7 +41,7 @@ FRAMEWORK_HOMES = ("tensordiff.frameworks.", "tensordiff.capturing.torch", "tens
                    "tensordiff.capturing.auto", "tensordiff.compat.")
 #: Other third-party packages and the only places that may import them.
 CONFINED = {"rich": ("tensordiff.report.", "tensordiff.cli."), "matplotlib": ("tensordiff.report.runs_plot",),
-            "safetensors": ("tensordiff.ckpt.files",)}
+            "safetensors": ("tensordiff.ckpt.files",), "regex": ("tensordiff._regex",)}
 
 
 def _modules() -> dict[str, str]:

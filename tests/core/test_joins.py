@@ -99,7 +99,11 @@ def test_a_join_with_wrong_heads_is_a_shape_row_and_never_exit_0(tmp_path):
 
 
 def test_a_missing_part_leaves_the_others_unmatched_and_the_diff_inconclusive(tmp_path):
-    res = run(tmp_path, [t for t in side_b() if t.module != "attn.v"])
+    kept = [t for t in side_b() if t.module != "attn.v"]
+    for t in kept:
+        if t.same_as == 3:
+            t.same_as = 2  # attn.q's input moved up one row with attn.v's weight gone
+    res = run(tmp_path, kept)
     assert res.exit_code == 3
     assert not any(r.pair.join is not None for r in res.rows)
 

@@ -60,6 +60,8 @@ def stage1(ids=IDS, w=W[1], received=Y0):
 def write_stages(tmp_path, name="pp", offsets=(0, 1), drop=(), tp=(1, 1), dp=1, **kw):
     stages = [stage0(kw.get("ids0", IDS)), stage1(kw.get("ids1", IDS), kw.get("w1", W[1]), kw.get("received", Y0))]
     if kw.get("two_layers_on_stage0"):  # stage 0 holds layers 0 and 1, yet stage 1 says its first layer is 1
+        for t in stages[0]:  # every link past the new row moves down one
+            t.same_as, t.grad_of, t.enter = (v + 1 if v >= 1 else v for v in (t.same_as, t.grad_of, t.enter))
         stages[0].insert(1, T("weights", "decoder.layers.1", "param", "weight", W[1], module_class="Linear"))
     world = sum(tp) * dp
     rank = 0
