@@ -140,3 +140,85 @@ def test_a_sigkill_loses_no_step_whose_step_call_returned_with_durable(tmp_path)
             kept = c.steps
             assert kept[: returned + 1] == list(range(returned + 1)), (trial, target, returned, kept)
             assert all(len(c.records(s)) > 0 for s in kept)
+
+
+ODD = r"""
+import sys, torch, tensordiff
+torch.manual_seed(0)
+
+
+class Odd(torch.nn.Module):  # outputs of every awkward kind: bool, int, empty, complex, all zeros
+    def forward(self, y):
+        return y > 0, torch.argmax(y, dim=-1), y[:, :0], torch.complex(y, y * float(sys.argv[2])), torch.zeros_like(y) * y
+
+
+class Root(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.odd, self.out = torch.nn.Linear(8, 8), Odd(), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        y = self.lin(x)
+        mask, idx, empty, c, z = self.odd(y)
+        return self.out(y * mask + c.real + z).mean() + 0 * idx.sum() + empty.sum()
+
+
+class Norm(torch.nn.Module):  # |h| as sqrt(h * h + eps): with eps = 0 its gradient at h = 0 is 0 * inf = NaN
+    def forward(self, h):
+        return torch.sqrt(h * h + float(sys.argv[3]))
+
+
+m = torch.nn.Sequential(Root()) if sys.argv[4] == "odd" else torch.nn.Sequential(
+    torch.nn.Linear(8, 8), torch.nn.ReLU(), Norm(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+x = torch.randn(4, 8)
+with tensordiff.capture(m, sys.argv[1], steps=2, optimizer=opt, tensors="all") as cap:
+    for _ in range(2):
+        loss = m(x).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        cap.step(loss)
+"""
+
+
+def _odd(tmp_path, name, imag=1.0, eps=1e-6, model="odd"):
+    path = str(tmp_path / name)
+    proc = subprocess.run([sys.executable, "-c", ODD, path, str(imag), str(eps), model], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return path
+
+
+def test_bool_int_empty_complex_and_zero_tensors_are_compared(tmp_path, capsys):
+    from tensordiff import cli
+
+    a, b = _odd(tmp_path, "a.h5"), _odd(tmp_path, "b.h5")
+    assert cli.main(["diff", a, b, "--json", str(tmp_path / "same.json")]) == 0
+    rows = json.loads((tmp_path / "same.json").read_text())["rows"]
+    kinds = {r["dtype_a"] for r in rows if r["module_a"] == "0.odd" and r["kind"] == "output"}
+    assert kinds == {"bool", "int64", "float32", "complex64"}
+    assert all(r["verdict"] == "ok" for r in rows)  # zero-norm pairs (the zeros, the empty slice) included
+    # only the imaginary part differs: a divergence, named at the complex output (its real part is the same)
+    c = _odd(tmp_path, "c.h5", imag=2.0)
+    assert cli.main(["diff", a, c, "--json", str(tmp_path / "imag.json")]) == 1
+    first = json.loads((tmp_path / "imag.json").read_text())["first_divergence"]
+    assert (first["step"], first["phase"], first["tensor_a"]) == (0, "forward", "0.odd output.3")
+
+
+def test_the_first_nan_or_inf_is_named_in_execution_order(tmp_path, capsys):
+    """sqrt(h * h) after a ReLU is finite forward and NaN backward where h = 0: the first non-finite value is a
+    gradient, after a forward pass that is finite everywhere."""
+    from tensordiff import cli
+
+    a = _odd(tmp_path, "a.h5", eps=1e-6, model="sqrt")
+    b = _odd(tmp_path, "b.h5", eps=0.0, model="sqrt")
+    assert cli.main(["ls", b]) == 0
+    out = capsys.readouterr().out
+    assert "first NaN/Inf (execution order): step 0 backward 1 grad_output.0: 14 NaN" in out  # ReLU's, from Norm
+    assert cli.main(["ls", a]) == 0 and "NaN/Inf: none in any step" in capsys.readouterr().out
+    assert cli.main(["diff", a, b, "--json", str(tmp_path / "r.json")]) == 1
+    out = capsys.readouterr().out
+    assert "B's first NaN/Inf (execution order): step 0 backward 1 grad_output.0" in out and "A's first NaN" not in out
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["first_nonfinite"] == {"a": None, "b": "step 0 backward 1 grad_output.0: 14 NaN, 0 Inf of 32 values"}

@@ -23,6 +23,7 @@ from .autoselect import pick_mapping
 from .coverage import coverage, judge_outcome, mark_uncertain, not_recorded
 from .divergence import find_first_divergence
 from .judge import Measured, compare_pair, compute_dtype, measure_pair, tensor_key
+from .nonfinite import describe, first_nonfinite
 from .reference import judge_against_reference
 from .result import DiffOptions, DiffResult, Row
 from .tolerance import judged_dtype
@@ -94,6 +95,7 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
                                   if isinstance(cap, MergedCapture) for step in common for line in cap.inconsistencies(step)],
             interrupted=[f"{side} step {step}: {why}" for side, cap in (("A", ca), ("B", cb)) for step in common
                          for why in [cap.step_attrs(step).get("interrupted")] if why],
+            nonfinite={side: describe(first_nonfinite(cap)) for side, cap in (("A", ca), ("B", cb))},
         )
         result.outcome, result.reasons = judge_outcome(result)
         return result

@@ -47,13 +47,26 @@ class Metrics:
 
 def compare_arrays(a: np.ndarray, b: np.ndarray, judged_dtype: str, ulp_k: int = 4) -> Metrics:
     """Elementwise comparison of two same-shaped arrays (any dtype): float32 work for float32 and narrower
-    tensors judged in such a dtype, float64 otherwise (see the module docstring)."""
+    tensors judged in such a dtype, float64 otherwise (see the module docstring). Complex tensors are compared as
+    their (real, imaginary) pairs: the imaginary parts count as much as the real ones."""
+    if a.dtype.kind == "c" or b.dtype.kind == "c":
+        a, b = _pairs(a), _pairs(b)
+        judged_dtype = "float32" if judged_dtype == "complex64" else "float64" if judged_dtype == "complex128" \
+            else judged_dtype
     if (dtypes.name_of(a.dtype) in _NARROW and dtypes.name_of(b.dtype) in _NARROW and judged_dtype in _NARROW
             and judged_dtype in dtypes.MANTISSA_BITS):
         fast = _compare_f32(a, b, judged_dtype, ulp_k)
         if fast is not None:
             return fast
     return _compare_f64(a, b, judged_dtype, ulp_k)
+
+
+def _pairs(x: np.ndarray) -> np.ndarray:
+    """A complex array as real numbers, each element's (real, imaginary) in turn; a real array with zero imaginary
+    parts."""
+    if x.dtype.kind != "c":
+        x = x.astype(np.complex128 if x.dtype == np.float64 else np.complex64)
+    return np.ascontiguousarray(x).view(x.real.dtype)
 
 
 class _Buffers:

@@ -169,6 +169,8 @@ class DiffResult:
     """Which mapping lined the captures up, when it was picked automatically (or why none was)."""
     rank_inconsistencies: list[str] = field(default_factory=list)
     interrupted: list[str] = field(default_factory=list)
+    nonfinite: dict[str, str | None] = field(default_factory=dict)
+    """Per side ('A', 'B'): the first record holding a NaN or an Inf, in execution order (None: none)."""
     """Compared steps that a run's exception cut short: 'B step 0: RuntimeError: ...'."""
     """Records a side's rank files must hold identically (replicated, reduced) but do not: 'B: <label>: TP ranks 0/1
     differ'. The merged view reads the first rank's copy, so these are never passed over."""

@@ -9,6 +9,7 @@ from rich.text import Text
 
 from .._text import plural, times_shape
 from ..diff.noise import summary
+from ..diff.nonfinite import describe, first_nonfinite
 from ..explain.replay import ReplayResult
 from ..record import PHASES, Record
 from ..store import CaptureFile
@@ -43,6 +44,9 @@ class CaptureListing:
             table.add_row(str(step), *counts, str(sum(1 for r in recs if r.has_data and r.same_as < 0)),
                           f"{loss:.6g}" if isinstance(loss, float) else "-")
         yield table
+        first = describe(first_nonfinite(cap))
+        yield Text(f"  first NaN/Inf (execution order): {first}" if first else "  NaN/Inf: none in any step",
+                   style="tensordiff.diverged" if first else "")
         if cap.incomplete_steps:
             yield Text(f"  incomplete steps (ignored): {cap.incomplete_steps}")
         for name, values in sorted(cap.scalars().items()):

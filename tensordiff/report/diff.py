@@ -54,6 +54,9 @@ class DiffReport:
                 continue
             yield self._table(step, phase, rows, first_key, options.max_width)
         yield self._summary()
+        for side, where in res.nonfinite.items():
+            if where is not None:
+                yield Text(f"{side}'s first NaN/Inf (execution order): {where}", style="tensordiff.diverged")
         if first is not None:
             style = "tensordiff.diverged"
             title = "First divergence" if first.introduced else "First divergence (accumulated, not introduced at one place)"
@@ -292,6 +295,7 @@ class DiffReport:
             "outcome": res.outcome, "exit_code": res.exit_code, "inconclusive_reasons": res.reasons,
             "mapping_note": res.mapping_note or None,
             "rank_inconsistencies": res.rank_inconsistencies,
+            "first_nonfinite": {"a": res.nonfinite.get("A"), "b": res.nonfinite.get("B")},
             "coverage": {phase: cov.as_dict() for phase, cov in res.coverage.items()},
             "rows": rows,
         }

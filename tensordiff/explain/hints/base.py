@@ -102,6 +102,8 @@ class Site:
             xb = None
         #: both tensors were stored, and have one shape once B is in A's layout
         self.ready = xa is not None and xb is not None and xa.shape == xb.shape
+        if any(x is not None and x.dtype.kind == "c" for x in (xa, xb)):
+            self.ready, xa, xb = False, None, None  # no hint models complex values (the row compares them as pairs)
         self.xa: np.ndarray = np.asarray(xa if xa is not None else (), dtype=np.float64)
         self.xb: np.ndarray = np.asarray(xb if xb is not None else (), dtype=np.float64)
         self.before = rel_l2(self.xa, self.xb) if self.ready else math.nan
