@@ -48,6 +48,11 @@ def test_bad_replay_requests_are_one_line(gelu, capsys):
     assert len(err.splitlines()) == 1 and "no forward call 0 of module 'decoder.layers.9'" in err
     assert main(["replay", *gelu, "--module", "decoder.layers.1.mlp", "--model", "no_such_module:f"]) == 2
     assert "cannot import no_such_module" in capsys.readouterr().err
+    # a function, but not one that builds a model from nothing
+    assert main(["replay", *gelu, "--module", "decoder.layers.1.mlp", "--model", "json:loads"]) == 2
+    assert capsys.readouterr().err == ("tensordiff: error: --model: calling the factory failed (TypeError: loads() "
+                                       "missing 1 required positional argument: 's'); it must be a function that takes "
+                                       "no arguments and returns side A's model\n")
 
 
 def test_a_model_without_the_module_is_one_line_not_a_traceback(gelu, capsys, tmp_path, monkeypatch):

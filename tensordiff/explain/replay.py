@@ -148,7 +148,13 @@ def replay(path_a: str, path_b: str, module: str, factory: Callable[[], Any], st
     if framework not in frameworks.NAMES:
         raise ReplayError(f"replay runs torch or mindspore captures; A was written by {framework or 'an unknown framework'}")
     run = frameworks.get(framework).replay_call
-    model = factory()
+    try:
+        model = factory()
+    except TensordiffError:
+        raise
+    except Exception as err:  # the user's factory: not one that builds a model from nothing
+        raise ReplayError(f"--model: calling the factory failed ({type(err).__name__}: {first_line(err, default='')}); "
+                          "it must be a function that takes no arguments and returns side A's model") from None
     try:
         y_aa = run(model, module, x_a, weights)
         y_ab = run(model, module, x_b, weights)
