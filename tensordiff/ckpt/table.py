@@ -96,6 +96,7 @@ class ConversionTable:
         if not (isinstance(sides, list) and len(sides) == 2 and all(isinstance(s, str) for s in sides) and sides[0] != sides[1]):
             raise MappingError(f"{path}: sides must name two different sides, e.g. [mcore, mindformers]; got {sides!r}")
         side_a, side_b = sides
+        _check_top_level(doc, path, sides)
         var_defs: dict[str, Var] = {}
         for vname, spec in (doc.get("vars") or {}).items():
             if isinstance(spec, dict):
@@ -159,6 +160,8 @@ class ConversionTable:
         if unknown:
             raise MappingError(f"{where}: unknown field(s) {', '.join(sorted(map(str, unknown)))}; "
                                f"fields are {', '.join(sorted(allowed))}")
+        if not isinstance(raw.get("optional", False), bool):
+            raise MappingError(f"{where}: optional: must be true or false, got {raw['optional']!r}")
         when = raw.get("when") or {}
         if not isinstance(when, dict):
             raise MappingError(f"{where}: when: must map variables to values, e.g. {{fc1_layout: stacked}}")
@@ -380,3 +383,42 @@ class ConversionTable:
         return Conversion(tensors=out, plan=plan, origin=origin, applied=applied)
 
 
+def _scalar(value: Any) -> bool:
+    return isinstance(value, (str, int, float, bool))
+
+
+def _check_top_level(doc: dict, path: str, sides: list[str]) -> None:
+    """The types of a table's keys besides its entries: one error naming the key, never a crash or a silent skip."""
+    def fail(key: str, expected: str, got: Any) -> MappingError:
+        return MappingError(f"{path}: {key}: expected {expected}, got {got!r}; see docs/checkpoints.md")
+
+    for key in ("formats", "ignore"):
+        value = doc.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            raise fail(key, f"a mapping of each side ({', '.join(sides)}) to a list of text", value)
+        for side, items in value.items():
+            if side not in sides:
+                raise fail(key, f"sides named in 'sides:' ({', '.join(sides)})", side)
+            if items is not None and not (isinstance(items, list) and all(isinstance(x, str) for x in items)):
+                raise fail(f"{key}: {side}", "a list of text", items)
+    vars_ = doc.get("vars")
+    if vars_ is not None:
+        if not isinstance(vars_, dict):
+            raise fail("vars", "a mapping of names to a default or {default:, choices:, help:}", vars_)
+        for name, spec in vars_.items():
+            if isinstance(spec, dict):
+                unknown = set(spec) - {"default", "choices", "help"}
+                if unknown:
+                    raise fail(f"vars: {name}", "the keys default, choices and help", sorted(unknown))
+                if spec.get("default") is not None and not _scalar(spec["default"]):
+                    raise fail(f"vars: {name}: default", "text, a number or true/false", spec["default"])
+                choices = spec.get("choices")
+                if choices is not None and not (isinstance(choices, list) and all(_scalar(c) for c in choices)):
+                    raise fail(f"vars: {name}: choices", "a list of text or numbers", choices)
+            elif spec is not None and not _scalar(spec):
+                raise fail(f"vars: {name}", "text, a number or {default:, choices:, help:}", spec)
+    indices = doc.get("indices")
+    if indices is not None and not (isinstance(indices, dict) and all(_scalar(v) for v in indices.values())):
+        raise fail("indices", "a mapping of placeholders to variable names", indices)

@@ -536,3 +536,32 @@ def test_a_read_that_never_returns_ends_the_command_with_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-c", program.replace("60", "0.1")], capture_output=True, text=True, env=env,
                           timeout=50)
     assert proc.returncode == 0 and proc.stderr == ""
+
+
+TABLE_EDITS = [("sides: [mcore, mindformers]", "sides: mcore"), ("tensordiff_ckpt_table: 1", "tensordiff_ckpt_table: [1]"),
+               ("  mcore: [.pt, .pth]", "  mcore: 5"), ("    choices: [interleaved, stacked]", "    choices: 7"),
+               ("    default: interleaved", "    default: [1]"), ("ignore:\n  mcore:", "ignore:\n  mcorex:"),
+               ("    - '*._extra_state'", "    - {a: 1}"), ("vars:\n", "vars: 5\nxvars:\n"),
+               ("ignore:\n", "ignore: 3\nxignore:\n"), ("entries:\n", "entries: 4\nxentries:\n"),
+               ("    shape: [vocab, hidden]", "    shape: 12"), ("    optional: true", "    optional: [x]")]
+
+
+@pytest.mark.parametrize(("old", "new"), TABLE_EDITS)
+def test_a_checkpoint_table_with_a_value_of_the_wrong_type_is_one_error(files, tmp_path, old, new):
+    pytest.importorskip("safetensors")
+    from safetensors.numpy import save_file
+
+    from tensordiff.ckpt.table import ckpt_tables
+
+    with open(ckpt_tables()["mcore-to-mindformers"], encoding="utf-8") as fh:
+        text = fh.read()
+    assert old in text
+    table = tmp_path / "t.yaml"
+    table.write_text(text.replace(old, new, 1))
+    ckpt = str(tmp_path / "c.safetensors")
+    save_file({"decoder.layers.0.mlp.linear_fc1.weight": np.ones((4, 4), np.float32)}, ckpt)
+    for argv in (["ckpt", "diff", ckpt, ckpt, "--mapping", str(table), "--sides", "mcore,mindformers"],
+                 ["ckpt", "convert", ckpt, str(tmp_path / "o.safetensors"), "--mapping", str(table), "--to", "mindformers"]):
+        code, text_ = run(argv, "checkpoint table (schema)")
+        assert code == 2 and ("t.yaml" in text_ or "mapping t" in text_ or text_.startswith("tensordiff: error: t:")), text_
+        assert "does not fit side" not in text_, text_  # the table's fault, not the checkpoint's
