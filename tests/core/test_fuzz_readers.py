@@ -565,3 +565,15 @@ def test_a_checkpoint_table_with_a_value_of_the_wrong_type_is_one_error(files, t
         code, text_ = run(argv, "checkpoint table (schema)")
         assert code == 2 and ("t.yaml" in text_ or "mapping t" in text_ or text_.startswith("tensordiff: error: t:")), text_
         assert "does not fit side" not in text_, text_  # the table's fault, not the checkpoint's
+
+
+def test_an_empty_step_index_is_never_a_pass(files):
+    """A step whose index holds no rows is a valid file with nothing in it: what B recorded there has no counterpart,
+    so the diff is inconclusive (exit 3), never 'no divergence'."""
+    path = _copy(files, "a", ".h5")
+    with h5py.File(path, "r+") as f:
+        _rewrite_index(f, lambda rows: rows[:0])
+        del f["steps/000000/data"]
+    for argv in (["diff", path, files["b"]], ["diff", files["b"], path]):
+        code, _ = run(argv, "capture (schema)")
+        assert code == 3
