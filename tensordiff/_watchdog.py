@@ -47,6 +47,7 @@ def supervise() -> int | None:
     pid = os.fork()
     if pid == 0:
         _state.update(shared=shared, seconds=seconds)
+        _die_with_parent()
         return None
     previous = {signal.SIGINT: signal.signal(signal.SIGINT, signal.SIG_IGN)}  # Ctrl-C reaches the child itself
     for sig in (signal.SIGTERM, signal.SIGHUP):  # a kill of the command reaches the process doing the work
@@ -69,6 +70,19 @@ def supervise() -> int | None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _die_with_parent() -> None:
+    """Linux: the child is killed when the parent is (a SIGKILL of the command leaves no orphan reading on)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent died before prctl took effect
+            os._exit(2)
+    except (OSError, AttributeError):
+        pass
 
 
 @contextlib.contextmanager

@@ -45,7 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         p.print_help()
         return 2
-    if argv is None:  # the command itself (not a call from Python): a read that never returns is ended, exit 2
+    # the command itself (not a call from Python), when it reads files rather than running a program: a read that
+    # never returns is ended, exit 2
+    if argv is None and args.command not in ("capture", "noise"):
         supervised = watchdog.supervise()
         if supervised is not None:
             return supervised

@@ -577,3 +577,35 @@ def test_an_empty_step_index_is_never_a_pass(files):
     for argv in (["diff", path, files["b"]], ["diff", files["b"], path]):
         code, _ = run(argv, "capture (schema)")
         assert code == 3
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc (Linux)")
+def test_killing_the_command_leaves_no_reader_behind(tmp_path):
+    """The supervised child dies with the command (a SIGKILL of the command, as a CI timeout sends)."""
+    program = ("import os, sys, time\n"
+               "from tensordiff import _watchdog as watchdog\n"
+               "code = watchdog.supervise()\n"
+               "if code is not None:\n"
+               "    sys.exit(code)\n"
+               "print(os.getpid(), flush=True)\n"
+               "with watchdog.section('run.h5', 'step 0 index'):\n"
+               "    time.sleep(60)\n")
+    env = dict(os.environ, TENSORDIFF_READ_TIMEOUT="120", PYTHONPATH=ROOT)
+    proc = subprocess.Popen([sys.executable, "-c", program], stdout=subprocess.PIPE, text=True, env=env)
+    child = int(proc.stdout.readline())
+    assert child != proc.pid
+    proc.kill()
+    proc.wait(timeout=30)
+    proc.stdout.close()
+
+    def alive() -> bool:
+        try:
+            with open(f"/proc/{child}/status", encoding="utf-8") as fh:
+                return "\nState:\tZ" not in fh.read()
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive()
