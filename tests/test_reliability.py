@@ -222,3 +222,37 @@ def test_the_first_nan_or_inf_is_named_in_execution_order(tmp_path, capsys):
     assert "B's first NaN/Inf (execution order): step 0 backward 1 grad_output.0" in out and "A's first NaN" not in out
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["first_nonfinite"] == {"a": None, "b": "step 0 backward 1 grad_output.0: 14 NaN, 0 Inf of 32 values"}
+
+
+BACKTRACK = r"""
+import json, sys, torch, tensordiff
+torch.manual_seed(0)
+m = torch.nn.Sequential()
+m.add_module("a" * 60 + "cb", torch.nn.Linear(4, 4))  # a name on which the pattern below backtracks without end
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+x = torch.randn(2, 4)
+losses = []
+match = sys.argv[2] if sys.argv[2] != "-" else None
+with tensordiff.capture(m, sys.argv[1], steps=2, optimizer=opt, tensors="all", tensors_match=match) as cap:
+    for _ in range(3):
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        cap.step(loss)
+        losses.append(loss.item())
+print(json.dumps(losses))
+"""
+
+
+def test_a_tensors_match_regex_that_never_ends_stops_capture_not_training(tmp_path):
+    runs = {}
+    for name, match in (("plain", "-"), ("bomb", "(a|aa)*c$")):
+        proc = subprocess.run([sys.executable, "-c", BACKTRACK, str(tmp_path / f"{name}.h5"), match],
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[name] = (json.loads(proc.stdout), proc.stderr)
+    assert runs["bomb"][0] == runs["plain"][0]  # the same numbers, every step
+    warned = [line for line in runs["bomb"][1].splitlines() if "tensordiff:" in line]
+    assert len(warned) == 1 and "capture stopped (MappingError: tensors_match='(a|aa)*c$': the regular expression" in \
+        warned[0] and "catastrophic backtracking" in warned[0] and "training goes on" in warned[0]
