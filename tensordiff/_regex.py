@@ -19,11 +19,8 @@ MATCH_SECONDS = 0.5
 #: The longest all matches of one pattern may take together (thousands of names).
 TOTAL_SECONDS = 10.0
 
-error = regex.error
-
-
 class BoundedPattern:
-    """A compiled user pattern whose ``fullmatch``/``match``/``search`` raise ``MappingError`` past the bounds."""
+    """A compiled user pattern whose ``fullmatch``/``search`` raise ``MappingError`` past the bounds."""
 
     __slots__ = ("_compiled", "pattern", "spent", "where")
 
@@ -35,9 +32,6 @@ class BoundedPattern:
 
     def fullmatch(self, text: str) -> Any:
         return self._timed(self._compiled.fullmatch, text)
-
-    def match(self, text: str) -> Any:
-        return self._timed(self._compiled.match, text)
 
     def search(self, text: str) -> Any:
         return self._timed(self._compiled.search, text)

@@ -33,7 +33,7 @@ NUMPY_DTYPES: dict[str, np.dtype] = {
 }
 
 #: Narrow floats HDF5 has no type for: stored as unsigned ints of the same width.
-RAW_BITS: dict[str, np.dtype] = {
+_RAW_BITS: dict[str, np.dtype] = {
     "bfloat16": np.dtype(np.uint16),
     "float8_e4m3fn": np.dtype(np.uint8),
     "float8_e5m2": np.dtype(np.uint8),
@@ -76,18 +76,27 @@ def name_of(dtype: np.dtype) -> str:
 def to_storage(array: np.ndarray) -> tuple[np.ndarray, str]:
     """Return ``(array to write, logical dtype name)``; narrow floats become raw bits."""
     name = name_of(array.dtype)
-    raw = RAW_BITS.get(name)
+    raw = _RAW_BITS.get(name)
     return (array.view(raw) if raw is not None else array), name
 
 
 def from_storage(raw: np.ndarray, name: str) -> np.ndarray:
     """Inverse of :func:`to_storage`."""
-    if name in RAW_BITS:
+    if name in _RAW_BITS:
         if name not in NUMPY_DTYPES:
             raise TensordiffError(f"reading {name} tensors needs the ml_dtypes package, which is not installed: "
                                   "pip install ml_dtypes")
         return raw.view(NUMPY_DTYPES[name])
     return raw
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """The numpy dtype a tensor of logical dtype ``name`` is stored as (narrow floats: their raw bits)."""
+    raw = _RAW_BITS.get(name)
+    if raw is not None:
+        return raw
+    known = NUMPY_DTYPES.get(name)
+    return known if known is not None else np.dtype(name)
 
 
 def ulp(magnitude: np.ndarray, name: str) -> np.ndarray:

@@ -76,6 +76,3 @@ def shape_text(shape: Iterable[int]) -> str:
     """The index's shape column: '4,8' ('' for a scalar)."""
     return ",".join(map(str, map(int, shape)))
 
-
-def parse_shape(text: str) -> tuple[int, ...]:
-    return tuple(int(s) for s in text.split(",") if s) if text else ()

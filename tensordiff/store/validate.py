@@ -181,19 +181,11 @@ def check_data(path: str, record: Record, ds: Any) -> None:
     where = f"step {record.step} tensor {record.label} (data/{record.same_as if record.same_as >= 0 else record.seq})"
     if not isinstance(ds, h5py.Dataset):
         raise damaged(path, where, "expected a dataset, found a group")
-    expected = storage_dtype(record.dtype)
+    expected = dtypes.storage_dtype(record.dtype)
     if ds.dtype != expected:
         raise damaged(path, where, f"stored as {ds.dtype}, the index says {record.dtype} (stored as {expected})")
     if ds.size != record.numel:
         raise damaged(path, where, f"holds {ds.size} elements, the index says {record.numel} (shape {record.shape})")
-
-
-def storage_dtype(name: str) -> np.dtype:
-    raw = dtypes.RAW_BITS.get(name)
-    if raw is not None:
-        return raw
-    known = dtypes.NUMPY_DTYPES.get(name)
-    return known if known is not None else np.dtype(name)
 
 
 def scalars_table(path: str, ds: Any) -> np.ndarray | None:
@@ -220,7 +212,7 @@ def _shape(path: str, where: str, value: str) -> tuple[int, ...]:
 
 
 def _known_dtype(name: str) -> bool:
-    if name in dtypes.NUMPY_DTYPES or name in dtypes.RAW_BITS:
+    if name in dtypes.MANTISSA_BITS or name in dtypes.NUMPY_DTYPES:  # the narrow floats without ml_dtypes too
         return True
     try:
         return np.dtype(name).kind in "biufc" and np.dtype(name).name == name
