@@ -99,6 +99,13 @@ def coverage(rows: list[Row], skip_a: frozenset[str] = frozenset(),
                 cov.compared_b += 1
                 cov.linked_b += 1
                 row.linked = True
+            elif row.accounted is not None:
+                if a is not None:
+                    cov.compared_a += 1
+                    cov.accounted_a += 1
+                else:
+                    cov.compared_b += 1
+                    cov.accounted_b += 1
             elif a is not None and (a.kind in skip_b or ("grad_input" in skip_b and _tensor_of(a) in input_only_a)):
                 cov.not_recorded_a += 1
                 row.not_recorded = True
@@ -171,6 +178,8 @@ def judge_outcome(result: DiffResult) -> tuple[Outcome, list[str]]:
         reasons.append(f"{n} record(s) that must be identical on every rank holding them differ across the rank files "
                        f"(a missing or unwaited all-reduce, an unreduced sequence-parallel gradient): "
                        f"{'; '.join(result.rank_inconsistencies[:3])}{' ...' if n > 3 else ''}")
+    for finding in result.findings:
+        reasons.append(finding)
     if result.interrupted:
         reasons.append(f"the run stopped on an exception inside a compared step, so that step holds only what ran "
                        f"before it: {'; '.join(result.interrupted[:2])}")

@@ -18,6 +18,7 @@ from .. import dtypes
 from ..errors import AlignmentError, UsageError
 from ..store import CaptureFile, MergedCapture, open_capture
 from ..store.fanout import ENV_JOBS
+from .accounting import account
 from .align import Pair, align_step
 from .autoselect import pick_mapping
 from .coverage import coverage, judge_outcome, mark_uncertain, not_recorded
@@ -83,8 +84,10 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         if options.reference:
             judge_against_reference(rows, ca, cb, common, options)
         mark_uncertain(rows)
-        # also marks the records compared under another record of their side (Row.linked)
-        covered = coverage(rows, not_recorded(ca.attrs), not_recorded(cb.attrs))
+        skip_a, skip_b = not_recorded(ca.attrs), not_recorded(cb.attrs)
+        coverage(rows, skip_a, skip_b)  # marks the records compared under another record of their side (Row.linked)
+        findings = account(rows, {"A": records_a, "B": records_b}, {"A": ca.array, "B": cb.array})
+        covered = coverage(rows, skip_a, skip_b)
         first = find_first_divergence(rows, records_a, options.jump, records_b)
         result = DiffResult(
             path_a=path_a, path_b=path_b, attrs_a=dict(ca.attrs), attrs_b=dict(cb.attrs), rows=rows, steps=common,
@@ -95,7 +98,7 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
                                   if isinstance(cap, MergedCapture) for step in common for line in cap.inconsistencies(step)],
             interrupted=[f"{side} step {step}: {why}" for side, cap in (("A", ca), ("B", cb)) for step in common
                          for why in [cap.step_attrs(step).get("interrupted")] if why],
-            nonfinite={side: describe(first_nonfinite(cap)) for side, cap in (("A", ca), ("B", cb))},
+            findings=findings, nonfinite={side: describe(first_nonfinite(cap)) for side, cap in (("A", ca), ("B", cb))},
         )
         result.outcome, result.reasons = judge_outcome(result)
         return result

@@ -10,10 +10,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import numpy as np
+
 from .. import dtypes
 from ..errors import CaptureFileError
 from ..record import Record
 from ..store import CaptureFile
+from .accounting import compare_masks, maybe_mask
 from .align import Pair
 from .metrics import Metrics, compare_arrays, compare_stats
 from .result import RowVerdict
@@ -62,6 +65,11 @@ def measure_pair(ca: CaptureFile, cb: CaptureFile, pair: Pair, ulp_k: int) -> Me
         how = " then ".join(([str(pair.join)] if pair.join is not None else []) + [str(op) for op in pair.ops])
         return None, "shape", f"{how} failed on B {b.shape}: {err}"
     if xa is not None and xb is not None:
+        if maybe_mask(a) and maybe_mask(b) and not (xa.dtype == xb.dtype and xa.shape == xb.shape
+                                                    and np.array_equal(xa, xb)):
+            meaning = compare_masks(xa, xb)
+            if meaning is not None:
+                return compare_arrays(meaning[0], meaning[1], "float32", ulp_k), "", meaning[2]
         if xa.shape != xb.shape:
             if xa.size == xb.size and not pair.ops and pair.join is None and pair.how != "order":
                 note = f"shapes {a.shape} vs {xb.shape}: compared flat"

@@ -65,6 +65,17 @@ class DiffOptions:
             raise UsageError(f"--jobs {self.jobs}: give a number of threads, 1 or more")
 
 
+@dataclass(frozen=True)
+class Accounted:
+    """Why a record with no counterpart is accounted for (``diff.accounting``): the rule and its reason, in words."""
+
+    rule: str
+    why: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"rule": self.rule, "why": self.why}
+
+
 @dataclass
 class Row:
     """One line of the report: a pair (or an unmatched record) and its verdict."""
@@ -90,6 +101,8 @@ class Row:
     """An unmatched record whose tensor was compared under another record of its side (set by ``coverage``)."""
     not_recorded: bool = False
     """An unmatched record of a kind the other side never records (its ``not_recorded``; set by ``coverage``)."""
+    accounted: Accounted | None = None
+    """An unmatched record accounted for by a rule of structure and value (``diff.accounting``): why."""
 
     @property
     def err(self) -> float:
@@ -116,6 +129,9 @@ class PhaseCoverage:
     """A's records with no counterpart of a kind B says it never records (``not_recorded``: a graph-mode capture's
     cell inputs): accounted for, and said in the report."""
     not_recorded_b: int = 0
+    accounted_a: int = 0
+    """A's records with no counterpart accounted for by a rule of structure and value (``diff.accounting``)."""
+    accounted_b: int = 0
     shape: int = 0
     """Pairs found but not compared: their shapes differ once B is in A's layout."""
     stats_only: int = 0
@@ -141,7 +157,7 @@ class PhaseCoverage:
                 "compared_a": self.compared_a, "compared_b": self.compared_b, "linked_a": self.linked_a,
                 "linked_b": self.linked_b,
                 "share_a": round(self.share_a, 6), "share_b": round(self.share_b, 6), "only_a": self.only_a,
-                "only_b": self.only_b, "shape": self.shape, "stats_only": self.stats_only, "uncertain": self.uncertain}
+                "only_b": self.only_b, "accounted_a": self.accounted_a, "accounted_b": self.accounted_b, "shape": self.shape, "stats_only": self.stats_only, "uncertain": self.uncertain}
 
 
 @dataclass
@@ -171,6 +187,8 @@ class DiffResult:
     interrupted: list[str] = field(default_factory=list)
     nonfinite: dict[str, str | None] = field(default_factory=dict)
     """Per side ('A', 'B'): the first record holding a NaN or an Inf, in execution order (None: none)."""
+    findings: list[str] = field(default_factory=list)
+    """Differences seen outside the pairs (an active dropout on one side): never passed over."""
     """Compared steps that a run's exception cut short: 'B step 0: RuntimeError: ...'."""
     """Records a side's rank files must hold identically (replicated, reduced) but do not: 'B: <label>: TP ranks 0/1
     differ'. The merged view reads the first rank's copy, so these are never passed over."""

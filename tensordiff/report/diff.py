@@ -104,11 +104,14 @@ class DiffReport:
             table.caption_justify = "left"
         unmatched: dict[str, list[Row]] = {"A": [], "B": []}
         linked: list[Row] = []
+        accounted: list[Row] = []
         skipped_kinds: dict[str, list[Row]] = {"A": [], "B": []}
         if self.max_rows > 0:  # one line per side for the records with no counterpart (--max-rows 0 lists them)
             for row in rows:
                 if row.verdict == "unmatched" and row.linked:
                     linked.append(row)
+                elif row.verdict == "unmatched" and row.accounted is not None:
+                    accounted.append(row)
                 elif row.verdict == "unmatched" and row.not_recorded:
                     skipped_kinds["A" if row.pair.a is not None else "B"].append(row)
                 elif row.verdict == "unmatched":
@@ -182,6 +185,8 @@ class DiffReport:
         if linked:
             notes.append(Text(f"    {plural(len(linked), 'record', 'records')} recorded again under another name, compared "
                               "there (--max-rows 0 lists them)", style="tensordiff.dim"))
+        for line in _accounted_lines(accounted):
+            notes.append(Text(line, style="tensordiff.dim"))
         for side, lost in skipped_kinds.items():
             if lost:
                 other = "B" if side == "A" else "A"
@@ -235,6 +240,10 @@ class DiffReport:
         linked = sum(c.linked_a + c.linked_b for c in res.coverage.values())
         if linked:
             text.append(f" ({linked} more recorded again under another name, compared there)", style="tensordiff.dim")
+        by_rule = _rule_counts(res.rows)
+        if by_rule:
+            text.append("; accounted by rule: " + ", ".join(f"{n} {rule}" for rule, n in by_rule.items()),
+                        style="tensordiff.dim")
         skipped = [sum(getattr(c, f"not_recorded_{s}") for c in res.coverage.values()) for s in "ab"]
         if any(skipped):
             text.append(f"; not recorded by the other side on purpose (graph mode: gradients of cell inputs): "
@@ -269,7 +278,8 @@ class DiffReport:
             a, b = row.pair.a, row.pair.b
             rows.append({
                 "step": row.step, "phase": row.phase, "verdict": row.verdict, "how": row.pair.how or None,
-                "linked": row.linked, "not_recorded": row.not_recorded, "stand_in": row.pair.stand_in or None,
+                "linked": row.linked, "not_recorded": row.not_recorded,
+                "accounted": row.accounted.as_dict() if row.accounted else None, "stand_in": row.pair.stand_in or None,
                 "a": a.label if a else None, "b": b.label if b else None,
                 "module_a": a.module if a else None, "module_b": b.module if b else None,
                 "kind": (a or b).kind, "slot": (a or b).slot,  # type: ignore[union-attr]
@@ -357,3 +367,28 @@ def _select(rows: list[Row], max_rows: int) -> list[Row | int]:
     return collapse(rows, keep)
 
 
+
+
+def _rule_counts(rows: list[Row]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for row in rows:
+        if row.verdict == "unmatched" and row.accounted is not None:
+            counts[row.accounted.rule] = counts.get(row.accounted.rule, 0) + 1
+    return counts
+
+
+def _accounted_lines(rows: list[Row]) -> list[str]:
+    """One line per (side, rule, reason with layer numbers folded): what was accounted for and why."""
+    groups: dict[tuple[str, str, str], list[Row]] = {}
+    for row in rows:
+        assert row.accounted is not None
+        side = "A" if row.pair.a is not None else "B"
+        why = re.sub(r"\.\d+(?=\.|\s|$|\))", ".N", row.accounted.why)
+        groups.setdefault((side, row.accounted.rule, why), []).append(row)
+    out = []
+    for (side, rule, why), items in groups.items():
+        names = sorted({re.sub(r"\.\d+(?=\.|$)", ".N", (r.pair.a or r.pair.b).label)  # type: ignore[union-attr]
+                        for r in items})
+        shown = ", ".join(names[:3]) + (f" (+{len(names) - 3})" if len(names) > 3 else "")
+        out.append(f"    {side}: {plural(len(items), 'record', 'records')} accounted ({rule}): {shown}: {why}")
+    return out

@@ -1,0 +1,254 @@
+"""The agreement matrix: clean pairs of independently written programs across architecture and code-style axes, and
+the same pairs with one fault injected, each captured with ``tensordiff capture --auto`` and compared with
+``tensordiff diff`` exactly as a user runs them (no ``--mapping``: the diff picks a built-in one or needs none).
+
+    python examples/pairs/matrix.py                   # the whole matrix (benchmarks/agreement_matrix.py prints it)
+    python examples/pairs/matrix.py --sample          # the fixed sample CI runs
+    python examples/pairs/matrix.py --only gpt2       # pairs whose name holds 'gpt2'
+
+A clean pair must end ``agree`` (exit 0); a fault must end ``diverged`` (exit 1) with its first divergence inside
+the module the fault is in, in the expected phase. Shared by ``tests/test_agreement_matrix.py`` and
+``benchmarks/agreement_matrix.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from examples.pairs.models import Arch, Side, Style  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Case:
+    """A pair of sides on one architecture; ``b.fault`` set for a fault case."""
+
+    name: str
+    arch: Arch
+    a: Side
+    b: Side
+    sample: bool = False
+    """part of the fixed sample CI runs."""
+
+    @property
+    def fault(self) -> str:
+        return self.b.fault
+
+
+#: Where each fault must be found, in A's names, by A's family: (phase, module prefix).
+_WHERE = {
+    "mcore": {"norm-eps": ("forward", "decoder.layers.1.pre_mlp_layernorm"), "act": ("forward", "decoder.layers.1.mlp"),
+              "rope-base": ("forward", "decoder.layers.0.self_attention"),
+              "dropout": ("forward", "decoder.layers.0.self_attention"),
+              "weight": ("weights", "decoder.layers.0.self_attention.linear_qkv")},
+    "plain": {"norm-eps": ("forward", "transformer.h.1.ln_2"), "act": ("forward", "transformer.h.1.mlp"),
+              "rope-base": ("forward", "transformer.h.0.attn"), "dropout": ("forward", "transformer.h.0.attn"),
+              "weight": ("weights", "transformer.h.0.attn.c_attn")},
+    "hf-gpt2": {"norm-eps": ("forward", "transformer.h.1.ln_2"), "act": ("forward", "transformer.h.1.mlp"),
+                "dropout": ("forward", "transformer.h.0.attn"), "weight": ("weights", "transformer.h.0.attn.c_attn")},
+    "hf": {"norm-eps": ("forward", "model.layers.1.post_attention_layernorm"), "act": ("forward", "model.layers.1.mlp"),
+           "rope-base": ("forward", "model.layers.0.self_attn"), "dropout": ("forward", "model.layers.0.self_attn"),
+           "weight": ("weights", "model.layers.0.self_attn.q_proj")},
+}
+
+
+def expected(case: Case) -> tuple[str, str]:
+    family = case.a.family
+    table = _WHERE.get(family) or _WHERE["hf"]
+    return table[case.fault]
+
+
+LLAMA = Arch(groups=2)
+GPT2 = Arch(norm="LayerNorm", act="gelu", pos="learned", bias="all", tied=True)
+S = Style
+
+
+def clean_pairs() -> list[Case]:
+    """Clean pairs over the axes: biases (none, all, qkv), tied/untied, MHA/GQA/MQA, LayerNorm/RMSNorm, GELU/SwiGLU,
+    RoPE/learned positions, dropout modules at p=0 on one side, masks passed in or built inside, positional or keyword
+    calls, SDPA or manual attention, q/k norms."""
+    mc = Side("mcore")
+    return [
+        Case("mcore-vs-hf-llama-gqa-sdpa", LLAMA, mc, Side("hf-llama"), sample=True),
+        Case("mcore-vs-hf-llama-mha-eager-mask", Arch(), Side("mcore", S(call="pos")), Side("hf-llama", S(attn="eager", mask="passed"))),
+        Case("mcore-vs-hf-llama-mqa-tied-bias", Arch(groups=1, tied=True, bias="all"), mc, Side("hf-llama", S(attn="eager"))),
+        Case("mcore-vs-hf-mistral-gqa-mask", LLAMA, mc, Side("hf-mistral", S(mask="passed"))),
+        Case("mcore-vs-hf-qwen2-qkv-bias-eager", Arch(groups=2, bias="qkv"), mc, Side("hf-qwen2", S(attn="eager")), sample=True),
+        Case("mcore-vs-hf-qwen3-qk-norm", Arch(groups=2, qk_norm=True), mc, Side("hf-qwen3")),
+        Case("mcore-vs-hf-gpt2-eager", GPT2, mc, Side("hf-gpt2", S(attn="eager")), sample=True),
+        Case("mcore-vs-hf-gpt2-sdpa-untied", replace(GPT2, tied=False), mc, Side("hf-gpt2")),
+        Case("plain-sdpa-vs-manual-dropout", Arch(norm="LayerNorm", act="gelu", pos="learned", bias="all"),
+             Side("plain"), Side("plain", S(attn="eager", dropout_modules=True)), sample=True),
+        Case("plain-rope-gqa-kw-vs-pos-mask", LLAMA, Side("plain"), Side("plain", S(call="pos", mask="passed", attn="eager"))),
+        Case("mcore-pos-vs-kw", LLAMA, Side("mcore", S(call="pos")), mc),
+        Case("hf-llama-sdpa-vs-eager", LLAMA, Side("hf-llama"), Side("hf-llama", S(attn="eager", mask="passed"))),
+        Case("hf-gpt2-eager-vs-sdpa", GPT2, Side("hf-gpt2", S(attn="eager")), Side("hf-gpt2")),
+    ]
+
+
+def fault_cases(pairs: list[Case]) -> list[Case]:
+    out = []
+    for case in pairs:
+        for fault in ("norm-eps", "act", "rope-base", "dropout", "weight"):
+            if fault == "rope-base" and case.arch.pos != "rope":
+                continue
+            if fault not in (_WHERE.get(case.a.family) or _WHERE["hf"]):
+                continue
+            out.append(Case(f"{case.name}+{fault}", case.arch, case.a, replace(case.b, fault=fault),
+                            sample=case.sample and fault in ("norm-eps", "dropout")))
+    return out
+
+
+def all_cases() -> list[Case]:
+    pairs = clean_pairs()
+    return pairs + fault_cases(pairs)
+
+
+# --------------------------------------------------------------------------------------------------- running
+def _key(*parts: object) -> str:
+    return hashlib.sha1(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+@dataclass
+class Outcome:
+    case: str
+    fault: str
+    exit_code: int
+    outcome: str
+    passed: bool
+    found: str = ""
+    """where the first divergence was named: 'phase module kind.slot'."""
+    hint: str = ""
+    accounted: dict[str, int] = field(default_factory=dict)
+    """records accounted for by each rule."""
+    unaccounted: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    coverage: str = ""
+
+
+class Runner:
+    """Captures each side once (a clean A is shared by its faults) and diffs the pairs."""
+
+    def __init__(self, out: str, steps: int = 2, verbose: bool = False):
+        self.out, self.steps, self.verbose = os.path.abspath(out), steps, verbose
+        os.makedirs(self.out, exist_ok=True)
+        self.env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def weights(self, arch: Arch) -> str:
+        path = os.path.join(self.out, f"w-{_key(asdict(arch))}.safetensors")
+        if not os.path.exists(path):
+            from safetensors.torch import save_file
+
+            from examples.pairs.models import random_state
+
+            save_file(random_state(arch), path + ".tmp")
+            os.replace(path + ".tmp", path)
+        return path
+
+    def capture(self, arch: Arch, side: Side) -> str:
+        path = os.path.join(self.out, f"c-{_key(asdict(arch), side.as_dict(), self.steps)}.h5")
+        if os.path.exists(path):
+            return path
+        cmd = [sys.executable, "-m", "tensordiff", "capture", "--auto", "-o", path + ".part.h5", "--steps",
+               str(self.steps), "--", sys.executable, os.path.join(HERE, "train.py"), "--arch",
+               json.dumps(asdict(arch)), "--side", json.dumps(side.as_dict()), "--weights", self.weights(arch),
+               "--steps", str(self.steps)]
+        proc = subprocess.run(cmd, env=self.env, cwd=self.out, capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"capture of {side.as_dict()} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                               f"{proc.stderr[-3000:]}")
+        os.replace(path + ".part.h5", path)
+        return path
+
+    def run(self, case: Case) -> Outcome:
+        a, b = self.capture(case.arch, case.a), self.capture(case.arch, case.b)
+        report = os.path.join(self.out, f"r-{_key(case.name)}.json")
+        proc = subprocess.run([sys.executable, "-m", "tensordiff", "diff", a, b, "--first-divergence", "--json",
+                               report], env=self.env, cwd=self.out, capture_output=True, text=True, timeout=900)
+        if self.verbose:
+            print(proc.stdout[-6000:])
+        if proc.returncode not in (0, 1, 3):
+            return Outcome(case.name, case.fault, proc.returncode, "error", False,
+                           reasons=[(proc.stdout + proc.stderr)[-800:]])
+        with open(report, encoding="utf-8") as fh:
+            doc = json.load(fh)
+        return judge(case, doc, proc.returncode)
+
+    def run_all(self, cases: list[Case], jobs: int = 2) -> list[Outcome]:
+        # captures first, two at a time (each training process uses one thread), then the diffs
+        sides = list({_key(asdict(c.arch), s.as_dict()): (c.arch, s) for c in cases for s in (c.a, c.b)}.values())
+        with ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(lambda item: self.capture(*item), sides))
+        with ThreadPoolExecutor(jobs) as pool:
+            return list(pool.map(self.run, cases))
+
+
+def judge(case: Case, doc: dict, code: int) -> Outcome:
+    first = doc.get("first_divergence")
+    accounted: dict[str, int] = {}
+    unaccounted = []
+    for row in doc["rows"]:
+        if row["verdict"] != "unmatched" or row["linked"] or row["not_recorded"]:
+            continue
+        if row.get("accounted"):
+            rule = row["accounted"]["rule"]
+            accounted[rule] = accounted.get(rule, 0) + 1
+        else:
+            unaccounted.append(f"step {row['step']} {row['phase']}: {row['a'] or ''} | {row['b'] or ''}")
+    cov = ", ".join(f"{p} {c['share_a']:.0%}·{c['share_b']:.0%}" for p, c in doc.get("coverage", {}).items())
+    hints = doc.get("hints") or []
+    hint = f"{hints[0]['cause']} {hints[0]['explained']:.0%}" if hints else ""
+    found = f"{first['phase']} {first['tensor_a']}" if first else ""
+    if case.fault:
+        phase, module = expected(case)
+        passed = (code == 1 and first is not None and first["phase"] == phase
+                  and (first["module_a"] == module or first["module_a"].startswith(module + ".")
+                       or module in first.get("location", "")))
+    else:
+        passed = code == 0
+    return Outcome(case.name, case.fault, code, doc["outcome"], passed, found, hint, accounted, unaccounted,
+                   doc.get("inconclusive_reasons") or [], cov)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=os.path.join(ROOT, "out", "matrix"))
+    p.add_argument("--sample", action="store_true", help="only the fixed sample CI runs")
+    p.add_argument("--only", help="only cases whose name holds this")
+    p.add_argument("--clean", action="store_true", help="clean pairs only")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args(argv)
+    cases = all_cases()
+    if args.sample:
+        cases = [c for c in cases if c.sample]
+    if args.only:
+        cases = [c for c in cases if args.only in c.name]
+    if args.clean:
+        cases = [c for c in cases if not c.fault]
+    results = Runner(args.out, verbose=args.verbose).run_all(cases)
+    for r in results:
+        mark = "PASS" if r.passed else "FAIL"
+        print(f"{mark} {r.case:50s} exit {r.exit_code} {r.outcome:12s} {r.found} {r.hint}")
+        if not r.passed:
+            for line in (r.unaccounted[:12] + r.reasons[:4]):
+                print(f"      {line}")
+    clean = [r for r in results if not r.fault]
+    faults = [r for r in results if r.fault]
+    print(f"clean pairs agree: {sum(r.passed for r in clean)}/{len(clean)}; "
+          f"faults found at their place: {sum(r.passed for r in faults)}/{len(faults)}")
+    return 0 if all(r.passed for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
