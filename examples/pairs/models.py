@@ -405,7 +405,11 @@ def apply_fault(model: Any, family: str, fault: str, arch: Arch) -> None:
                 setattr(mod, attr, 1e-2)
     elif fault == "act":
         other: Any = (lambda x: F.gelu(x, approximate="tanh")) if arch.act == "gelu" else F.gelu
-        if family == "mcore":
+        if family == "mcore":  # megatron's gated MLP calls its config's activation: layer 1 gets its own config
+            import copy
+
+            layers[1].mlp.config = copy.copy(layers[1].mlp.config)
+            layers[1].mlp.config.activation_func = other
             layers[1].mlp.activation_func = other
         elif family == "plain":
             layers[1].mlp.act = _Fn(other)

@@ -55,7 +55,7 @@ def _tensor(rec: Record) -> tuple[int, int]:
 
 
 def _sig(rec: Record) -> tuple:
-    return rec.phase in ("forward",), rec.dtype, rec.shape, rec.min, rec.max, rec.mean, rec.l2, rec.nan, rec.inf
+    return rec.dtype, rec.shape, rec.min, rec.max, rec.mean, rec.l2, rec.nan, rec.inf
 
 
 def _equal(x: np.ndarray | None, y: np.ndarray | None) -> bool | None:
@@ -159,8 +159,15 @@ def compare_masks(xa: np.ndarray, xb: np.ndarray) -> tuple[np.ndarray, np.ndarra
     """Two masks in any conventions as float arrays of what they mean (1 = may attend), broadcast to one shape, and
     a note naming the conventions; None when either is no mask or their shapes cannot mean the same positions."""
     ma, mb = as_mask(xa), as_mask(xb)
-    if ma is None or mb is None or ma.padding != mb.padding:
+    if ma is None or mb is None:
         return None
+    if ma.padding != mb.padding:  # a padding mask that masks nothing, in a causal model, means the causal mask
+        pad, full = (ma, mb) if ma.padding else (mb, ma)
+        if not (pad.nothing and full.causal):
+            return None
+        x = full.attend.astype(np.float32)
+        return (x, x, f"masks compared by meaning: a padding mask that masks nothing ({'A' if pad is ma else 'B'} "
+                f"{tuple((xa if pad is ma else xb).shape)}) with its model's causal masking is the other's causal mask")
     try:
         a, b = np.broadcast_arrays(ma.attend, mb.attend)
     except ValueError:
@@ -248,6 +255,7 @@ def account(rows: list[Row], records: dict[str, dict[int, list[Record]]], read: 
         lone = {s: [r for r in step_rows if r.verdict == "unmatched" and not r.linked and not r.not_recorded
                     and sides[s].of(r)] for s in ("A", "B")}
         for s in ("A", "B"):
+            _returned_bias(sides[s], lone[s], step_rows)
             _by_value(sides[s], lone[s], findings)
         _masks(sides, lone)
         for s in ("A", "B"):
@@ -269,12 +277,12 @@ def _masks_by_meaning(rows: list[Row]) -> None:
     then: dict[tuple, tuple[tuple, tuple, Row]] = {}
     for row in rows:
         a, b = row.pair.a, row.pair.b
-        if a is None or b is None or row.metrics is None:
+        if a is None or b is None:
             continue
         key = (a.key, b.key)
-        if row.metrics.source == "tensor" and row.note.startswith("masks compared by meaning"):
+        if row.metrics is not None and row.metrics.source == "tensor" and row.note.startswith("masks compared by meaning"):
             then.setdefault(key, (_sig(a), _sig(b), row))
-        elif row.metrics.source == "stats" and key in then:
+        elif (row.verdict == "shape" or row.metrics is not None and row.metrics.source == "stats") and key in then:
             sig_a, sig_b, first = then[key]
             if (sig_a, sig_b) == (_sig(a), _sig(b)):
                 row.metrics, row.verdict = first.metrics, first.verdict
@@ -285,11 +293,28 @@ def _rec(side: _Side, row: Row) -> Record:
     return side.of(row)[0]
 
 
+def _returned_bias(side: _Side, lone: list[Row], rows: list[Row]) -> None:
+    """A bias returned apart and added to its module's output where that output was compared."""
+    added = {}
+    for row in rows:
+        bias = row.pair.bias_a if side.name == "A" else row.pair.bias_b
+        if bias is not None and row.verdict in COMPARED:
+            added[_tensor(bias)] = row
+    for row in lone:
+        rec = _rec(side, row)
+        if row.accounted is None and _tensor(rec) in added:
+            owner = added[_tensor(rec)]
+            label = (owner.pair.a if side.name == "A" else owner.pair.b).label  # type: ignore[union-attr]
+            row.accounted = Accounted("bias", f"the bias {module_label(rec.module)} returns for its caller to add "
+                                      f"(skip_bias_add), added to {label} before it was compared")
+            side.compared.add(_tensor(rec))
+
+
 def _by_value(side: _Side, lone: list[Row], findings: list[str]) -> None:
     """same-tensor and pass-through: grow the compared tensors through equal values until nothing changes."""
     by_sig: dict[tuple, list[Record]] = {}
     for rec in side.records:
-        if rec.same_as < 0 and rec.phase in ("forward", "backward"):
+        if rec.same_as < 0:
             by_sig.setdefault(_sig(rec), []).append(rec)
     changed = True
     while changed:
@@ -338,13 +363,12 @@ def _masks(sides: dict[str, _Side], lone: dict[str, list[Row]]) -> None:
     for s, side in sides.items():
         for row in lone[s]:
             rec = _rec(side, row)
-            if row.accounted is None and rec.phase == "forward" and rec.kind in ("input", "output"):
+            if row.accounted is None and rec.phase == "forward" and rec.kind in ("input", "output") and maybe_mask(rec):
                 mask = as_mask(side.array(rec)) if rec.has_data else None
                 if mask is not None:
                     found[s].append((row, rec, mask))
     every = {s: [as_mask(sides[s].array(r)) for r in sides[s].records if r.phase == "forward" and r.has_data
-                 and r.same_as < 0 and r.kind in ("input", "output") and r.dtype in ("bool", "int64", "int32",
-                                                                                        "float32", "float16", "bfloat16")]
+                 and r.same_as < 0 and r.kind in ("input", "output") and maybe_mask(r)]
              for s in sides}
     for s, items in found.items():
         other = "B" if s == "A" else "A"

@@ -64,6 +64,11 @@ class Pair:
     """'a': A's parameter gradient stands in for the local (pre-reduction) gradient A did not record, paired with B's
     local one (a run without data parallelism: its gradient is both); 'b': the same with the sides swapped. That
     side's record is also in its own pair: coverage counts it once."""
+    bias_a: Record | None = None
+    """A's module returns its bias for the caller to add (megatron's ``skip_bias_add``: output ``(y, bias)``) and B's
+    includes it: this record (A's output 1, the bias) is added to A's output before comparing. ``bias_b``: the same
+    for B."""
+    bias_b: Record | None = None
 
     @property
     def matched(self) -> bool:
@@ -89,7 +94,21 @@ class Pair:
             if one is None:
                 return None
             x = one
+        if self.bias_b is not None:
+            bias = read(self.bias_b)
+            if bias is None:
+                return None
+            x = x + bias
         return apply(self.ops, x) if self.ops else x
+
+    def a_tensor(self, read: Callable[[Record], np.ndarray | None]) -> np.ndarray | None:
+        """A's tensor, with the bias A returned apart added (``bias_a``), or None where A stored statistics only."""
+        assert self.a is not None
+        x = read(self.a)
+        if x is None or self.bias_a is None:
+            return x
+        bias = read(self.bias_a)
+        return None if bias is None else x + bias
 
     def b_stats(self) -> tuple | None:
         """(numel, min, max, mean, l2) of B's tensor in A's layout, or None when statistics cannot follow."""
@@ -553,4 +572,41 @@ def align_step(recs_a: list[Record], recs_b: list[Record], mapping: RenameRules 
         for rb in recs_b:
             if rb.phase == phase and rb.seq not in taken_b and rb.seq not in ignored_b:
                 pairs.append(Pair(None, rb))
-    return pairs
+    return add_returned_biases(pairs, recs_a, recs_b)
+
+
+def _returned_biases(recs: list[Record]) -> dict[tuple[str, int], Record]:
+    """(module, call) -> its output 1 when that output is a bias parameter of the module or of one inside it (by
+    value: its statistics and shape), as megatron's layers return it with ``skip_bias_add``."""
+    biases: dict[tuple, list[Record]] = {}
+    for r in recs:
+        if r.phase == "weights" and r.slot == "bias" and len(r.shape) == 1:
+            biases.setdefault((r.shape, r.min, r.max, r.mean, r.l2), []).append(r)
+    out = {}
+    for r in recs:
+        if r.phase != "forward" or r.kind != "output" or r.slot != "1" or len(r.shape) != 1:
+            continue
+        owners = biases.get((r.shape, r.min, r.max, r.mean, r.l2), ())
+        if any(o.module == r.module or o.module.startswith(r.module + ".") or r.module == "" for o in owners):
+            out[(r.module, r.call)] = r
+    return out
+
+
+def add_returned_biases(pairs: list[Pair], recs_a: list[Record], recs_b: list[Record]) -> list[Pair]:
+    """Pairs of outputs where one side returns its bias apart (``skip_bias_add``) and the other includes it: the
+    bias is added to the first side's output before comparing (``Pair.bias_a`` / ``bias_b``)."""
+    returned_a, returned_b = _returned_biases(recs_a), _returned_biases(recs_b)
+    if not returned_a and not returned_b:
+        return pairs
+    out = []
+    for pair in pairs:
+        a, b = pair.a, pair.b
+        if a is not None and b is not None and a.phase == "forward" and a.kind == "output" and a.slot == "0":
+            bias = returned_a.get((a.module, a.call))
+            if bias is not None and bias.shape[-1:] == a.shape[-1:] and (b.module, b.call) not in returned_b:
+                pair = replace(pair, bias_a=bias)
+            bias = returned_b.get((b.module, b.call)) if not pair.parts else None
+            if bias is not None and bias.shape[-1:] == b.shape[-1:] and (a.module, a.call) not in returned_a:
+                pair = replace(pair, bias_b=bias)
+        out.append(pair)
+    return out

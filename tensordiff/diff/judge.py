@@ -56,7 +56,7 @@ def measure_pair(ca: CaptureFile, cb: CaptureFile, pair: Pair, ulp_k: int) -> Me
     a, b = pair.a, pair.b
     assert a is not None and b is not None
     judged = dtypes.coarsest(a.dtype, b.dtype)
-    xa = ca.array(a) if a.has_data else None
+    xa = pair.a_tensor(ca.array) if a.has_data else None
     try:
         xb = pair.b_tensor(cb.array) if b.has_data else None
     except CaptureFileError:  # a damaged file is reported as such, never as a layout that does not fit
@@ -71,9 +71,21 @@ def measure_pair(ca: CaptureFile, cb: CaptureFile, pair: Pair, ulp_k: int) -> Me
             if meaning is not None:
                 return compare_arrays(meaning[0], meaning[1], "float32", ulp_k), "", meaning[2]
         if xa.shape != xb.shape:
-            if xa.size == xb.size and not pair.ops and pair.join is None and pair.how != "order":
+            plain = not pair.ops and pair.join is None and pair.how != "order"
+            if xa.size == xb.size and plain:
                 note = f"shapes {a.shape} vs {xb.shape}: compared flat"
                 xb = xb.reshape(xa.shape)
+            elif plain and _broadcasts(xa.shape, xb.shape):  # [1, S, H] positions vs [B, S, H]: repeated
+                if a.kind in ("grad_input", "grad_output"):  # the gradient of a repeated tensor is the sum
+                    small, big = (xa, xb) if xa.size < xb.size else (xb, xa)
+                    dims = tuple(i for i, (x, y) in enumerate(zip(small.shape, big.shape)) if x == 1 and y != 1)
+                    summed = big.astype(np.float64).sum(axis=dims, keepdims=True).astype(big.dtype)
+                    xa, xb = (small, summed) if xa is small else (summed, small)
+                    note = (f"shapes {a.shape} vs {tuple(xb.shape)}: a gradient of a repeated tensor, the larger "
+                            "summed along the repeated dims")
+                else:
+                    note = f"shapes {a.shape} vs {tuple(xb.shape)}: the smaller repeated along its size-1 dims"
+                    xa, xb = np.broadcast_arrays(xa, xb)
             else:
                 return None, "shape", f"shape {a.shape} vs {tuple(xb.shape)}"
         else:
@@ -82,14 +94,63 @@ def measure_pair(ca: CaptureFile, cb: CaptureFile, pair: Pair, ulp_k: int) -> Me
     if not (a.stats_known and all(r.stats_known for r in pair.b_records)):
         return None, "skipped", ("statistics of a data-parallel mean cannot be merged from each rank's "
                                  "statistics; store tensors (--tensors all) to compare this step")
+    if pair.bias_a is not None or pair.bias_b is not None:
+        return _stats_with_bias(a, b, pair)
     st = pair.b_stats()
     if st is None:
         return None, "skipped", (f"statistics cannot follow {' '.join(map(str, pair.ops))}; "
                                  "store tensors (--tensors all) to compare this step")
     b = dataclasses.replace(b, numel=st[0], min=st[1], max=st[2], mean=st[3], l2=st[4])
+    if a.numel != b.numel and not pair.ops and pair.join is None and pair.how != "order" \
+            and _broadcasts(a.shape, b.shape):
+        return _stats_broadcast(a, b)
     if a.numel != b.numel:
         return None, "shape", f"{a.numel} vs {b.numel} elements"
     return compare_stats(a, b), "", "statistics only"
+
+
+def _broadcasts(sa: tuple[int, ...], sb: tuple[int, ...]) -> bool:
+    """One shape is the other with some dims of size 1 (same rank): the smaller repeats along them."""
+    if len(sa) != len(sb):
+        return False
+    return all(x == y for x, y in zip(sa, sb) if x != 1 and y != 1) and (
+        all(x <= y for x, y in zip(sa, sb)) or all(x >= y for x, y in zip(sa, sb)))
+
+
+def _stats_with_bias(a: Record, b: Record, pair: Pair) -> Measured:
+    """Statistics of an output one side returned without its bias: only the mean follows the bias (mean(y + b) =
+    mean(y) + mean(b)); B's statistics through the pair's transforms where they follow them."""
+    st = pair.b_stats()
+    if st is None or a.numel != st[0]:
+        return None, "skipped", "statistics cannot follow a bias added to one side; store tensors (--tensors all)"
+    mean_a = a.mean + (pair.bias_a.mean if pair.bias_a is not None else 0.0)
+    mean_b = st[3] + (pair.bias_b.mean if pair.bias_b is not None else 0.0)
+    rms = max(a.l2, st[4]) / max(a.numel, 1) ** 0.5
+    return _means(a, b, mean_a, mean_b, rms), "", "statistics only: the means, with the bias one side returns apart added"
+
+
+def _stats_broadcast(a: Record, b: Record) -> Measured:
+    """Statistics of a tensor repeated along size-1 dims on one side: a repeat keeps min, max and mean and scales the
+    L2 by the square root of the repeat; the gradient of a repeated tensor is the sum of the larger one along the
+    repeated dims: its mean is the repeat times the larger one's."""
+    small, big = (a, b) if a.numel < b.numel else (b, a)
+    k = big.numel // max(small.numel, 1)
+    if a.kind in ("grad_input", "grad_output"):
+        mean_small, mean_big = small.mean, big.mean * k
+        ma, mb = (mean_small, mean_big) if small is a else (mean_big, mean_small)
+        rms = small.l2 / max(small.numel, 1) ** 0.5  # the summed gradient's scale
+        return _means(a, b, ma, mb, rms), "", "statistics only: the means (a gradient of a repeated tensor)"
+    grown = dataclasses.replace(small, numel=big.numel, l2=small.l2 * k ** 0.5)
+    ra, rb = (grown, big) if small is a else (big, grown)
+    return compare_stats(ra, rb), "", f"statistics only; {small.shape} repeated to {big.shape}"
+
+
+def _means(a: Record, b: Record, mean_a: float, mean_b: float, rms: float) -> Metrics:
+    """A comparison of two means, scaled by the tensors' RMS (what statistics allow when only the mean follows)."""
+    rel = abs(mean_a - mean_b) / rms if rms else 0.0
+    bad = int(a.nan != b.nan) + int(a.inf != b.inf)
+    return Metrics(rel_l2=float("inf") if bad else rel, max_abs=abs(mean_a - mean_b), max_rel=float("nan"),
+                   cosine=float("nan"), ulp_share=float("nan"), nonfinite_mismatch=bad, source="stats")
 
 
 def tensor_key(pair: Pair) -> tuple | None:
@@ -104,4 +165,6 @@ def tensor_key(pair: Pair) -> tuple | None:
         return r.step, r.same_as if r.same_as >= 0 else r.seq, r.dtype, r.shape
 
     join = (type(pair.join).__name__, tuple(sorted(vars(pair.join).items()))) if pair.join is not None else None
-    return tensor(a), tuple(tensor(r) for r in pair.b_records), b.dtype, b.shape, pair.how == "order", pair.ops, join
+    biases = tuple(tensor(r) if r is not None else None for r in (pair.bias_a, pair.bias_b))
+    return (tensor(a), tuple(tensor(r) for r in pair.b_records), b.dtype, b.shape, pair.how == "order", pair.ops, join,
+            biases)

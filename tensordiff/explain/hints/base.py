@@ -95,7 +95,7 @@ class Site:
         self.ca, self.cb = ca, cb
         self.recs_a = ca.records(self.a.step)
         self.by_seq = {r.seq: r for r in self.recs_a}
-        xa = ca.array(self.a)
+        xa = row.pair.a_tensor(ca.array)
         try:
             xb = row.pair.b_tensor(cb.array)
         except Exception:
