@@ -51,15 +51,12 @@ class T:
 
 
 def _stats(x: np.ndarray) -> dict[str, Any]:
-    d = np.asarray(x, dtype=np.float64).reshape(-1)
-    if d.size == 0:
-        return {"min": 0.0, "max": 0.0, "mean": 0.0, "l2": 0.0, "nan": 0, "inf": 0}
-    finite = d[np.isfinite(d)]
-    return {
-        "min": float(finite.min()) if finite.size else 0.0, "max": float(finite.max()) if finite.size else 0.0,
-        "mean": float(d.sum() / d.size), "l2": float(np.sqrt(np.dot(finite, finite))),
-        "nan": int(np.isnan(d).sum()), "inf": int(np.isinf(d).sum()),
-    }
+    """A record's statistics, as every adapter writes them (``tensordiff.stats.host_stats``)."""
+    from tensordiff.stats import host_stats
+
+    d = np.asarray(x)
+    mn, mx, total, l2, nan, inf = host_stats(d)
+    return {"min": mn, "max": mx, "mean": total / d.size if d.size else 0.0, "l2": l2, "nan": int(nan), "inf": int(inf)}
 
 
 def rows_of(tensors: list[T]) -> tuple[list[dict[str, Any]], dict[int, np.ndarray]]:

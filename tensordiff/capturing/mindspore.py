@@ -28,6 +28,7 @@ import numpy as np
 
 from ..errors import UsageError
 from ..frameworks.mindspore import check_pynative, dtype_name, host_view, to_numpy
+from ..stats import host_stats
 from .backend import TensorBackend
 from .mindspore_parallel import layout as parallel_layout
 from .model_config import model_config_attr
@@ -37,25 +38,8 @@ from .recorder import Recorder
 _GRAD_DTYPES = (ms.float32, ms.float16, ms.bfloat16, ms.float64)
 
 
-def numpy_stats(x: np.ndarray) -> tuple[float, float, float, float, float, float]:
-    """[min, max, sum, l2, nan, inf] in float64."""
-    if x.size == 0:
-        return 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-    if x.dtype == np.bool_ or x.dtype.kind in "iu":
-        d = x.reshape(-1).astype(np.float64)
-        return float(d.min()), float(d.max()), float(d.sum()), float(np.sqrt(np.dot(d, d))), 0.0, 0.0
-    d = x.reshape(-1).astype(np.float64)
-    finite = np.isfinite(d)
-    if finite.all():
-        return float(d.min()), float(d.max()), float(d.sum()), float(np.sqrt(np.dot(d, d))), 0.0, 0.0
-    nan = float(np.isnan(d).sum())
-    inf = float(np.isinf(d).sum())
-    with np.errstate(invalid="ignore", over="ignore"):
-        return float(np.nanmin(d)), float(np.nanmax(d)), float(d.sum()), float(np.linalg.norm(d)), nan, inf
-
-
 def _host_stats_of(t: Any) -> tuple[float, ...]:
-    return numpy_stats(host_view(t))
+    return host_stats(host_view(t))
 
 
 def _requires_grad_now() -> bool:

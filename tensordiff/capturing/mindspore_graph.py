@@ -45,7 +45,8 @@ import numpy as np
 from mindspore import Tensor, ops
 
 from ..errors import UsageError
-from .mindspore import MindSporeCapture, MindSporeTensors, numpy_stats
+from ..stats import host_stats
+from .mindspore import MindSporeCapture, MindSporeTensors
 
 _NO_GRAD = (ms.bool_,)  # outputs never passed through the gradient probe
 _GRAD_FLOATS = (ms.float32, ms.float16, ms.bfloat16, ms.float64)
@@ -317,7 +318,7 @@ class GraphTensors(MindSporeTensors):
 
     def stats(self, t: Any) -> Any:
         if isinstance(t, np.ndarray):
-            return numpy_stats(t)
+            return host_stats(t)
         return super().stats(t)
 
     def copy(self, t: Any) -> np.ndarray:

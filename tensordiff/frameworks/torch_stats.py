@@ -26,8 +26,9 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
+
+from ..stats import host_stats
 
 __all__ = ["StatsCollector", "cpu_stats", "reduce_stats_eager", "triton_available"]
 
@@ -35,7 +36,6 @@ _ENV_NO_TRITON = "TENSORDIFF_NO_TRITON"
 BLOCK = 2048  # elements per program per loop iteration
 SINGLE_MAX = 1 << 16  # up to this many elements: one program, one launch, the final row written directly
 ROWS = 4096  # rows per chunk of the per-step result buffer
-CPU_CHUNK = 1 << 16  # values per float64 chunk on the CPU
 _NO_SWITCH = contextlib.nullcontext()
 
 
@@ -67,11 +67,12 @@ try:  # Triton is optional: CUDA builds of torch ship it, CPU builds do not
             isinf = (x == float("inf")) | (x == float("-inf"))
             vnan += isnan.to(tl.int32)
             vinf += isinf.to(tl.int32)
-            ok = inside & (x == x)
+            ok = inside & (x == x) & ~isinf  # the finite values only (tensordiff/stats.py)
             vmin = tl.minimum(vmin, tl.where(ok, x, float("inf")))
             vmax = tl.maximum(vmax, tl.where(ok, x, float("-inf")))
-            vsum += x
-            vsq += x * x
+            xf = tl.where(ok, x, 0.0)
+            vsum += xf
+            vsq += xf * xf
         mn = tl.min(vmin, axis=0)
         mx = tl.max(vmax, axis=0)
         nan = tl.sum(vnan, axis=0)
@@ -130,7 +131,14 @@ def reduce_stats_eager(t: torch.Tensor) -> torch.Tensor:
         acc = torch.float64
         if not x.is_floating_point():
             x = x.to(torch.float64)
-    mn, mx = torch.aminmax(x)
+    fin = torch.isfinite(x)
+    nan, inf = torch.isnan(x).sum(), torch.isinf(x).sum()
+    if x.is_floating_point():  # the finite values only (tensordiff/stats.py); one more pass in this fallback path
+        mn = torch.where(fin, x, torch.tensor(math.inf, dtype=x.dtype, device=x.device)).amin()
+        mx = torch.where(fin, x, torch.tensor(-math.inf, dtype=x.dtype, device=x.device)).amax()
+        x = torch.where(fin, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    else:
+        mn, mx = torch.aminmax(x)
     if x.device.type == "cpu":
         # torch's CPU norm and dot accumulate in one long run (5e-5 off at 3M values); its sum is a cascade (3e-8)
         xf = x.reshape(-1).to(acc)
@@ -139,46 +147,25 @@ def reduce_stats_eager(t: torch.Tensor) -> torch.Tensor:
     else:
         total = x.sum(dtype=acc)
         l2 = torch.linalg.vector_norm(x, dtype=acc)
-    if x.device.type == "cpu" and math.isfinite(float(mn)) and math.isfinite(float(mx)):
-        zero = torch.zeros((), dtype=torch.float64)
-        nan = inf = zero
-    else:
-        nan = torch.isnan(x).sum()
-        inf = torch.isinf(x).sum()
     return torch.stack([v.to(torch.float64) for v in (mn, mx, total, l2, nan, inf)])
 
 
 def cpu_stats(t: torch.Tensor) -> tuple[float, float, float, float, float, float]:
-    """[min, max, sum, l2, nan, inf] of a CPU tensor, computed now with numpy (float64 accumulation)."""
+    """[min, max, sum, l2, nan, inf] of a CPU tensor, computed now by ``tensordiff.stats.host_stats`` (the rule every
+    adapter follows: min, max, sum and l2 over the finite values; float64 accumulation)."""
     x = t.detach()
     if x.is_complex():
         x = torch.view_as_real(x)
     if x.is_floating_point() and x.dtype not in (torch.float32, torch.float64):  # BF16, FP16, FP8: exact in FP32
         x = x.to(torch.float32)
-    a = x.numpy().reshape(-1)
-    n = a.size
-    if n == 0:
-        return (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    if a.dtype.kind in "biu":
-        a = a.astype(np.float64)
-    mn, mx = float(np.minimum.reduce(a)), float(np.maximum.reduce(a))
-    nan = inf = 0.0
-    if not (math.isfinite(mn) and math.isfinite(mx)):
-        nan, inf = float(np.count_nonzero(np.isnan(a))), float(np.count_nonzero(np.isinf(a)))
-        if nan:
-            return (math.nan, math.nan, math.nan, math.nan, nan, inf)
-    if n <= CPU_CHUNK:
-        d = a.astype(np.float64)  # a copy of our own: squared in place
-        total = float(d.sum())
-        return (mn, mx, total, math.sqrt(float(np.multiply(d, d, out=d).sum())), nan, inf)
-    buf = np.empty(CPU_CHUNK, dtype=np.float64)
-    total = squares = 0.0
-    for start in range(0, n, CPU_CHUNK):  # no numpy.dot: no BLAS threads next to the training run's own
-        b = buf[: min(CPU_CHUNK, n - start)]
-        b[...] = a[start:start + CPU_CHUNK]
-        total += float(b.sum())
-        squares += float(np.multiply(b, b, out=b).sum())
-    return (mn, mx, total, math.sqrt(squares), nan, inf)
+    return host_stats(x.numpy())
+
+
+def _no_finite(values: list[float]) -> list[float]:
+    """A device row of a tensor with no finite value: min and max 0, as the host rule has them."""
+    if not math.isfinite(values[0]) or not math.isfinite(values[1]):
+        values[0] = values[1] = 0.0
+    return values
 
 
 class StatsCollector:
@@ -244,7 +231,7 @@ class StatsCollector:
         for indices in eager.values():
             host = torch.stack([handles[i] for i in indices]).cpu().numpy()
             for i, values in zip(indices, host):
-                out[i] = values.tolist()
+                out[i] = _no_finite(values.tolist())
         if self._used:
             rows = {}
             for device, used in self._used.items():
@@ -253,9 +240,6 @@ class StatsCollector:
                 rows[device] = torch.cat(chunks).cpu().numpy()
             for i, h in enumerate(handles):
                 if isinstance(h, tuple) and len(h) == 2:
-                    values = rows[h[0]][h[1]].tolist()
-                    if values[4] > 0:  # NaN propagates, as in a float64 reduction
-                        values[0] = values[1] = values[2] = values[3] = math.nan
-                    out[i] = values
+                    out[i] = _no_finite(rows[h[0]][h[1]].tolist())
         self._used = {}
         return out

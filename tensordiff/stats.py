@@ -1,0 +1,56 @@
+"""The one rule for a record's statistics, and the host function every framework adapter uses (numpy only).
+
+A record stores ``[min, max, sum, l2, nan, inf]`` of its tensor (the index keeps ``mean = sum / numel``):
+
+* ``nan`` and ``inf`` count the NaN and the infinite elements, exactly;
+* ``min``, ``max``, ``sum`` and ``l2`` are taken over the **finite** elements only (all 0 when there is none).
+
+So two tensors with the same finite values and NaN/Inf in the same numbers write the same row, whichever framework
+or device wrote it (torch on the CPU, torch on CUDA with or without Triton, MindSpore), and a NaN never hides the
+rest of a tensor's statistics. Booleans and integers are counted as their float64 values; complex tensors as their
+(real, imaginary) pairs (the adapters view them so before calling). Accumulation is float64, in chunks (no BLAS).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+#: values per float64 chunk
+CHUNK = 1 << 16
+
+Row = tuple[float, float, float, float, float, float]
+
+
+def host_stats(x: np.ndarray) -> Row:
+    """``[min, max, sum, l2, nan, inf]`` of ``x`` by the rule above."""
+    a = np.asarray(x).reshape(-1)
+    if a.size == 0:
+        return (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    if a.dtype.kind == "c":
+        a = a.view(a.real.dtype) if a.flags.c_contiguous else np.stack([a.real, a.imag], -1).reshape(-1)
+    if a.dtype.kind in "biu":
+        a = a.astype(np.float64)
+    mn, mx = float(np.minimum.reduce(a)), float(np.maximum.reduce(a))
+    nan = inf = 0.0
+    if not (math.isfinite(mn) and math.isfinite(mx)):  # rare: count, then keep the finite values only
+        bad_nan, bad_inf = np.isnan(a), np.isinf(a)
+        nan, inf = float(np.count_nonzero(bad_nan)), float(np.count_nonzero(bad_inf))
+        a = a[~(bad_nan | bad_inf)]
+        if a.size == 0:
+            return (0.0, 0.0, 0.0, 0.0, nan, inf)
+        mn, mx = float(np.minimum.reduce(a)), float(np.maximum.reduce(a))
+    n = a.size
+    if n <= CHUNK:
+        d = a.astype(np.float64)  # a copy of our own: squared in place
+        total = float(d.sum())
+        return (mn, mx, total, math.sqrt(float(np.multiply(d, d, out=d).sum())), nan, inf)
+    buf = np.empty(CHUNK, dtype=np.float64)
+    total = squares = 0.0
+    for start in range(0, n, CHUNK):  # no numpy.dot: no BLAS threads next to the training run's own
+        b = buf[: min(CHUNK, n - start)]
+        b[...] = a[start:start + CHUNK]
+        total += float(b.sum())
+        squares += float(np.multiply(b, b, out=b).sum())
+    return (mn, mx, total, math.sqrt(squares), nan, inf)
