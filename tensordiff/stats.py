@@ -32,7 +32,8 @@ def host_stats(x: np.ndarray) -> Row:
         a = a.view(a.real.dtype) if a.flags.c_contiguous else np.stack([a.real, a.imag], -1).reshape(-1)
     if a.dtype.kind in "biu":
         a = a.astype(np.float64)
-    mn, mx = float(np.minimum.reduce(a)), float(np.maximum.reduce(a))
+    with np.errstate(invalid="ignore"):  # NaN: counted below
+        mn, mx = float(np.minimum.reduce(a)), float(np.maximum.reduce(a))
     nan = inf = 0.0
     if not (math.isfinite(mn) and math.isfinite(mx)):  # rare: count, then keep the finite values only
         bad_nan, bad_inf = np.isnan(a), np.isinf(a)

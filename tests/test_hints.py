@@ -181,15 +181,20 @@ def test_swiglu_halves_swapped(llama):
 
 
 def test_missing_bias_megatron_skip_bias_add_vs_hf(tmp_path):
-    """megatron-core's linear_proj returns its output without the bias (skip_bias_add), HF's c_proj adds it:
-    compared output to output (the built-in mapping does not), the hint names the bias."""
+    """megatron-core's linear_proj returns its output without the bias (skip_bias_add), HF's c_proj adds it: the
+    diff adds the bias megatron returns before comparing (the outputs agree, the returned bias is accounted 'bias';
+    the first divergence is the GELU variant after it).
+    A port that really leaves a bias out is found at that output, and the hint names the bias."""
     pytest.importorskip("transformers")
     import torch
     from safetensors.torch import load_file, save_file
 
+    import tensordiff
+    from examples.gpt.models import GPTSpec, build_hf_gpt2, hf_loss, make_batch
     from tensordiff.diff.align import RenameRules
 
-    init, ckpt, ref, hf = (str(tmp_path / n) for n in ("init.safetensors", "ckpt.safetensors", "ref.h5", "hf.h5"))
+    init, ckpt, ref, hf, port = (str(tmp_path / n) for n in ("init.safetensors", "ckpt.safetensors", "ref.h5", "hf.h5",
+                                                             "port.h5"))
     train.main(["--train-steps", "0", "--save-ckpt", init])
     state = load_file(init)
     g = torch.Generator().manual_seed(0)
@@ -199,14 +204,32 @@ def test_missing_bias_megatron_skip_bias_add_vs_hf(tmp_path):
     save_file(state, ckpt)
     train.main(["--load-ckpt", ckpt, "--capture", ref, "--train-steps", "1", "--capture-steps", "1"])
     train.main(["--framework", "hf", "--load-ckpt", ckpt, "--capture", hf, "--train-steps", "1", "--capture-steps", "1"])
-    with open(RenameRules.load("hf-gpt2-to-mcore").path) as fh:
-        text = fh.read()
-    rule = "    a: 'decoder.layers.\\1.self_attention.linear_proj'\n    kinds: [input, grad_input, param, grad]\n"
-    assert rule in text
-    mapping = RenameRules.from_text(text.replace(rule, "    a: 'decoder.layers.\\1.self_attention.linear_proj'\n"),
-                                "outputs.yaml", {"heads": "4"})
+    mapping = RenameRules.load("hf-gpt2-to-mcore", {"heads": "4"})
     result = diff(ref, hf, DiffOptions(mapping=mapping))
+    # what is left is the GELU: HF GPT-2's gelu_new (tanh) against megatron's erf, after linear_proj
+    assert result.first.module_a == "decoder.layers.0.mlp.linear_fc2" and _top(result).cause == "activation"
+    proj = [r for r in result.rows if r.pair.a is not None and r.pair.a.module == "decoder.layers.0.self_attention.linear_proj"
+            and r.step == 0 and r.phase == "forward"]
+    assert {(r.pair.a.slot, r.verdict, r.accounted.rule if r.accounted else None) for r in proj} >= {
+        ("0", "ok", None), ("1", "unmatched", "bias")}
+
+    spec = GPTSpec()
+    model = build_hf_gpt2(spec, load_file(ckpt))
+    c_proj = model.transformer.h[0].attn.c_proj
+
+    def without_bias(x: torch.Tensor) -> torch.Tensor:  # a port that forgets this layer's bias
+        return (x.reshape(-1, x.size(-1)) @ c_proj.weight).reshape(*x.shape[:-1], -1)
+
+    c_proj.forward = without_bias
+    opt = train.optimizer_for(model, "none", 1e-3)
+    with tensordiff.capture(model, port, steps=1, optimizer=opt) as cap:
+        tokens, labels, _ = make_batch(spec, seed=0)
+        loss = hf_loss(model, tokens, labels)
+        loss.backward()
+        opt.step()
+        cap.step(loss)
+    result = diff(ref, port, DiffOptions(mapping=mapping))
     assert (result.first.module_a, result.first.kind) == ("decoder.layers.0.self_attention.linear_proj", "output")
     top = _top(result)
     assert top.cause == "missing-bias" and top.explained > 0.99
-    assert "B adds the bias of decoder.layers.0.self_attention.linear_proj" in top.title
+    assert "B leaves out the bias of decoder.layers.0.self_attention.linear_proj" in top.title

@@ -71,7 +71,10 @@ class DiffReport:
                 yield Text(f"  - {reason}", style="tensordiff.unmatched")
         else:
             skipped = any(c.not_recorded_a or c.not_recorded_b for c in res.coverage.values())
+            accounted = any(c.accounted_a or c.accounted_b for c in res.coverage.values())
             yield Text("No divergence: every record of both runs was compared, or ignored on purpose by the mapping"
+                       + (", or accounted for by a rule of structure and value (the 'accounted' lines)"
+                          if accounted else "")
                        + (", or is of a kind the other side never records (graph mode: gradients of cell inputs)"
                           if skipped else "")
                        + ", and every pair is within its tolerance.", style="tensordiff.ok")
@@ -377,18 +380,22 @@ def _rule_counts(rows: list[Row]) -> dict[str, int]:
     return counts
 
 
+#: layer numbers in module names ('decoder.layers.3.mlp' -> 'decoder.layers.N.mlp'), not slots or counts
+_FOLD = re.compile(r"(?<=[A-Za-z_])\.\d+(?=\.[A-Za-z_]|\s|$)")
+
+
 def _accounted_lines(rows: list[Row]) -> list[str]:
     """One line per (side, rule, reason with layer numbers folded): what was accounted for and why."""
     groups: dict[tuple[str, str, str], list[Row]] = {}
     for row in rows:
         assert row.accounted is not None
         side = "A" if row.pair.a is not None else "B"
-        why = re.sub(r"\.\d+(?=\.|\s|$|\))", ".N", row.accounted.why)
+        why = _FOLD.sub(".N", row.accounted.why)
         groups.setdefault((side, row.accounted.rule, why), []).append(row)
     out = []
     for (side, rule, why), items in groups.items():
-        names = sorted({re.sub(r"\.\d+(?=\.|$)", ".N", (r.pair.a or r.pair.b).label)  # type: ignore[union-attr]
-                        for r in items})
+        names = sorted({f"{_FOLD.sub('.N', module_label(rec.module))} {rec.tensor_label}"
+                        for r in items for rec in [r.pair.a or r.pair.b] if rec is not None})
         shown = ", ".join(names[:3]) + (f" (+{len(names) - 3})" if len(names) > 3 else "")
         out.append(f"    {side}: {plural(len(items), 'record', 'records')} accounted ({rule}): {shown}: {why}")
     return out

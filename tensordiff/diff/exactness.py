@@ -1,0 +1,114 @@
+"""Same-stack exactness: on one framework, version, device and dtype, a bitwise reproducible program computes
+bitwise identical outputs from bitwise identical inputs, so a difference introduced there is the code's, whatever
+its size.
+
+Tolerances exist for differences that arithmetic makes (another kernel, another reduction order, another
+framework). When both captures come from the same stack and the program is bitwise reproducible, a module whose
+inputs and weights are bitwise identical on both sides and whose output is not computes something else: a GELU
+tanh approximation in one layer of a BF16 model changes the loss by 2e-5, inside any BF16 tolerance, and is still
+the one place the code differs. Such a pair is a divergence ("exact").
+
+Reproducible means measured (a ``tensordiff noise`` file whose every record is 0) or seen in the captures: the
+first compared pairs of the phase, in execution order, are bitwise identical. Forward passes are judged from the
+captures; backward passes on the CPU too, and on an accelerator only with the noise file (atomic adds make some
+backward kernels non-deterministic). ``--no-exact`` turns the rule off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..record import Record, is_inside
+from .result import COMPARED, Row
+
+#: The attributes that must be equal for two captures to be one stack.
+STACK_KEYS = ("framework", "framework_version", "megatron_core_version", "transformers_version", "mindformers_version",
+              "device")
+#: Bitwise identical pairs, first in a phase, that show a program reproducible.
+EVIDENCE = 3
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Whether two captures are one stack, and in which phases exactness holds (with why)."""
+
+    phases: frozenset[str]
+    why: str
+
+
+def same_stack(attrs_a: dict, attrs_b: dict, dtype_a: str, dtype_b: str) -> str:
+    """A sentence naming the shared stack, or '' when the captures differ in framework, version, device or dtype."""
+    if "device" not in attrs_a or "device" not in attrs_b or dtype_a != dtype_b or not dtype_a:
+        return ""
+    if any(str(attrs_a.get(k, "")) != str(attrs_b.get(k, "")) for k in STACK_KEYS):
+        return ""
+    return f"{attrs_a.get('framework')} {attrs_a.get('framework_version')} on {attrs_a.get('device')}, {dtype_a}"
+
+
+def _bitwise(row: Row) -> bool:
+    m = row.metrics
+    return m is not None and m.source == "tensor" and m.max_abs == 0 and m.nonfinite_mismatch == 0
+
+
+def reproducible(rows: list[Row], stack: str, device: str, zero_noise: bool) -> Stack | None:
+    """The phases in which this pair's program shows itself bitwise reproducible, or None."""
+    if not stack:
+        return None
+    if zero_noise:
+        return Stack(frozenset({"forward", "backward"}), f"{stack}; a noise file measured reruns bitwise equal")
+    phases = set()
+    for phase in ("forward", "backward"):
+        if phase == "backward" and device != "cpu":
+            continue
+        first = [r for r in rows if r.step == rows[0].step and r.phase == phase and r.verdict in COMPARED
+                 and r.metrics is not None and r.metrics.source == "tensor" and r.pair.a is not None
+                 and r.pair.a.l2 > 0][:EVIDENCE]
+        if len(first) == EVIDENCE and all(_bitwise(r) for r in first):
+            phases.add(phase)
+    if not phases:
+        return None
+    return Stack(frozenset(phases), f"{stack}; the first {EVIDENCE} pairs of {' and '.join(sorted(phases))} are "
+                                    "bitwise identical")
+
+
+def apply_exactness(rows: list[Row], stack: Stack, records_a: dict[int, list[Record]]) -> int:
+    """Mark 'diverged' every pair within tolerance whose module call had bitwise identical inputs (and weights)
+    on both sides but not a bitwise identical output (or input gradient). Returns how many were marked."""
+    marked = 0
+    for step, recs in records_a.items():
+        step_rows = [r for r in rows if r.step == step]
+        by_tensor: dict[int, Row] = {}
+        for r in step_rows:
+            a = r.pair.a
+            if a is not None and r.verdict in COMPARED:
+                by_tensor.setdefault(a.same_as if a.same_as >= 0 else a.seq, r)
+        weights = {}
+        for r in step_rows:
+            if r.phase == "weights" and r.pair.a is not None:
+                weights.setdefault(r.pair.a.module, []).append(r)
+        calls: dict[tuple[str, int], dict[str, list[Record]]] = {}
+        for rec in recs:
+            calls.setdefault((rec.module, rec.call), {}).setdefault(rec.kind, []).append(rec)
+        for r in step_rows:
+            a = r.pair.a
+            if (a is None or r.verdict != "ok" or r.phase not in stack.phases or r.metrics is None
+                    or r.metrics.source != "tensor" or _bitwise(r)):
+                continue
+            if (r.phase, a.kind) not in (("forward", "output"), ("backward", "grad_input")):
+                continue
+            call = calls.get((a.module, a.call), {})
+            inputs = call.get("input", []) + (call.get("grad_output", []) if r.phase == "backward" else [])
+            if not inputs:
+                continue
+            rows_in = [by_tensor.get(x.same_as if x.same_as >= 0 else x.seq) for x in inputs]
+            if any(x is None or not _bitwise(x) for x in rows_in):
+                continue
+            params = [w for m, ws in weights.items() if m == a.module or is_inside(m, a.module) for w in ws]
+            if any(not _bitwise(w) for w in params):
+                continue
+            r.verdict = "diverged"
+            r.note = ((r.note + "; ") if r.note else "") + (
+                f"exact: its inputs{' and weights' if params else ''} are bitwise identical on both sides and the "
+                f"program is bitwise reproducible ({stack.why}): a difference of any size here is the code's")
+            marked += 1
+    return marked
