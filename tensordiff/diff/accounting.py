@@ -58,13 +58,19 @@ def _sig(rec: Record) -> tuple:
     return rec.dtype, rec.shape, rec.min, rec.max, rec.mean, rec.l2, rec.nan, rec.inf
 
 
+def _value_sig(rec: Record) -> tuple:
+    """What two records holding the same values in any shape (a tensor and its flattened view) share."""
+    return rec.dtype, rec.numel, rec.min, rec.max, rec.mean, rec.l2, rec.nan, rec.inf
+
+
 def _equal(x: np.ndarray | None, y: np.ndarray | None) -> bool | None:
-    """Whether two stored tensors hold the same values (None: one was not stored)."""
+    """Whether two stored tensors hold the same values in the same order, whatever their shapes (a view, a
+    reshape, a copy); None: one was not stored."""
     if x is None or y is None:
         return None
-    if x.shape != y.shape or x.dtype != y.dtype:
+    if x.size != y.size or x.dtype != y.dtype:
         return False
-    return bool(np.array_equal(x, y, equal_nan=x.dtype.kind in "fc"))
+    return bool(np.array_equal(x.reshape(-1), y.reshape(-1), equal_nan=x.dtype.kind in "fc"))
 
 
 # ---------------------------------------------------------------------------------------------------- masks
@@ -201,6 +207,9 @@ class _Side:
                 self.ok_modules.setdefault(rec.module, set()).add(rec.phase)
                 if row.verdict != "ok":
                     self.bad_modules.add(rec.module)
+        in_rows = {rec.seq for row in rows for rec in self.of(row)}
+        #: tensors the mapping ignores on purpose (in no row): a copy of one carries the same information
+        self.ignored = {_tensor(r) for r in records if r.seq not in in_rows}
         self.param_modules = {r.module for r in records if r.phase == "weights"}
         self.modules = {r.module for r in records if r.phase == "forward"}
         self._arrays: dict[int, np.ndarray | None] = {}
@@ -237,7 +246,7 @@ def _equal_values(side: _Side, rec: Record, candidates: Iterable[Record]) -> Rec
         if cand.seq == rec.seq:
             continue
         same = _equal(side.array(rec), side.array(cand))
-        if same or (same is None and not rec.has_data and not cand.has_data):
+        if same or (same is None and not rec.has_data and not cand.has_data and cand.shape == rec.shape):
             return cand
     return None
 
@@ -315,7 +324,7 @@ def _by_value(side: _Side, lone: list[Row], findings: list[str]) -> None:
     by_sig: dict[tuple, list[Record]] = {}
     for rec in side.records:
         if rec.same_as < 0:
-            by_sig.setdefault(_sig(rec), []).append(rec)
+            by_sig.setdefault(_value_sig(rec), []).append(rec)
     changed = True
     while changed:
         changed = False
@@ -330,7 +339,15 @@ def _by_value(side: _Side, lone: list[Row], findings: list[str]) -> None:
                 row.accounted = Accounted("pass-through", f"{module_label(rec.module)} ({rec.module_class or '?'}) "
                                           f"returns its input unchanged; {through.label} was compared")
             else:
-                twin = _equal_values(side, rec, [c for c in by_sig.get(_sig(rec), ()) if _tensor(c) in side.compared])
+                cands = by_sig.get(_value_sig(rec), ())
+                twin = _equal_values(side, rec, [c for c in cands if _tensor(c) in side.compared])
+                ignored = None if twin is not None else _equal_values(
+                    side, rec, [c for c in cands if _tensor(c) in side.ignored])
+                if ignored is not None:
+                    row.accounted = Accounted("same-tensor", f"the same values as {ignored.label}, which the mapping "
+                                              "ignores on purpose")
+                    changed = True
+                    continue
                 if twin is None:
                     if through is None and "dropout" in rec.module_class.lower() and rec.kind == "output":
                         finding = (f"{side.name}'s {module_label(rec.module)} ({rec.module_class}) changes its input: "
