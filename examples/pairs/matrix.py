@@ -40,6 +40,9 @@ class Case:
     b: Side
     sample: bool = False
     """part of the fixed sample CI runs."""
+    bitwise: bool = False
+    """the two sides compute bit for bit the same (one stack, the same arithmetic written another way): a fault
+    below every tolerance is then found by same-stack exactness ('eps-tiny')."""
 
     @property
     def fault(self) -> str:
@@ -48,16 +51,18 @@ class Case:
 
 #: Where each fault must be found, in A's names, by A's family: (phase, module prefix).
 _WHERE = {
-    "mcore": {"norm-eps": ("forward", "decoder.layers.1.pre_mlp_layernorm"), "act": ("forward", "decoder.layers.1.mlp"),
+    "mcore": {"norm-eps": ("forward", "decoder.layers.1.pre_mlp_layernorm"),
+              "eps-tiny": ("forward", "decoder.layers.1.pre_mlp_layernorm"), "act": ("forward", "decoder.layers.1.mlp"),
               "rope-base": ("forward", "decoder.layers.0.self_attention", "rotary_pos_emb"),
               "dropout": ("forward", "decoder.layers.0.self_attention"),
               "weight": ("weights", "decoder.layers.0.self_attention.linear_qkv")},
-    "plain": {"norm-eps": ("forward", "transformer.h.1.ln_2"), "act": ("forward", "transformer.h.1.mlp"),
+    "plain": {"norm-eps": ("forward", "transformer.h.1.ln_2"), "eps-tiny": ("forward", "transformer.h.1.ln_2"), "act": ("forward", "transformer.h.1.mlp"),
               "rope-base": ("forward", "transformer.h.0.attn"), "dropout": ("forward", "transformer.h.0.attn"),
               "weight": ("weights", "transformer.h.0.attn.c_attn")},
-    "hf-gpt2": {"norm-eps": ("forward", "transformer.h.1.ln_2"), "act": ("forward", "transformer.h.1.mlp"),
+    "hf-gpt2": {"norm-eps": ("forward", "transformer.h.1.ln_2"), "eps-tiny": ("forward", "transformer.h.1.ln_2"), "act": ("forward", "transformer.h.1.mlp"),
                 "dropout": ("forward", "transformer.h.0.attn"), "weight": ("weights", "transformer.h.0.attn.c_attn")},
-    "hf": {"norm-eps": ("forward", "model.layers.1.post_attention_layernorm"), "act": ("forward", "model.layers.1.mlp"),
+    "hf": {"norm-eps": ("forward", "model.layers.1.post_attention_layernorm"),
+           "eps-tiny": ("forward", "model.layers.1.post_attention_layernorm"), "act": ("forward", "model.layers.1.mlp"),
            "rope-base": ("forward", "model.layers.0.self_attn", "model.rotary_emb"), "dropout": ("forward", "model.layers.0.self_attn"),
            "weight": ("weights", "model.layers.0.self_attn.q_proj")},
 }
@@ -91,8 +96,11 @@ def clean_pairs() -> list[Case]:
         Case("mcore-vs-hf-gpt2-sdpa-untied", replace(GPT2, tied=False), mc, Side("hf-gpt2")),
         Case("plain-sdpa-vs-manual-dropout", Arch(norm="LayerNorm", act="gelu", pos="learned", bias="all"),
              Side("plain"), Side("plain", S(attn="eager", dropout_modules=True)), sample=True),
-        Case("plain-rope-gqa-kw-vs-pos-mask", LLAMA, Side("plain"), Side("plain", S(call="pos", mask="passed", attn="eager"))),
-        Case("mcore-pos-vs-kw", LLAMA, Side("mcore", S(call="pos")), mc),
+        Case("plain-rope-gqa-kw-vs-pos-mask", LLAMA, Side("plain"), Side("plain", S(call="pos", mask="passed")),
+             bitwise=True),
+        Case("plain-sdpa-vs-manual-dropout-rope", LLAMA, Side("plain", S(attn="eager", dropout_modules=True)),
+             Side("plain")),
+        Case("mcore-pos-vs-kw", LLAMA, Side("mcore", S(call="pos")), mc, sample=True, bitwise=True),
         Case("hf-llama-sdpa-vs-eager", LLAMA, Side("hf-llama"), Side("hf-llama", S(attn="eager", mask="passed"))),
         Case("hf-gpt2-eager-vs-sdpa", GPT2, Side("hf-gpt2", S(attn="eager")), Side("hf-gpt2")),
     ]
@@ -101,13 +109,15 @@ def clean_pairs() -> list[Case]:
 def fault_cases(pairs: list[Case]) -> list[Case]:
     out = []
     for case in pairs:
-        for fault in ("norm-eps", "act", "rope-base", "dropout", "weight"):
+        for fault in ("norm-eps", "act", "rope-base", "dropout", "weight", "eps-tiny"):
             if fault == "rope-base" and case.arch.pos != "rope":
                 continue
+            if fault == "eps-tiny" and not case.bitwise:
+                continue  # a difference below every tolerance: found by same-stack exactness only
             if fault not in (_WHERE.get(case.a.family) or _WHERE["hf"]):
                 continue
             out.append(Case(f"{case.name}+{fault}", case.arch, case.a, replace(case.b, fault=fault),
-                            sample=case.sample and fault in ("norm-eps", "dropout")))
+                            sample=case.sample and fault in ("norm-eps", "dropout", "eps-tiny"), bitwise=case.bitwise))
     return out
 
 

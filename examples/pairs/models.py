@@ -378,6 +378,7 @@ def build_plain(arch: Arch, style: Style, sd: dict[str, Tensor]) -> GPT:
 #: fault -> what it changes (on the side it is given to)
 FAULTS = {
     "norm-eps": "layer 1's second norm uses epsilon 1e-2",
+    "eps-tiny": "layer 1's second norm epsilon 1% larger: below every tolerance (same-stack exactness finds it)",
     "act": "layer 1's MLP activation is another function (tanh GELU for GELU, GELU for SiLU)",
     "rope-base": "RoPE base 500000 instead of 10000 in every layer",
     "dropout": "an active dropout (p=0.1) in layer 0's attention",
@@ -397,12 +398,12 @@ def apply_fault(model: Any, family: str, fault: str, arch: Arch) -> None:
     if not fault:
         return
     layers = _layers(model, family)
-    if fault == "norm-eps":
+    if fault in ("norm-eps", "eps-tiny"):
         norm = {"mcore": "pre_mlp_layernorm", "hf-gpt2": "ln_2", "plain": "ln_2"}.get(family, "post_attention_layernorm")
         mod = getattr(layers[1], norm)
         for attr in ("eps", "variance_epsilon"):
             if hasattr(mod, attr):
-                setattr(mod, attr, 1e-2)
+                setattr(mod, attr, 1e-2 if fault == "norm-eps" else getattr(mod, attr) * 1.01)
     elif fault == "act":
         other: Any = (lambda x: F.gelu(x, approximate="tanh")) if arch.act == "gelu" else F.gelu
         if family == "mcore":  # megatron's gated MLP calls its config's activation: layer 1 gets its own config

@@ -106,6 +106,16 @@ def _distributed_attrs(model: torch.nn.Module) -> dict[str, Any]:
     return out
 
 
+def _device(model: torch.nn.Module) -> str:
+    """Where the model computes: 'cpu', or the accelerator and its name ('cuda NVIDIA H200')."""
+    for p in model.parameters():
+        if p.device.type == "cuda":
+            return f"cuda {torch.cuda.get_device_name(p.device)}"
+        if p.device.type not in ("cpu", "meta"):
+            return p.device.type
+    return "cpu"
+
+
 class TorchCapture(Recorder):
     """Records the first ``options.steps`` training steps of ``model``. Use via :func:`tensordiff.capture`."""
 
@@ -119,7 +129,7 @@ class TorchCapture(Recorder):
             rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
         assert options.path is not None
         path = rank_path(options.path, rank, world)
-        attrs = base_attrs("torch", torch.__version__, options, rank=rank, world_size=world,
+        attrs = base_attrs("torch", torch.__version__, options, rank=rank, world_size=world, device=_device(model),
                            model_class=type(model).__name__, model_config=model_config_attr(model),
                            **_distributed_attrs(model), **(meta or {}))
         params = []

@@ -42,6 +42,9 @@ def add_parsers(sub: Any) -> None:
     d.add_argument("--noise-factor", type=float, default=3.0, help="allowed multiple of the measured noise (default 3)")
     d.add_argument("--jump", type=float, default=3.0, help="error growth that counts as introduced (default 3x)")
     d.add_argument("--no-order", action="store_true", help="do not match leftovers by execution order and shape")
+    d.add_argument("--no-exact", action="store_true",
+                   help="judge same-stack pairs by tolerance only (default: on one bitwise reproducible stack, a "
+                        "difference of any size where a module's inputs are bitwise identical is a divergence)")
     d.add_argument("--no-hints", action="store_true", help="do not test likely causes at the first divergence")
     d.add_argument("--phase", action="append", choices=PHASES, help="show only this phase (repeatable)")
     d.add_argument("--step", type=int, action="append", help="compare only this step (repeatable)")
@@ -68,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     options = DiffOptions(mapping=mapping, tolerances=tolerances, order_fallback=not args.no_order, jump=args.jump,
                           steps=args.step, reference=args.reference, reference_mapping=reference_mapping,
                           reference_factor=args.reference_factor,
-                          auto_mapping=not args.no_auto_mapping, jobs=args.jobs)
+                          auto_mapping=not args.no_auto_mapping, jobs=args.jobs, exact=not args.no_exact)
     result = diagnose(args.a, args.b, options, hints=not args.no_hints)
     report = DiffReport(result, max_rows=args.max_rows, phases=args.phase, first_only=args.first_divergence)
     console(args).print(report)

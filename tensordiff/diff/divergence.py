@@ -558,6 +558,11 @@ def _make(row: Row, st: _Step, prev: _Step | None, incoming: tuple[float, list[R
         head = (f"Step {a.step}, {a.phase}: B's {b.label} is {err:.3g} (relative L2) away from the reference, more than "
                 f"the limit {row.tol:.3g} set by A's own {row.ref_a:.3g} (A's {a.label}), while what came in was "
                 f"{came_in:.3g} away. ")
+    elif row.exact:
+        head = (f"Step {a.step}, {a.phase}: {a.label} differs from B's {b.label} by relative L2 {err:.3g}, within the "
+                f"tolerance {row.tol:.3g} for {row.judged or a.dtype}, but both runs are one bitwise reproducible stack "
+                "and everything that came in (its inputs and weights) is bitwise identical: a difference of any size "
+                "here is a difference in the code (same-stack exactness; --no-exact turns it off). ")
     else:
         head = (f"Step {a.step}, {a.phase}: {a.label} differs from B's {b.label} "
                 f"(relative L2 {err:.3g} > tolerance {row.tol:.3g} for {row.judged or a.dtype}) "

@@ -23,6 +23,7 @@ from .align import Pair, align_step
 from .autoselect import pick_mapping
 from .coverage import coverage, judge_outcome, mark_uncertain, not_recorded
 from .divergence import find_first_divergence
+from .exactness import apply_exactness, reproducible, same_stack
 from .judge import Measured, compare_pair, compute_dtype, measure_pair, tensor_key
 from .nonfinite import describe, first_nonfinite
 from .reference import judge_against_reference
@@ -81,6 +82,14 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
             )
         records_a = {step: ca.records(step) for step in common}
         records_b = {step: cb.records(step) for step in common}
+        exact_note = ""
+        if options.exact and not options.reference:
+            stack = same_stack(ca.attrs, cb.attrs, compute_dtype(ca, common[0]), compute_dtype(cb, common[0]))
+            noise = options.tolerances.noise
+            shown = reproducible(rows, stack, bool(noise) and all(v == 0 for v in noise.values()))
+            if shown is not None:
+                exact_note = shown.why
+                apply_exactness(rows, shown, records_a, records_b)
         if options.reference:
             judge_against_reference(rows, ca, cb, common, options)
         mark_uncertain(rows)
@@ -98,7 +107,7 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
                                   if isinstance(cap, MergedCapture) for step in common for line in cap.inconsistencies(step)],
             interrupted=[f"{side} step {step}: {why}" for side, cap in (("A", ca), ("B", cb)) for step in common
                          for why in [cap.step_attrs(step).get("interrupted")] if why],
-            findings=findings, nonfinite={side: describe(first_nonfinite(cap)) for side, cap in (("A", ca), ("B", cb))},
+            findings=findings, exact=exact_note, nonfinite={side: describe(first_nonfinite(cap)) for side, cap in (("A", ca), ("B", cb))},
         )
         result.outcome, result.reasons = judge_outcome(result)
         return result

@@ -8,10 +8,15 @@ inputs and weights are bitwise identical on both sides and whose output is not c
 tanh approximation in one layer of a BF16 model changes the loss by 2e-5, inside any BF16 tolerance, and is still
 the one place the code differs. Such a pair is a divergence ("exact").
 
+It applies where both captures saw the same steps inside the module (the same code, as far as a capture can
+see); where one side runs other recorded steps there (SDPA against explicit softmax and dropout modules), the
+two are different implementations and tolerances judge them.
+
 Reproducible means measured (a ``tensordiff noise`` file whose every record is 0) or seen in the captures: the
-first compared pairs of the phase, in execution order, are bitwise identical. Forward passes are judged from the
-captures; backward passes on the CPU too, and on an accelerator only with the noise file (atomic adds make some
-backward kernels non-deterministic). ``--no-exact`` turns the rule off.
+first compared pairs of the forward pass, in execution order, are bitwise identical. The rule judges forward
+outputs only: a module's output is a function of its inputs and weights, while the gradient a capture records for
+a module's input is the whole gradient of that tensor, which other consumers of it (a residual branch) add to.
+``--no-exact`` turns the rule off.
 """
 
 from __future__ import annotations
@@ -50,16 +55,14 @@ def _bitwise(row: Row) -> bool:
     return m is not None and m.source == "tensor" and m.max_abs == 0 and m.nonfinite_mismatch == 0
 
 
-def reproducible(rows: list[Row], stack: str, device: str, zero_noise: bool) -> Stack | None:
+def reproducible(rows: list[Row], stack: str, zero_noise: bool) -> Stack | None:
     """The phases in which this pair's program shows itself bitwise reproducible, or None."""
     if not stack:
         return None
     if zero_noise:
-        return Stack(frozenset({"forward", "backward"}), f"{stack}; a noise file measured reruns bitwise equal")
+        return Stack(frozenset({"forward"}), f"{stack}; a noise file measured reruns bitwise equal")
     phases = set()
-    for phase in ("forward", "backward"):
-        if phase == "backward" and device != "cpu":
-            continue
+    for phase in ("forward",):
         first = [r for r in rows if r.step == rows[0].step and r.phase == phase and r.verdict in COMPARED
                  and r.metrics is not None and r.metrics.source == "tensor" and r.pair.a is not None
                  and r.pair.a.l2 > 0][:EVIDENCE]
@@ -71,11 +74,25 @@ def reproducible(rows: list[Row], stack: str, device: str, zero_noise: bool) -> 
                                     "bitwise identical")
 
 
-def apply_exactness(rows: list[Row], stack: Stack, records_a: dict[int, list[Record]]) -> int:
-    """Mark 'diverged' every pair within tolerance whose module call had bitwise identical inputs (and weights)
-    on both sides but not a bitwise identical output (or input gradient). Returns how many were marked."""
+def _inside(records: list[Record], module: str) -> list[tuple]:
+    """What a capture saw of ``module`` in the forward pass: its own inputs and outputs and everything inside it, as
+    (name below it, kind, slot, shape), sorted (an extra output, HF eager attention's probabilities, is another
+    implementation as much as an extra module inside)."""
+    cut = len(module) + 1 if module else 0
+    return sorted((r.module[cut:] if r.module != module else "", r.kind, r.slot, r.shape) for r in records
+                  if r.phase == "forward" and (r.module == module or is_inside(r.module, module)))
+
+
+def apply_exactness(rows: list[Row], stack: Stack, records_a: dict[int, list[Record]],
+                    records_b: dict[int, list[Record]]) -> int:
+    """Mark 'diverged' every forward output within tolerance whose module call had bitwise identical inputs (and
+    weights) on both sides but not a bitwise identical output, where both sides saw the same steps
+    inside the module (the same code, as far as a capture can see: where one side runs other recorded steps in
+    it, SDPA against explicit softmax and dropout, it is another implementation and tolerances judge it).
+    Returns how many were marked."""
     marked = 0
     for step, recs in records_a.items():
+        recs_b = records_b.get(step, [])
         step_rows = [r for r in rows if r.step == step]
         by_tensor: dict[int, Row] = {}
         for r in step_rows:
@@ -94,10 +111,10 @@ def apply_exactness(rows: list[Row], stack: Stack, records_a: dict[int, list[Rec
             if (a is None or r.verdict != "ok" or r.phase not in stack.phases or r.metrics is None
                     or r.metrics.source != "tensor" or _bitwise(r)):
                 continue
-            if (r.phase, a.kind) not in (("forward", "output"), ("backward", "grad_input")):
+            if (r.phase, a.kind) != ("forward", "output"):
                 continue
             call = calls.get((a.module, a.call), {})
-            inputs = call.get("input", []) + (call.get("grad_output", []) if r.phase == "backward" else [])
+            inputs = call.get("input", [])
             if not inputs:
                 continue
             rows_in = [by_tensor.get(x.same_as if x.same_as >= 0 else x.seq) for x in inputs]
@@ -106,7 +123,11 @@ def apply_exactness(rows: list[Row], stack: Stack, records_a: dict[int, list[Rec
             params = [w for m, ws in weights.items() if m == a.module or is_inside(m, a.module) for w in ws]
             if any(not _bitwise(w) for w in params):
                 continue
+            b = r.pair.b
+            if b is None or _inside(recs, a.module) != _inside(recs_b, b.module):
+                continue
             r.verdict = "diverged"
+            r.exact = True
             r.note = ((r.note + "; ") if r.note else "") + (
                 f"exact: its inputs{' and weights' if params else ''} are bitwise identical on both sides and the "
                 f"program is bitwise reproducible ({stack.why}): a difference of any size here is the code's")

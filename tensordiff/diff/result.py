@@ -50,6 +50,9 @@ class DiffOptions:
     """Rename rules from R's names to A's (default: R is lined up with A by name)."""
     reference_factor: float = 3.0
     """Three-way: B is off when its error against R exceeds this many times A's own error against R."""
+    exact: bool = True
+    """Same-stack exactness (``diff.exactness``): on one bitwise reproducible stack, a difference of any size where a
+    module's inputs are bitwise identical is a divergence (``--no-exact`` turns it off)."""
     auto_mapping: bool = True
     """Without ``mapping``, pick the built-in mapping that fits the two captures (``--no-auto-mapping`` turns it off)."""
     jobs: int | None = None
@@ -101,6 +104,9 @@ class Row:
     """An unmatched record whose tensor was compared under another record of its side (set by ``coverage``)."""
     not_recorded: bool = False
     """An unmatched record of a kind the other side never records (its ``not_recorded``; set by ``coverage``)."""
+    exact: bool = False
+    """Within tolerance, but diverged by same-stack exactness (``diff.exactness``): bitwise identical inputs on one
+    bitwise reproducible stack, and an output that is not."""
     accounted: Accounted | None = None
     """An unmatched record accounted for by a rule of structure and value (``diff.accounting``): why."""
 
@@ -187,6 +193,8 @@ class DiffResult:
     interrupted: list[str] = field(default_factory=list)
     nonfinite: dict[str, str | None] = field(default_factory=dict)
     """Per side ('A', 'B'): the first record holding a NaN or an Inf, in execution order (None: none)."""
+    exact: str = ""
+    """Same-stack exactness held (``diff.exactness``): the stack and the evidence, in words ('' when it did not)."""
     findings: list[str] = field(default_factory=list)
     """Differences seen outside the pairs (an active dropout on one side): never passed over."""
     """Compared steps that a run's exception cut short: 'B step 0: RuntimeError: ...'."""
