@@ -105,6 +105,32 @@ def test_rank_files_of_any_layout_merge_on_read_and_agree_with_the_single_device
     assert report["summary"]["shape_mismatch"] == 0 and report["summary"]["ok"] > 300
 
 
+@pytest.fixture(scope="module")
+def bias_runs(tmp_path_factory):
+    """The same model with biases on every linear (megatron returns them apart, skip_bias_add: the bias shard of a
+    ColumnParallelLinear on each TP rank) and learned absolute positions (a torch Embedding, batch first)."""
+    folder = tmp_path_factory.mktemp("bias")
+    arch = ("--bias", "--pos", "learned")
+    return {"ref": _torchrun(folder, "ref", 1, *arch),
+            "tp2": _torchrun(folder, "tp2", 2, "--tp", "2", *arch).replace(".h5", ".rank*.h5"),
+            "sp2": _torchrun(folder, "sp2", 2, "--tp", "2", "--sp", *arch).replace(".h5", ".rank*.h5"),
+            "dp2": _torchrun(folder, "dp2", 2, "--dp", "2", *arch).replace(".h5", ".rank*.h5"),
+            "pp2": _torchrun(folder, "pp2", 2, "--pp", "2", *arch).replace(".h5", ".rank*.h5")}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "sp2", "dp2", "pp2"])
+def test_biases_and_learned_positions_merge_from_sharding_facts_and_agree(bias_runs, layout, tmp_path):
+    """The returned bias is sharded as its parameter is (a fact of the rank files' parameter splits), never
+    cross-checked as a replicated copy; position embeddings [B, S, H] are merged along the batch."""
+    code, report = _diff(bias_runs, layout, tmp_path)
+    assert code == 0 and report["outcome"] == "agree", report["inconclusive_reasons"]
+    assert report["rank_inconsistencies"] == [] and report["summary"]["shape_mismatch"] == 0
+    fc1_bias = [r for r in report["rows"] if r["step"] == 0 and r["a"] == "decoder.layers.0.mlp.linear_fc1 output.1"]
+    assert [r["verdict"] for r in fc1_bias] == ["ok"]  # both sides return it apart: compared, shards joined
+    pos = [r for r in report["rows"] if r["step"] == 0 and r["a"] == "embedding.position_embeddings output.0"]
+    assert [r["verdict"] for r in pos] == ["ok"]
+
+
 def test_one_rank_file_against_another_layout_names_the_missing_ranks(runs, capsys):
     from tensordiff.cli import main
 

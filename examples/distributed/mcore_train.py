@@ -39,6 +39,10 @@ from tensordiff.compat.megatron_cpu import enable, sequence_parallel_torch_norms
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, GROUPS, SEQ = 128, 64, 128, 2, 4, 2, 16
 
 
+#: --bias: biases on every linear (megatron returns them apart, skip_bias_add); --pos learned: absolute positions
+ARCH = {"bias": False, "pos": "rope"}
+
+
 def build(tp: int, seed: int, sp: bool = False, pp: int = 1):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -48,7 +52,7 @@ def build(tp: int, seed: int, sp: bool = False, pp: int = 1):
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS, num_query_groups=GROUPS,
         use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
-        init_method_std=0.05, normalization="RMSNorm", layernorm_epsilon=1e-6, add_bias_linear=False,
+        init_method_std=0.05, normalization="RMSNorm", layernorm_epsilon=1e-6, add_bias_linear=ARCH["bias"],
         gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=False, tensor_model_parallel_size=tp,
         sequence_parallel=sp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32 if pp > 1 else None,
     )
@@ -58,7 +62,7 @@ def build(tp: int, seed: int, sp: bool = False, pp: int = 1):
     with sequence_parallel_torch_norms():  # the local spec's torch norms refuse SP otherwise (CPU: no fused norms)
         return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
                         vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
-                        position_embedding_type="rope", **stage)
+                        position_embedding_type="rope" if ARCH["pos"] == "rope" else "learned_absolute", **stage)
 
 
 def full_weights(seed: int) -> dict[str, torch.Tensor]:
@@ -71,6 +75,8 @@ def full_weights(seed: int) -> dict[str, torch.Tensor]:
         return torch.randn(*shape, generator=g) * 0.05
 
     w["embedding.word_embeddings.weight"] = rnd(VOCAB, HIDDEN)
+    if ARCH["pos"] == "learned":
+        w["embedding.position_embeddings.weight"] = rnd(SEQ, HIDDEN)
     for i in range(LAYERS):
         p = f"decoder.layers.{i}."
         w[p + "input_layernorm.weight"] = torch.ones(HIDDEN)
@@ -79,6 +85,11 @@ def full_weights(seed: int) -> dict[str, torch.Tensor]:
         w[p + "pre_mlp_layernorm.weight"] = torch.ones(HIDDEN)
         w[p + "mlp.linear_fc1.weight"] = rnd(2 * FFN, HIDDEN)
         w[p + "mlp.linear_fc2.weight"] = rnd(HIDDEN, FFN)
+        if ARCH["bias"]:
+            for name, size in (("self_attention.linear_qkv", (HEADS + 2 * GROUPS) * hd),
+                               ("self_attention.linear_proj", HIDDEN), ("mlp.linear_fc1", 2 * FFN),
+                               ("mlp.linear_fc2", HIDDEN)):
+                w[p + name + ".bias"] = rnd(size)
     w["decoder.final_layernorm.weight"] = torch.ones(HIDDEN)
     w["output_layer.weight"] = rnd(VOCAB, HIDDEN)
     return w
@@ -287,10 +298,13 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--capture", help="capture file (one per rank: .rankN added)")
     p.add_argument("--fault", choices=sorted(FAULTS), default="none")
+    p.add_argument("--bias", action="store_true", help="biases on every linear layer (add_bias_linear)")
+    p.add_argument("--pos", choices=("rope", "learned"), default="rope", help="position embeddings")
     p.add_argument("--ddp", choices=("manual", "megatron", "torch"), default="manual",
                    help="data-parallel gradient reduction: by hand (manual), megatron-core's DistributedDataParallel "
                         "or torch's DistributedDataParallel over megatron's DP group")
     args = p.parse_args()
+    ARCH.update(bias=args.bias, pos=args.pos)
     if args.ddp != "manual" and args.pp > 1:
         raise SystemExit("--ddp megatron | torch: not with --pp (the pipeline path reduces by hand)")
     if args.fault.startswith("pp-") and args.pp == 1:

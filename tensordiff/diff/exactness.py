@@ -21,6 +21,7 @@ a module's input is the whole gradient of that tensor, which other consumers of 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from ..record import Record, is_inside
@@ -47,7 +48,20 @@ def same_stack(attrs_a: dict, attrs_b: dict, dtype_a: str, dtype_b: str) -> str:
         return ""
     if any(str(attrs_a.get(k, "")) != str(attrs_b.get(k, "")) for k in STACK_KEYS):
         return ""
+    if _layout(attrs_a) != _layout(attrs_b):
+        return ""  # another parallel layout is other arithmetic (partial sums all-reduced, shards joined)
     return f"{attrs_a.get('framework')} {attrs_a.get('framework_version')} on {attrs_a.get('device')}, {dtype_a}"
+
+
+def _layout(attrs: dict) -> tuple:
+    """The parallel layout a capture was made with (merged rank files included), without the rank."""
+    try:
+        value = json.loads(str(attrs.get("parallel", "") or "{}"))
+    except ValueError:
+        value = {}
+    if not isinstance(value, dict):
+        value = {}
+    return ("merged_from" in attrs, tuple(sorted((k, str(v)) for k, v in value.items() if k != "rank")))
 
 
 def _bitwise(row: Row) -> bool:

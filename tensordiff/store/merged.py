@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from .._yaml import load_yaml
+from ..stats import host_stats
 from ..errors import CaptureFileError
 from ..mappings import split_tables
 from ..record import Record
@@ -113,6 +114,7 @@ class MergedCapture(CaptureFile):
     pp = 1  # pipeline stages: PipelineCapture (pipeline.py) joins more than one
 
     def __init__(self, paths: list[str], pattern: str = "", stage: int | None = None):
+        self._tokens_shape: tuple[int, int] | None = None  # the model's token ids [B, S] on one rank
         self.path = pattern or paths[0]
         self.paths = list(paths)
         self._stage = stage  # a pipeline stage's rank files (PipelineCapture joins the stages), or the whole run
@@ -349,9 +351,15 @@ class MergedCapture(CaptureFile):
         self._shards[step] = shards
         local_batch = _local_batch(base)
         local_tokens = _local_tokens(base)
+        held = _parameters_held(base)
+        ids = next((r for r in base if r.phase == "forward" and r.module == "" and r.kind == "input"
+                    and len(r.shape) == 2), None)
+        self._tokens_shape = (int(ids.shape[0]), int(ids.shape[1])) if ids is not None else None
         out = []
         for rec in base:
-            spec = self._spec(rec, local_batch, local_tokens)
+            param = held.get(rec.seq)
+            spec = self._spec(param, local_batch, local_tokens) if param is not None else \
+                self._spec(rec, local_batch, local_tokens)
             self._specs[(step, rec.seq)] = spec
             parts = [s[rec.key] for s in shards]
             out.append(self._local_grad(rec, parts, spec) if rec.kind == "grad_local" else
@@ -383,11 +391,9 @@ class MergedCapture(CaptureFile):
             pieces.append(_join_tp(xs, spec.tp_dim, spec.tp_stride) if spec.tp_dim is not None else
                           _sum(xs) if spec.tp_sum else xs[0])
         mean = np.mean(np.stack([p.astype(np.float64) for p in pieces]), axis=0)
-        finite = mean[np.isfinite(mean)]
-        return replace(rec, shape=tuple(shape), numel=int(mean.size), mean=float(mean.sum() / mean.size) if mean.size else 0.0,
-                       min=float(finite.min()) if finite.size else 0.0, max=float(finite.max()) if finite.size else 0.0,
-                       l2=float(np.sqrt(np.dot(finite.ravel(), finite.ravel()))), nan=int(np.isnan(mean).sum()),
-                       inf=int(np.isinf(mean).sum()), has_data=True)
+        mn, mx, total, l2, nan, inf = host_stats(mean)  # the one rule of tensordiff/stats.py
+        return replace(rec, shape=tuple(shape), numel=int(mean.size), mean=total / mean.size if mean.size else 0.0,
+                       min=mn, max=mx, l2=l2, nan=int(nan), inf=int(inf), has_data=True)
 
     def _spec(self, rec: Record, local_batch: int | None, local_tokens: int | None = None) -> _Spec:
         tp_dim: int | None = None
@@ -412,8 +418,16 @@ class MergedCapture(CaptureFile):
                     split = self._param_splits.get(f"{rec.module}.weight", {})
                     stride = int(split.get("stride", 1))
         swap01 = False
+        tokens = self._tokens_shape
+        # a record shaped like the model's token ids [B, S, ...] is batch first, whatever its class: megatron's own
+        # activations are [S, B, ...] (a torch Embedding looking up positions is not)
+        whole = tokens is not None and tokens[0] != tokens[1] and tuple(rec.shape[:2]) == tokens
+        if whole:
+            batch_first = True
         if tp_dim is None and self.sp:
             sp_rule = next((r for r in self._sp_rules if r.hits(rec)), None)
+            if sp_rule is not None and sp_rule.swap01 and whole:
+                sp_rule = None  # still [B, S, H] on every rank: not scattered here (the embedding adds positions first)
             if sp_rule is not None and sp_rule.tp_dim is not None:
                 tp_dim, swap01, batch_first = sp_rule.tp_dim, sp_rule.swap01, False  # [S/T, B, ...]
         dp_dim: int | None = None
@@ -432,6 +446,29 @@ class MergedCapture(CaptureFile):
             return _Spec(tp_dim=tp_dim, tp_stride=stride, dp_mean=True)  # a scalar per rank (a local mean loss)
         scale = 1.0 / self.dp if self.dp > 1 and rec.phase == "backward" and dp_dim is not None else 1.0
         return _Spec(tp_dim=tp_dim, tp_stride=stride, dp_dim=dp_dim, scale=scale, swap01=swap01)
+
+
+def _parameters_held(records: list[Record]) -> dict[int, Record]:
+    """Activations that hold a parameter of their module (or of one inside it) as it is, by value (shape and
+    statistics on this rank), and their gradients: seq -> the parameter. Such a record is sharded as that parameter
+    is: the bias megatron's ColumnParallelLinear returns apart (``skip_bias_add``) is its bias shard on each rank,
+    not a tensor replicated across TP."""
+    params: dict[tuple, list[Record]] = {}
+    for r in records:
+        if r.phase == "weights":
+            params.setdefault((r.shape, r.min, r.max, r.mean, r.l2), []).append(r)
+    out: dict[int, Record] = {}
+    for r in records:
+        if r.phase == "forward" and r.kind in ("input", "output") and r.same_as < 0 and r.numel > 1:
+            owner = next((p for p in params.get((r.shape, r.min, r.max, r.mean, r.l2), ())
+                          if p.module == r.module or p.module.startswith(r.module + ".") or r.module == ""), None)
+            if owner is not None:
+                out[r.seq] = owner
+        elif r.phase == "forward" and r.same_as in out:
+            out[r.seq] = out[r.same_as]
+        elif r.phase == "backward" and r.grad_of in out:
+            out[r.seq] = replace(out[r.grad_of], kind="grad_local")  # this rank's share, before any DP mean
+    return out
 
 
 def _same_stats(a: Record, b: Record, rtol: float = 1e-6) -> bool:
