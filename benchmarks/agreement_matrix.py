@@ -1,6 +1,6 @@
 """The agreement matrix, whole: every generated clean pair must agree, every injected fault be found at its place.
 
-    python benchmarks/agreement_matrix.py                      # all pairs and faults (~4 min on 2 cores)
+    python benchmarks/agreement_matrix.py                      # all pairs and faults (~10 min on 2 cores)
     python benchmarks/agreement_matrix.py --markdown out.md    # also the table for docs/agreement.md
 
 Pairs and faults come from ``examples/pairs/matrix.py`` (shared with ``tests/test_agreement_matrix.py``, which runs
@@ -29,7 +29,13 @@ def table(results: list[Outcome]) -> list[str]:
             faults.setdefault(r.case.split("+")[0], []).append(r)
     lines = ["| pair | clean | accounted for (rule: records) | faults found at their place (first divergence, top hint) |",
              "|---|---|---|---|"]
+    for name in [n for n in faults if n not in clean]:  # faults whose pair has no clean row of its own
+        clean[name] = None  # type: ignore[assignment]
     for name, r in clean.items():
+        if r is None:
+            fs = "; ".join(f"{'✓' if f.passed else '✗'} {f.fault}: {f.found or f.outcome}" for f in faults[name])
+            lines.append(f"| {name} | - | - | {fs} |")
+            continue
         acc = ", ".join(f"{rule} {n}" for rule, n in sorted(r.accounted.items())) or "-"
         fs = "; ".join(f"{'✓' if f.passed else '✗'} {f.fault}: {f.found or f.outcome}{' (' + f.hint + ')' if f.hint else ''}"
                        for f in faults.get(name, []))

@@ -40,12 +40,17 @@ class Case:
     b: Side
     sample: bool = False
     """part of the fixed sample CI runs."""
+    mindformers: tuple[str, str, bool] | None = None
+    """a megatron-core vs MindSpore/MindFormers pair, run end to end by examples/megatron_vs_mindformers/run.py:
+    (its --family, its --fault or 'none', GRAPH_MODE on the MindSpore side)."""
     bitwise: bool = False
     """the two sides compute bit for bit the same (one stack, the same arithmetic written another way): a fault
     below every tolerance is then found by same-stack exactness ('eps-tiny')."""
 
     @property
     def fault(self) -> str:
+        if self.mindformers is not None:
+            return "" if self.mindformers[1] == "none" else self.mindformers[1]
         return self.b.fault
 
 
@@ -68,8 +73,17 @@ _WHERE = {
 }
 
 
+#: megatron-core vs MindFormers faults (examples/megatron_vs_mindformers/mindspore_side.py): (phase, module)
+_WHERE_MF = {"split-with-size": ("backward", "decoder.layers.1.self_attention"),
+             "fc1-unconverted": ("weights", "decoder.layers.0.mlp.linear_fc1"),
+             "gelu-approx": ("forward", "decoder.layers.0.mlp"),
+             "ln-eps": ("forward", "decoder.layers.0.input_layernorm")}
+
+
 def expected(case: Case) -> tuple[str, ...]:
     """(phase, module prefixes the first divergence may be in)."""
+    if case.mindformers is not None:
+        return _WHERE_MF[case.fault]
     family = case.a.family
     table = _WHERE.get(family) or _WHERE["hf"]
     return table[case.fault]
@@ -121,9 +135,22 @@ def fault_cases(pairs: list[Case]) -> list[Case]:
     return out
 
 
+def mindformers_cases() -> list[Case]:
+    """megatron-core against MindFormers' parallel_core GPTModel (interleaved and stacked fc1), TrainingQwen3 (GQA,
+    qk-norm), the legacy Llama, and a hand-written MindSpore GPT-2 port, PyNative and GRAPH_MODE; their faults."""
+    mc = Side("mcore")
+    runs = [("llama", "none", False), ("llama-stacked", "none", False), ("qwen3", "none", False),
+            ("llama-legacy", "none", False), ("gpt2", "none", False), ("llama", "none", True),
+            ("llama-legacy", "none", True), ("llama", "split-with-size", False), ("llama", "fc1-unconverted", False),
+            ("qwen3", "fc1-unconverted", True), ("gpt2", "gelu-approx", False), ("gpt2", "ln-eps", False),
+            ("gpt2", "gelu-approx", True)]
+    return [Case(f"mcore-vs-mindformers-{fam}{'-graph' if graph else ''}" + ("" if fault == "none" else f"+{fault}"),
+                 Arch(), mc, Side("mindformers"), mindformers=(fam, fault, graph)) for fam, fault, graph in runs]
+
+
 def all_cases() -> list[Case]:
     pairs = clean_pairs()
-    return pairs + fault_cases(pairs)
+    return pairs + fault_cases(pairs) + mindformers_cases()
 
 
 # --------------------------------------------------------------------------------------------------- running
@@ -183,6 +210,8 @@ class Runner:
         return path
 
     def run(self, case: Case) -> Outcome:
+        if case.mindformers is not None:
+            return self._run_mindformers(case)
         a, b = self.capture(case.arch, case.a), self.capture(case.arch, case.b)
         report = os.path.join(self.out, f"r-{_key(case.name)}.json")
         proc = subprocess.run([sys.executable, "-m", "tensordiff", "diff", a, b, "--first-divergence", "--json",
@@ -196,9 +225,24 @@ class Runner:
             doc = json.load(fh)
         return judge(case, doc, proc.returncode)
 
+    def _run_mindformers(self, case: Case) -> Outcome:
+        assert case.mindformers is not None
+        family, fault, graph = case.mindformers
+        out = os.path.join(self.out, f"mf-{_key(case.name)}")
+        cmd = [sys.executable, os.path.join(ROOT, "examples", "megatron_vs_mindformers", "run.py"), "--family", family,
+               "--fault", fault, "--out", out] + (["--graph"] if graph else [])
+        proc = subprocess.run(cmd, env=self.env, cwd=self.out, capture_output=True, text=True, timeout=1800)
+        report = os.path.join(out, "report.json")
+        if not os.path.exists(report):
+            return Outcome(case.name, case.fault, proc.returncode, "error", False,
+                           reasons=[(proc.stdout + proc.stderr)[-800:]])
+        with open(report, encoding="utf-8") as fh:
+            return judge(case, json.load(fh), proc.returncode)
+
     def run_all(self, cases: list[Case], jobs: int = 2) -> list[Outcome]:
         # captures first, two at a time (each training process uses one thread), then the diffs
-        sides = list({_key(asdict(c.arch), s.as_dict()): (c.arch, s) for c in cases for s in (c.a, c.b)}.values())
+        sides = list({_key(asdict(c.arch), s.as_dict()): (c.arch, s) for c in cases for s in (c.a, c.b)
+                      if c.mindformers is None}.values())
         with ThreadPoolExecutor(jobs) as pool:
             list(pool.map(lambda item: self.capture(*item), sides))
         with ThreadPoolExecutor(jobs) as pool:
