@@ -61,14 +61,17 @@ _WHERE = {
               "rope-base": ("forward", "decoder.layers.0.self_attention", "rotary_pos_emb"),
               "dropout": ("forward", "decoder.layers.0.self_attention"),
               "weight": ("weights", "decoder.layers.0.self_attention.linear_qkv")},
-    "plain": {"norm-eps": ("forward", "transformer.h.1.ln_2"), "eps-tiny": ("forward", "transformer.h.1.ln_2"), "act": ("forward", "transformer.h.1.mlp"),
+    "plain": {"norm-eps": ("forward", "transformer.h.1.ln_2"), "eps-tiny": ("forward", "transformer.h.1.ln_2"),
+              "act": ("forward", "transformer.h.1.mlp"),
               "rope-base": ("forward", "transformer.h.0.attn"), "dropout": ("forward", "transformer.h.0.attn"),
               "weight": ("weights", "transformer.h.0.attn.c_attn")},
-    "hf-gpt2": {"norm-eps": ("forward", "transformer.h.1.ln_2"), "eps-tiny": ("forward", "transformer.h.1.ln_2"), "act": ("forward", "transformer.h.1.mlp"),
+    "hf-gpt2": {"norm-eps": ("forward", "transformer.h.1.ln_2"), "eps-tiny": ("forward", "transformer.h.1.ln_2"),
+                "act": ("forward", "transformer.h.1.mlp"),
                 "dropout": ("forward", "transformer.h.0.attn"), "weight": ("weights", "transformer.h.0.attn.c_attn")},
     "hf": {"norm-eps": ("forward", "model.layers.1.post_attention_layernorm"),
            "eps-tiny": ("forward", "model.layers.1.post_attention_layernorm"), "act": ("forward", "model.layers.1.mlp"),
-           "rope-base": ("forward", "model.layers.0.self_attn", "model.rotary_emb"), "dropout": ("forward", "model.layers.0.self_attn"),
+           "rope-base": ("forward", "model.layers.0.self_attn", "model.rotary_emb"),
+           "dropout": ("forward", "model.layers.0.self_attn"),
            "weight": ("weights", "model.layers.0.self_attn.q_proj")},
 }
 
@@ -101,7 +104,8 @@ def clean_pairs() -> list[Case]:
     mc = Side("mcore")
     return [
         Case("mcore-vs-hf-llama-gqa-sdpa", LLAMA, mc, Side("hf-llama"), sample=True),
-        Case("mcore-vs-hf-llama-mha-eager-mask", Arch(), Side("mcore", S(call="pos")), Side("hf-llama", S(attn="eager", mask="passed"))),
+        Case("mcore-vs-hf-llama-mha-eager-mask", Arch(), Side("mcore", S(call="pos")),
+             Side("hf-llama", S(attn="eager", mask="passed"))),
         Case("mcore-vs-hf-llama-mqa-tied-bias", Arch(groups=1, tied=True, bias="all"), mc, Side("hf-llama", S(attn="eager"))),
         Case("mcore-vs-hf-mistral-gqa-mask", LLAMA, mc, Side("hf-mistral", S(mask="passed"))),
         Case("mcore-vs-hf-qwen2-qkv-bias-eager", Arch(groups=2, bias="qkv"), mc, Side("hf-qwen2", S(attn="eager")), sample=True),

@@ -412,9 +412,7 @@ def apply_fault(model: Any, family: str, fault: str, arch: Arch) -> None:
             layers[1].mlp.config = copy.copy(layers[1].mlp.config)
             layers[1].mlp.config.activation_func = other
             layers[1].mlp.activation_func = other
-        elif family == "plain":
-            layers[1].mlp.act = _Fn(other)
-        elif family == "hf-gpt2":
+        elif family == "plain" or family == "hf-gpt2":
             layers[1].mlp.act = _Fn(other)
         else:
             layers[1].mlp.act_fn = _Fn(other)

@@ -131,7 +131,8 @@ class MindSporeCapture(Recorder):
         coords = parallel_layout()
         dist = {"parallel": json.dumps(coords, sort_keys=True)} if coords else {}
         attrs = base_attrs("mindspore", ms.__version__, options, rank=rank, world_size=world,
-                           device=str(ms.get_context("device_target")).lower(), model_class=type(cell).__name__, model_config=model_config_attr(cell), **dist,
+                           device=str(ms.get_context("device_target")).lower(), model_class=type(cell).__name__,
+                           model_config=model_config_attr(cell), **dist,
                            **(meta or {}))
         params = []
         self._param_ids: dict[int, tuple[str, str]] = {}

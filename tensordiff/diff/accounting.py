@@ -136,7 +136,7 @@ def as_mask(x: np.ndarray | None) -> Mask | None:
             return None
     elif x.dtype.kind == "f":
         finite = x[np.isfinite(x)]
-        if np.isnan(x).any() or (x > 0).any() and not set(np.unique(x).tolist()) <= {0.0, 1.0}:
+        if np.isnan(x).any() or ((x > 0).any() and not set(np.unique(x).tolist()) <= {0.0, 1.0}):
             return None
         values = np.unique(x)
         if set(values.tolist()) <= {0.0, 1.0} and 1.0 in values and x.ndim > 2:
@@ -211,6 +211,9 @@ class _Side:
         #: tensors the mapping ignores on purpose (in no row): a copy of one carries the same information
         self.ignored = {_tensor(r) for r in records if r.seq not in in_rows}
         self.param_modules = {r.module for r in records if r.phase == "weights"}
+        self.calls: dict[tuple[str, int], list[Record]] = {}
+        for r in records:
+            self.calls.setdefault((r.module, r.call), []).append(r)
         self.modules = {r.module for r in records if r.phase == "forward"}
         self._arrays: dict[int, np.ndarray | None] = {}
 
@@ -234,10 +237,6 @@ class _Side:
             return True
         prefix = module + "."
         return any(m.startswith(prefix) and _NUMBERED.search(m[len(prefix):]) for m in self.modules)
-
-
-def _same_call(a: Record, b: Record) -> bool:
-    return a.module == b.module and a.call == b.call
 
 
 def _equal_values(side: _Side, rec: Record, candidates: Iterable[Record]) -> Record | None:
@@ -291,7 +290,7 @@ def _masks_by_meaning(rows: list[Row]) -> None:
         key = (a.key, b.key)
         if row.metrics is not None and row.metrics.source == "tensor" and row.note.startswith("masks compared by meaning"):
             then.setdefault(key, (_sig(a), _sig(b), row))
-        elif (row.verdict == "shape" or row.metrics is not None and row.metrics.source == "stats") and key in then:
+        elif (row.verdict == "shape" or (row.metrics is not None and row.metrics.source == "stats")) and key in then:
             sig_a, sig_b, first = then[key]
             if (sig_a, sig_b) == (_sig(a), _sig(b)):
                 row.metrics, row.verdict = first.metrics, first.verdict
@@ -369,7 +368,7 @@ def _pass_through(side: _Side, rec: Record) -> Record | None:
     other = pairs.get(rec.kind)
     if other is None:
         return None
-    cands = [r for r in side.records if r.kind == other and _same_call(r, rec) and r.shape == rec.shape
+    cands = [r for r in side.calls.get((rec.module, rec.call), ()) if r.kind == other and r.shape == rec.shape
              and r.dtype == rec.dtype]
     return _equal_values(side, rec, cands)
 

@@ -155,6 +155,12 @@ def _input_only_partners(rows: list[Row]) -> tuple[set, set]:
             {seq for seq, t in links_b.items() if t in only_b} | only_b)
 
 
+#: Parameter gradients missing on one side: how to record them.
+_PARAM_GRAD_FIX = ("; to record B's parameter gradients pass its optimizer to the capture: "
+                   "tensordiff.capture(model, path, optimizer=opt) (MindSpore: the optimizer the train step calls; "
+                   "--auto finds torch optimizers itself)")
+
+
 def judge_outcome(result: DiffResult) -> tuple[Outcome, list[str]]:
     """'diverged' when a first divergence was named; else 'agree' or 'inconclusive' with every reason."""
     if result.first is not None:
@@ -172,7 +178,11 @@ def judge_outcome(result: DiffResult) -> tuple[Outcome, list[str]]:
             reasons.append(f"{phase}: {cov.uncertain} pair(s) matched by order only differ (see the 'uncertain' rows)")
         if cov.recorded_a and not cov.compared:
             reasons.append(f"{phase}: A recorded {cov.recorded_a} record(s), B {cov.recorded_b}, and no pair was compared"
-                           + ("" if cov.recorded_b else " (B did not record this phase)"))
+                           + ("" if cov.recorded_b else " (B did not record this phase)")
+                           + (_PARAM_GRAD_FIX if phase == "param_grad" and not cov.recorded_b else ""))
+        elif cov.recorded_b and not cov.recorded_a and phase == "param_grad":
+            reasons.append(f"{phase}: B recorded {cov.recorded_b} record(s), A none (A did not record this phase)"
+                           + _PARAM_GRAD_FIX.replace("B's", "A's"))
     if result.rank_inconsistencies:
         n = len(result.rank_inconsistencies)
         reasons.append(f"{n} record(s) that must be identical on every rank holding them differ across the rank files "

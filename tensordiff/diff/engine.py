@@ -107,7 +107,8 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
                                   if isinstance(cap, MergedCapture) for step in common for line in cap.inconsistencies(step)],
             interrupted=[f"{side} step {step}: {why}" for side, cap in (("A", ca), ("B", cb)) for step in common
                          for why in [cap.step_attrs(step).get("interrupted")] if why],
-            findings=findings, exact=exact_note, nonfinite={side: describe(first_nonfinite(cap)) for side, cap in (("A", ca), ("B", cb))},
+            findings=findings, exact=exact_note,
+            nonfinite={side: describe(first_nonfinite(cap)) for side, cap in (("A", ca), ("B", cb))},
         )
         result.outcome, result.reasons = judge_outcome(result)
         return result

@@ -113,7 +113,7 @@ def apply_exactness(rows: list[Row], stack: Stack, records_a: dict[int, list[Rec
             a = r.pair.a
             if a is not None and r.verdict in COMPARED:
                 by_tensor.setdefault(a.same_as if a.same_as >= 0 else a.seq, r)
-        weights = {}
+        weights: dict[str, list[Row]] = {}
         for r in step_rows:
             if r.phase == "weights" and r.pair.a is not None:
                 weights.setdefault(r.pair.a.module, []).append(r)

@@ -163,7 +163,8 @@ class PhaseCoverage:
                 "compared_a": self.compared_a, "compared_b": self.compared_b, "linked_a": self.linked_a,
                 "linked_b": self.linked_b,
                 "share_a": round(self.share_a, 6), "share_b": round(self.share_b, 6), "only_a": self.only_a,
-                "only_b": self.only_b, "accounted_a": self.accounted_a, "accounted_b": self.accounted_b, "shape": self.shape, "stats_only": self.stats_only, "uncertain": self.uncertain}
+                "only_b": self.only_b, "accounted_a": self.accounted_a, "accounted_b": self.accounted_b,
+                "shape": self.shape, "stats_only": self.stats_only, "uncertain": self.uncertain}
 
 
 @dataclass

@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 
 from .._yaml import load_yaml
-from ..stats import host_stats
 from ..errors import CaptureFileError
 from ..mappings import split_tables
 from ..record import Record
+from ..stats import host_stats
 from .fanout import prefetch
 from .format import ROW_FIELDS, shape_text
 from .reader import CaptureFile

@@ -175,3 +175,12 @@ def test_position_ids_on_one_side_only_are_accounted_when_they_are_the_default(t
     res = run(tmp_path, layer() + [T("forward", "", "input", "position_ids", positions[:, ::-1].copy(),
                                      module_class="Net")], layer())
     assert res.exit_code == 3
+
+
+def test_parameter_gradients_one_side_did_not_record_name_the_fix(tmp_path):
+    """A MindSpore capture without ``optimizer=`` has no parameter gradients: inconclusive, with the one-line fix."""
+    b = [t for t in layer() if t.phase != "param_grad"]
+    res = run(tmp_path, layer(), b)
+    assert res.exit_code == 3
+    assert any(r.startswith("param_grad: A recorded 1 record(s), B 0") and "pass its optimizer to the capture" in r
+               for r in res.reasons), res.reasons
