@@ -278,8 +278,8 @@ def _trial(prop: Proposal) -> None:
     for row in prop.trial.rows:
         if row.verdict in ("shape", "skipped") and row.pair.a is not None:
             prop.not_compared.append(f"{row.pair.a.label} vs B's {row.pair.b.label if row.pair.b else '?'}: {row.note}")
-        if row.verdict != "unmatched" or row.linked:
-            continue
+        if row.verdict != "unmatched" or row.linked or row.accounted is not None:
+            continue  # compared under another name, or accounted for by a rule: nothing for the user to ignore
         rec = row.pair.a or row.pair.b
         assert rec is not None
         side = prop.left_a if row.pair.a is not None else prop.left_b

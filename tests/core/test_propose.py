@@ -109,7 +109,8 @@ def test_parameters_match_by_value_and_joins_transposes_and_layer_numbers_are_fo
     assert "  - b: 'model\\.h\\.(\\d+)'    # holds the images of its submodules" in text
     assert "    slots: {'0': 'hidden_states'}" in text and "    slots: {'hidden_states': '0'}" in text
     assert "'swap01'" in text
-    assert "#   - 'model\\.h\\.(\\d+)\\.mlp\\.act'" in text           # A runs it as code: left to the user
+    # A runs the activation as code: the diff accounts for B's module (inside its layer), so nothing is left to ignore
+    assert "mlp\\.act" not in text and "ignore_b" not in text
 
 
 def test_the_proposal_agrees_as_written_with_the_activation_accounted_inside_its_layer(pair, tmp_path):
