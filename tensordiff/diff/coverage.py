@@ -161,6 +161,11 @@ _PARAM_GRAD_FIX = ("; to record B's parameter gradients pass its optimizer to th
                    "--auto finds torch optimizers itself)")
 
 
+#: The loss missing on one side: how to record it.
+_LOSS_FIX = ("; B computes its loss outside the model, where `tensordiff capture --auto` cannot see it: record it "
+             "with cap.step(loss) (tensordiff.capture), or return it from the model")
+
+
 def judge_outcome(result: DiffResult) -> tuple[Outcome, list[str]]:
     """'diverged' when a first divergence was named; else 'agree' or 'inconclusive' with every reason."""
     if result.first is not None:
@@ -179,7 +184,8 @@ def judge_outcome(result: DiffResult) -> tuple[Outcome, list[str]]:
         if cov.recorded_a and not cov.compared:
             reasons.append(f"{phase}: A recorded {cov.recorded_a} record(s), B {cov.recorded_b}, and no pair was compared"
                            + ("" if cov.recorded_b else " (B did not record this phase)")
-                           + (_PARAM_GRAD_FIX if phase == "param_grad" and not cov.recorded_b else ""))
+                           + (_PARAM_GRAD_FIX if phase == "param_grad" and not cov.recorded_b else "")
+                           + (_LOSS_FIX if phase == "loss" and not cov.recorded_b else ""))
         elif cov.recorded_b and not cov.recorded_a and phase == "param_grad":
             reasons.append(f"{phase}: B recorded {cov.recorded_b} record(s), A none (A did not record this phase)"
                            + _PARAM_GRAD_FIX.replace("B's", "A's"))

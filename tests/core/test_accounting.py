@@ -184,3 +184,10 @@ def test_parameter_gradients_one_side_did_not_record_name_the_fix(tmp_path):
     assert res.exit_code == 3
     assert any(r.startswith("param_grad: A recorded 1 record(s), B 0") and "pass its optimizer to the capture" in r
                for r in res.reasons), res.reasons
+
+
+def test_a_loss_only_one_side_recorded_names_the_fix(tmp_path):
+    a = layer() + [T("loss", "loss", "loss", "value", np.array(1.5, dtype=np.float32), module_class="Loss")]
+    res = run(tmp_path, a, layer())
+    assert res.exit_code == 3
+    assert any(r.startswith("loss: A recorded 1 record(s), B 0") and "cap.step(loss)" in r for r in res.reasons)
