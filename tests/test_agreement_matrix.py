@@ -36,7 +36,7 @@ def test_a_clean_pair_agrees_with_what_was_accounted_named(results, case):
     r = results[case.name]
     assert (r.exit_code, r.outcome) == (0, "agree"), r.unaccounted[:10] + r.reasons
     assert r.unaccounted == []
-    assert set(r.accounted) <= {"same-tensor", "pass-through", "mask", "positions", "labels", "inside", "bias"}
+    assert set(r.accounted) <= {"same-tensor", "pass-through", "mask", "positions", "labels", "rope", "inside", "bias"}
     if case.a.family != case.b.family or case.a.style.attn != case.b.style.attn:
         # code written by others records what the other side does not: each such record accounted by a named rule
         assert sum(r.accounted.values()) > 0

@@ -23,6 +23,8 @@ record it accounts. Rules, in the order they are tried:
     position ids present on one side only that are exactly 0..S-1 in every row (what the other side uses by default).
 ``labels``
     labels present on one side only that are the input ids shifted by one (the other side shifts inside its loss).
+``rope``
+    a RoPE angle table on one side whose cos and sin are the other side's cos/sin tables (to 1e-5).
 ``inside``
     a record of a parameter-free module (or an extra output) strictly inside a module both sides recorded and whose
     compared records agree (SDPA on one side, explicit softmax and dropout on the other). Never for a module with
@@ -266,9 +268,11 @@ def account(rows: list[Row], records: dict[str, dict[int, list[Record]]], read: 
             _returned_bias(sides[s], lone[s], step_rows)
             _by_value(sides[s], lone[s], findings)
         _masks(sides, lone)
+        _rope(sides, lone)
         for s in ("A", "B"):
             _inputs(sides[s], lone[s])
             _inside(sides[s], lone[s])
+            _links_of_accounted(sides[s], lone[s])
             for row in lone[s]:  # a statistics-only step: the same values as an earlier step's accounted record
                 rec = _rec(sides[s], row)
                 seen = earlier.get((s, rec.key))
@@ -404,6 +408,83 @@ def _masks(sides: dict[str, _Side], lone: dict[str, list[Row]]) -> None:
                 row.accounted = Accounted("mask", f"the causal mask [{shape}] ({mask.convention}); {other} passes none")
             elif mask.causal and any(m.causal for m in theirs):
                 row.accounted = Accounted("mask", f"the causal mask [{shape}] ({mask.convention}), as {other}'s")
+
+
+def _angles(x: np.ndarray | None) -> np.ndarray | None:
+    """``x`` as a RoPE angle table [S, D] (position times the inverse frequencies: row 0 zeros, row s = s * row 1),
+    or None."""
+    if x is None or x.dtype.kind != "f" or x.ndim < 2 or x.shape[-1] < 2 or x.size > (1 << 24):
+        return None
+    t = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    if t.shape[0] < 3 or not np.isfinite(t).all() or np.any(t[0]) or not np.any(t[1]):
+        return None
+    if not np.allclose(t, np.outer(np.arange(t.shape[0]), t[1]), rtol=1e-5, atol=1e-6):
+        return None
+    return t
+
+
+def _trig(x: np.ndarray | None, first: float) -> np.ndarray | None:
+    """``x`` as a cos (``first`` 1) or sin (``first`` 0) table [S, D], every leading slice alike, or None."""
+    if x is None or x.dtype.kind != "f" or x.ndim < 2 or x.size > (1 << 24):
+        return None
+    t = x.reshape(-1, *x.shape[-2:]).astype(np.float64)
+    if not np.isfinite(t).all() or np.abs(t).max() > 1 + 1e-6 or not np.allclose(t[:, 0], first, atol=1e-6):
+        return None
+    if any(not np.array_equal(t[0], u) for u in t[1:]):
+        return None
+    return t[0]
+
+
+def _rope(sides: dict[str, _Side], lone: dict[str, list[Row]]) -> None:
+    """A RoPE angle table on one side (megatron's rotary_pos_emb [S, 1, 1, D]) and cos/sin tables of one call on the
+    other (Hugging Face's rotary_emb [1, S, D] each): the same information when cos and sin of the angles are the
+    tables (to 1e-5). Tables that disagree stay unaccounted: a RoPE difference is never passed over."""
+    for s, other in (("A", "B"), ("B", "A")):
+        side, them = sides[s], sides[other]
+        tables: list[tuple[Row, Record, np.ndarray]] = []
+        for row in lone[s]:
+            rec = _rec(side, row)
+            if row.accounted is None and rec.phase == "forward" and rec.kind == "output" and rec.has_data:
+                angles_of = _angles(side.array(rec))
+                if angles_of is not None:
+                    tables.append((row, rec, angles_of))
+        if not tables:
+            continue
+        trig: dict[tuple[str, int], dict[str, tuple[Row, Record, np.ndarray]]] = {}
+        for row in lone[other]:
+            rec = _rec(them, row)
+            if row.accounted is not None or rec.phase != "forward" or rec.kind != "output" or not rec.has_data:
+                continue
+            for name, first in (("cos", 1.0), ("sin", 0.0)):
+                t = _trig(them.array(rec), first)
+                if t is not None:
+                    trig.setdefault((rec.module, rec.call), {}).setdefault(name, (row, rec, t))
+        for row, rec, angles in tables:
+            for found in trig.values():
+                if set(found) != {"cos", "sin"}:
+                    continue
+                (cos_row, cos_rec, cos), (sin_row, sin_rec, sin) = found["cos"], found["sin"]
+                if cos.shape != angles.shape or not (np.allclose(np.cos(angles), cos, atol=1e-5)
+                                                     and np.allclose(np.sin(angles), sin, atol=1e-5)):
+                    continue
+                shape = "x".join(map(str, rec.shape))
+                row.accounted = Accounted("rope", f"a RoPE angle table [{shape}]: cos and sin of it are {other}'s "
+                                          f"{cos_rec.label} and {sin_rec.label} (to 1e-5)")
+                for r, table, kind in ((cos_row, cos_rec, "cos"), (sin_row, sin_rec, "sin")):
+                    r.accounted = Accounted("rope", f"a RoPE {kind} table [{'x'.join(map(str, table.shape))}] of the "
+                                            f"angles in {s}'s {rec.label}")
+                break
+
+
+def _links_of_accounted(side: _Side, lone: list[Row]) -> None:
+    """Records holding a tensor accounted for under another name of their side (a table handed to every layer)."""
+    accounted = {_tensor(_rec(side, row)): row.accounted for row in lone if row.accounted is not None}
+    for row in lone:
+        rec = _rec(side, row)
+        if row.accounted is None and _tensor(rec) in accounted:
+            first = accounted[_tensor(rec)]
+            assert first is not None
+            row.accounted = Accounted(first.rule, f"the same tensor as a record accounted for above: {first.why}")
 
 
 def _inputs(side: _Side, lone: list[Row]) -> None:

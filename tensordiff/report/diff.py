@@ -383,7 +383,7 @@ def _rule_counts(rows: list[Row]) -> dict[str, int]:
 
 
 #: layer numbers in module names ('decoder.layers.3.mlp' -> 'decoder.layers.N.mlp'), not slots or counts
-_FOLD = re.compile(r"(?<=[A-Za-z_])\.\d+(?=\.[A-Za-z_]|\s|$)")
+_FOLD = re.compile(r"(?<=[A-Za-z_])\.\d+(?=\.[A-Za-z_]|\s(?:input|output|grad_input|grad_output|grad)\b|$)")
 
 
 def _accounted_lines(rows: list[Row]) -> list[str]:

@@ -191,3 +191,26 @@ def test_a_loss_only_one_side_recorded_names_the_fix(tmp_path):
     res = run(tmp_path, a, layer())
     assert res.exit_code == 3
     assert any(r.startswith("loss: A recorded 1 record(s), B 0") and "cap.step(loss)" in r for r in res.reasons)
+
+
+def _angles(base: float) -> np.ndarray:
+    inv = 1.0 / base ** (np.arange(0, 4, 2) / 4)
+    ang = np.outer(np.arange(S), inv)
+    return np.concatenate([ang, ang], -1).astype(np.float32)                      # [S, D], rotate-half layout
+
+
+def test_a_rope_angle_table_and_cos_sin_tables_are_compared_by_meaning(tmp_path):
+    """megatron's rotary_pos_emb returns the angles [S, 1, 1, D]; Hugging Face's rotary_emb cos and sin [1, S, D]."""
+    a = layer() + [T("forward", "rotary_pos_emb", "output", "0", _angles(1e4).reshape(S, 1, 1, 4),
+                     module_class="RotaryEmbedding")]
+
+    def tables(base):
+        return [T("forward", "model.rotary_emb", "output", "0", np.cos(_angles(base))[None], module_class="Rotary"),
+                T("forward", "model.rotary_emb", "output", "1", np.sin(_angles(base))[None], module_class="Rotary")]
+
+    res = run(tmp_path, a, layer() + tables(1e4))
+    assert res.outcome == "agree", res.reasons
+    assert accounted(res) == {"rotary_pos_emb output.0": "rope", "model.rotary_emb output.0": "rope",
+                              "model.rotary_emb output.1": "rope"}
+    res = run(tmp_path, a, layer() + tables(5e5))                                # another RoPE base: never accounted
+    assert res.exit_code == 3 and not accounted(res)
