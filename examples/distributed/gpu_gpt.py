@@ -326,7 +326,8 @@ def main() -> None:
                    help="megatron DDP's gradient buffer and all-reduce: grad_reduce_in_fp32 True (fp32) or False "
                         "(the parameters' dtype)")
     p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--eps-layer", type=int, help="this layer's pre-MLP RMSNorm epsilon 1e-3 instead of 1e-6 (a fault below the BF16 tolerance)")
+    p.add_argument("--eps-layer", type=int,
+                   help="this layer's pre-MLP RMSNorm epsilon 1e-3 instead of 1e-6 (a fault below the BF16 tolerance)")
     p.add_argument("--tensors", choices=("first", "all", "none"), default="first")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--lr", type=float, default=0.05)
