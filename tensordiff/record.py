@@ -50,6 +50,11 @@ class Record:
     parent: str = ""
 
     @property
+    def tensor_id(self) -> tuple[int, int]:
+        """(step, seq of the record that first held this tensor): a link (``same_as``) and its source are one tensor."""
+        return self.step, self.same_as if self.same_as >= 0 else self.seq
+
+    @property
     def key(self) -> tuple[str, str, int, str, str]:
         return (self.phase, self.module, self.call, self.kind, self.slot)
 

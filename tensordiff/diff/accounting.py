@@ -52,10 +52,6 @@ _NUMBERED = re.compile(r"(^|\.)\d+(\.|$)")
 Read = Callable[[Record], "np.ndarray | None"]
 
 
-def _tensor(rec: Record) -> tuple[int, int]:
-    return rec.step, rec.same_as if rec.same_as >= 0 else rec.seq
-
-
 def _sig(rec: Record) -> tuple:
     return rec.dtype, rec.shape, rec.min, rec.max, rec.mean, rec.l2, rec.nan, rec.inf
 
@@ -205,13 +201,13 @@ class _Side:
             if row.verdict not in COMPARED:
                 continue
             for rec in self.of(row):
-                self.compared.add(_tensor(rec))
+                self.compared.add(rec.tensor_id)
                 self.ok_modules.setdefault(rec.module, set()).add(rec.phase)
                 if row.verdict != "ok":
                     self.bad_modules.add(rec.module)
         in_rows = {rec.seq for row in rows for rec in self.of(row)}
         #: tensors the mapping ignores on purpose (in no row): a copy of one carries the same information
-        self.ignored = {_tensor(r) for r in records if r.seq not in in_rows}
+        self.ignored = {r.tensor_id for r in records if r.seq not in in_rows}
         self.param_modules = {r.module for r in records if r.phase == "weights"}
         self.calls: dict[tuple[str, int], list[Record]] = {}
         for r in records:
@@ -225,7 +221,7 @@ class _Side:
         return row.pair.b_records
 
     def array(self, rec: Record) -> np.ndarray | None:
-        key = _tensor(rec)[1]
+        key = rec.tensor_id[1]
         if key not in self._arrays:
             self._arrays[key] = self.read(rec) if rec.has_data else None
         return self._arrays[key]
@@ -311,15 +307,15 @@ def _returned_bias(side: _Side, lone: list[Row], rows: list[Row]) -> None:
     for row in rows:
         bias = row.pair.bias_a if side.name == "A" else row.pair.bias_b
         if bias is not None and row.verdict in COMPARED:
-            added[_tensor(bias)] = row
+            added[bias.tensor_id] = row
     for row in lone:
         rec = _rec(side, row)
-        if row.accounted is None and _tensor(rec) in added:
-            owner = added[_tensor(rec)]
+        if row.accounted is None and rec.tensor_id in added:
+            owner = added[rec.tensor_id]
             label = (owner.pair.a if side.name == "A" else owner.pair.b).label  # type: ignore[union-attr]
             row.accounted = Accounted("bias", f"the bias {module_label(rec.module)} returns for its caller to add "
                                       f"(skip_bias_add), added to {label} before it was compared")
-            side.compared.add(_tensor(rec))
+            side.compared.add(rec.tensor_id)
 
 
 def _by_value(side: _Side, lone: list[Row], findings: list[str]) -> None:
@@ -338,14 +334,14 @@ def _by_value(side: _Side, lone: list[Row], findings: list[str]) -> None:
             if rec.phase not in ("forward", "backward"):
                 continue
             through = _pass_through(side, rec)
-            if through is not None and _tensor(through) in side.compared:
+            if through is not None and through.tensor_id in side.compared:
                 row.accounted = Accounted("pass-through", f"{module_label(rec.module)} ({rec.module_class or '?'}) "
                                           f"returns its input unchanged; {through.label} was compared")
             else:
                 cands = by_sig.get(_value_sig(rec), ())
-                twin = _equal_values(side, rec, [c for c in cands if _tensor(c) in side.compared])
+                twin = _equal_values(side, rec, [c for c in cands if c.tensor_id in side.compared])
                 ignored = None if twin is not None else _equal_values(
-                    side, rec, [c for c in cands if _tensor(c) in side.ignored])
+                    side, rec, [c for c in cands if c.tensor_id in side.ignored])
                 if ignored is not None:
                     row.accounted = Accounted("same-tensor", f"the same values as {ignored.label}, which the mapping "
                                               "ignores on purpose")
@@ -359,7 +355,7 @@ def _by_value(side: _Side, lone: list[Row], findings: list[str]) -> None:
                             findings.append(finding)
                     continue
                 row.accounted = Accounted("same-tensor", f"the same values as {twin.label}, compared there")
-            side.compared.add(_tensor(rec))
+            side.compared.add(rec.tensor_id)
             changed = True
 
 
@@ -478,11 +474,11 @@ def _rope(sides: dict[str, _Side], lone: dict[str, list[Row]]) -> None:
 
 def _links_of_accounted(side: _Side, lone: list[Row]) -> None:
     """Records holding a tensor accounted for under another name of their side (a table handed to every layer)."""
-    accounted = {_tensor(_rec(side, row)): row.accounted for row in lone if row.accounted is not None}
+    accounted = {_rec(side, row).tensor_id: row.accounted for row in lone if row.accounted is not None}
     for row in lone:
         rec = _rec(side, row)
-        if row.accounted is None and _tensor(rec) in accounted:
-            first = accounted[_tensor(rec)]
+        if row.accounted is None and rec.tensor_id in accounted:
+            first = accounted[rec.tensor_id]
             assert first is not None
             row.accounted = Accounted(first.rule, f"the same tensor as a record accounted for above: {first.why}")
 
@@ -505,7 +501,7 @@ def _inputs(side: _Side, lone: list[Row]) -> None:
         for cand in ids:
             y = side.array(cand)
             if (cand.seq != rec.seq and y is not None and y.shape == x.shape and x.ndim == 2
-                    and _tensor(cand) in side.compared and np.array_equal(x[:, :-1], y[:, 1:])):
+                    and cand.tensor_id in side.compared and np.array_equal(x[:, :-1], y[:, 1:])):
                 row.accounted = Accounted("labels", f"next-token labels: {cand.label} shifted by one (the other side "
                                           "shifts inside its loss)")
                 break

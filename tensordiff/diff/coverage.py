@@ -48,11 +48,6 @@ def mark_uncertain(rows: list[Row]) -> None:
         row.note = evidence if not row.note else f"{row.note}; {evidence}"
 
 
-def _tensor(rec: Record) -> tuple[int, int]:
-    """(step, seq of the record that first held this tensor): a link and its source are one tensor."""
-    return rec.step, rec.same_as if rec.same_as >= 0 else rec.seq
-
-
 SKIPPABLE_KINDS = frozenset({"input", "grad_input"})
 
 
@@ -68,20 +63,35 @@ def not_recorded(attrs: dict) -> frozenset[str]:
     return frozenset(k.strip() for k in value.split(",")) & SKIPPABLE_KINDS
 
 
-def coverage(rows: list[Row], skip_a: frozenset[str] = frozenset(),
-             skip_b: frozenset[str] = frozenset()) -> dict[str, PhaseCoverage]:
-    """Per phase, in execution order: records on each side and how many were compared. A record with no
-    counterpart of its own counts as compared when its tensor was compared under another record of the same
-    side (a cell's output that is the next module's input: recorded twice, compared once). A's records of a kind
-    that B says it never records (``skip_b``: B's ``not_recorded``), and the reverse, are accounted for as such
-    (``not_recorded_a`` / ``_b``), named in the report, not left as "only in"."""
-    seen_a = {_tensor(r.pair.a) for r in rows if r.verdict in COMPARED and r.pair.a is not None}
-    seen_b = {_tensor(x) for r in rows if r.verdict in COMPARED for x in r.pair.b_records}
+def mark_unmatched(rows: list[Row], skip_a: frozenset[str] = frozenset(),
+                   skip_b: frozenset[str] = frozenset()) -> None:
+    """Mark the records with no counterpart that need none: ``Row.linked`` when the tensor was compared under another
+    record of the same side (a cell's output that is the next module's input: recorded twice, compared once);
+    ``Row.not_recorded`` for A's records of a kind B says it never records (``skip_b``: B's ``not_recorded``), and
+    the reverse. Runs before ``accounting.account``, which looks at the rest."""
+    seen_a = {r.pair.a.tensor_id for r in rows if r.verdict in COMPARED and r.pair.a is not None}
+    seen_b = {x.tensor_id for r in rows if r.verdict in COMPARED for x in r.pair.b_records}
     input_only_a, input_only_b = _input_only_partners(rows)
+    for row in rows:
+        if row.verdict != "unmatched":
+            continue
+        a, b = row.pair.a, row.pair.b
+        if (a is not None and a.tensor_id in seen_a) or (b is not None and b.tensor_id in seen_b):
+            row.linked = True
+        elif ((a is not None and (a.kind in skip_b or ("grad_input" in skip_b and _tensor_of(a) in input_only_a)))
+              or (b is not None and (b.kind in skip_a or ("grad_input" in skip_a and _tensor_of(b) in input_only_b)))):
+            row.not_recorded = True
+
+
+def coverage(rows: list[Row]) -> dict[str, PhaseCoverage]:
+    """Per phase, in execution order: records on each side and how many were compared. A record with no
+    counterpart of its own counts as compared when ``mark_unmatched`` linked it to a compared tensor of its side, or
+    when a rule accounted for it (``Row.accounted``); records of a kind the other side never records are counted as
+    such (``not_recorded_a`` / ``_b``), named in the report, not left as "only in"."""
     out = {phase: PhaseCoverage(phase) for phase in PHASES}
     for row in rows:
         cov = out[row.phase]
-        a, b = row.pair.a, row.pair.b
+        a = row.pair.a
         # a side's gradient standing in for the local gradient it did not record is counted in its own pair only
         own_a = a is not None and row.pair.stand_in != "a"
         own_b = len(row.pair.b_records) if row.pair.stand_in != "b" else 0
@@ -91,30 +101,17 @@ def coverage(rows: list[Row], skip_a: frozenset[str] = frozenset(),
             cov.compared_a += own_a
             cov.compared_b += own_b
         elif row.verdict == "unmatched":
-            if a is not None and _tensor(a) in seen_a:
-                cov.compared_a += 1
-                cov.linked_a += 1
-                row.linked = True
-            elif b is not None and _tensor(b) in seen_b:
-                cov.compared_b += 1
-                cov.linked_b += 1
-                row.linked = True
+            side = "a" if a is not None else "b"
+            if row.linked:
+                setattr(cov, f"compared_{side}", getattr(cov, f"compared_{side}") + 1)
+                setattr(cov, f"linked_{side}", getattr(cov, f"linked_{side}") + 1)
             elif row.accounted is not None:
-                if a is not None:
-                    cov.compared_a += 1
-                    cov.accounted_a += 1
-                else:
-                    cov.compared_b += 1
-                    cov.accounted_b += 1
-            elif a is not None and (a.kind in skip_b or ("grad_input" in skip_b and _tensor_of(a) in input_only_a)):
-                cov.not_recorded_a += 1
-                row.not_recorded = True
-            elif b is not None and (b.kind in skip_a or ("grad_input" in skip_a and _tensor_of(b) in input_only_b)):
-                cov.not_recorded_b += 1
-                row.not_recorded = True
+                setattr(cov, f"compared_{side}", getattr(cov, f"compared_{side}") + 1)
+                setattr(cov, f"accounted_{side}", getattr(cov, f"accounted_{side}") + 1)
+            elif row.not_recorded:
+                setattr(cov, f"not_recorded_{side}", getattr(cov, f"not_recorded_{side}") + 1)
             else:
-                cov.only_a += a is not None
-                cov.only_b += b is not None
+                setattr(cov, f"only_{side}", getattr(cov, f"only_{side}") + 1)
         elif row.verdict == "uncertain":
             cov.uncertain += 1
         elif row.verdict == "shape":
@@ -130,27 +127,27 @@ def _tensor_of(rec: Record) -> tuple[int, int] | None:
 
 
 def _input_only_partners(rows: list[Row]) -> tuple[set, set]:
-    """A's forward tensors (as ``_tensor``, and every seq of A's holding them) whose paired B tensor B holds only as
+    """A's forward tensors (as ``Record.tensor_id``, and every seq of A's holding them) whose paired B tensor B holds only as
     cell inputs, and the reverse. A side that never records the gradients of cell inputs (graph mode) has no gradient
     of such a tensor under any name: the other side's gradient of it is accounted for as never recorded there (the
     tensor a Megatron ``core_attention`` returns is, in a compiled MindSpore graph, only ``wo``'s input)."""
-    outputs_a = {_tensor(r.pair.a) for r in rows if r.phase == "forward" and r.pair.a is not None
+    outputs_a = {r.pair.a.tensor_id for r in rows if r.phase == "forward" and r.pair.a is not None
                  and r.pair.a.kind == "output"}
-    outputs_b = {_tensor(x) for r in rows if r.phase == "forward" for x in r.pair.b_records if x.kind == "output"}
+    outputs_b = {x.tensor_id for r in rows if r.phase == "forward" for x in r.pair.b_records if x.kind == "output"}
     partners_a: dict[tuple[int, int], set] = {}
     partners_b: dict[tuple[int, int], set] = {}
     for r in rows:
         if r.phase != "forward" or r.verdict not in COMPARED or r.pair.a is None:
             continue
         for x in r.pair.b_records:
-            partners_a.setdefault(_tensor(r.pair.a), set()).add(_tensor(x))
-            partners_b.setdefault(_tensor(x), set()).add(_tensor(r.pair.a))
+            partners_a.setdefault(r.pair.a.tensor_id, set()).add(x.tensor_id)
+            partners_b.setdefault(x.tensor_id, set()).add(r.pair.a.tensor_id)
     only_a = {t for t, bs in partners_a.items() if not bs & outputs_b}
     only_b = {t for t, as_ in partners_b.items() if not as_ & outputs_a}
     # a gradient names its forward record, which may be a link: every seq of the tensor stands for it
-    links_a = {(r.pair.a.step, r.pair.a.seq): _tensor(r.pair.a) for r in rows if r.phase == "forward"
+    links_a = {(r.pair.a.step, r.pair.a.seq): r.pair.a.tensor_id for r in rows if r.phase == "forward"
                and r.pair.a is not None}
-    links_b = {(x.step, x.seq): _tensor(x) for r in rows if r.phase == "forward" for x in r.pair.b_records}
+    links_b = {(x.step, x.seq): x.tensor_id for r in rows if r.phase == "forward" for x in r.pair.b_records}
     return ({seq for seq, t in links_a.items() if t in only_a} | only_a,
             {seq for seq, t in links_b.items() if t in only_b} | only_b)
 

@@ -9,7 +9,6 @@ Imports neither torch nor mindspore, and does not explain: ``tensordiff.explain`
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,9 +20,9 @@ from ..store.fanout import ENV_JOBS
 from .accounting import account
 from .align import Pair, align_step
 from .autoselect import pick_mapping
-from .coverage import coverage, judge_outcome, mark_uncertain, not_recorded
+from .coverage import coverage, judge_outcome, mark_uncertain, mark_unmatched, not_recorded
 from .divergence import find_first_divergence
-from .exactness import apply_exactness, reproducible, same_stack
+from .exactness import apply_exactness, parallel_of, reproducible, same_stack
 from .judge import Measured, compare_pair, compute_dtype, measure_pair, tensor_key
 from .nonfinite import describe, first_nonfinite
 from .reference import judge_against_reference
@@ -86,17 +85,16 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         if options.exact and not options.reference:
             stack = same_stack(ca.attrs, cb.attrs, compute_dtype(ca, common[0]), compute_dtype(cb, common[0]))
             noise = options.tolerances.noise
-            shown = reproducible(rows, stack, bool(noise) and all(v == 0 for v in noise.values()))
-            if shown is not None:
-                exact_note = shown.why
-                apply_exactness(rows, shown, records_a, records_b)
+            exact_note = reproducible(rows, stack, bool(noise) and all(v == 0 for v in noise.values()))
+            if exact_note:
+                apply_exactness(rows, exact_note, records_a, records_b)
         if options.reference:
             judge_against_reference(rows, ca, cb, common, options)
         mark_uncertain(rows)
         skip_a, skip_b = not_recorded(ca.attrs), not_recorded(cb.attrs)
-        coverage(rows, skip_a, skip_b)  # marks the records compared under another record of their side (Row.linked)
+        mark_unmatched(rows, skip_a, skip_b)
         findings = account(rows, {"A": records_a, "B": records_b}, {"A": ca.array, "B": cb.array})
-        covered = coverage(rows, skip_a, skip_b)
+        covered = coverage(rows)
         first = find_first_divergence(rows, records_a, options.jump, records_b)
         result = DiffResult(
             path_a=path_a, path_b=path_b, attrs_a=dict(ca.attrs), attrs_b=dict(cb.attrs), rows=rows, steps=common,
@@ -167,11 +165,7 @@ class _Measurer:
 
 
 def _layout(cap: CaptureFile) -> dict:
-    try:
-        value = json.loads(str(cap.attrs.get("parallel", "") or "{}"))
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) and "merged_from" not in cap.attrs else {}
+    return {} if "merged_from" in cap.attrs else parallel_of(cap.attrs)
 
 
 def _check_shards(ca: CaptureFile, cb: CaptureFile) -> None:

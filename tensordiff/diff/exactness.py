@@ -22,7 +22,6 @@ a module's input is the whole gradient of that tensor, which other consumers of 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 from ..record import Record, is_inside
 from .result import COMPARED, Row
@@ -32,14 +31,6 @@ STACK_KEYS = ("framework", "framework_version", "megatron_core_version", "transf
               "device")
 #: Bitwise identical pairs, first in a phase, that show a program reproducible.
 EVIDENCE = 3
-
-
-@dataclass(frozen=True)
-class Stack:
-    """Whether two captures are one stack, and in which phases exactness holds (with why)."""
-
-    phases: frozenset[str]
-    why: str
 
 
 def same_stack(attrs_a: dict, attrs_b: dict, dtype_a: str, dtype_b: str) -> str:
@@ -53,15 +44,18 @@ def same_stack(attrs_a: dict, attrs_b: dict, dtype_a: str, dtype_b: str) -> str:
     return f"{attrs_a.get('framework')} {attrs_a.get('framework_version')} on {attrs_a.get('device')}, {dtype_a}"
 
 
-def _layout(attrs: dict) -> tuple:
-    """The parallel layout a capture was made with (merged rank files included), without the rank."""
+def parallel_of(attrs: dict) -> dict:
+    """A capture's parallel coordinates (its ``parallel`` attribute: tp, dp, pp, rank, world_size), {} if none."""
     try:
         value = json.loads(str(attrs.get("parallel", "") or "{}"))
     except ValueError:
-        value = {}
-    if not isinstance(value, dict):
-        value = {}
-    return ("merged_from" in attrs, tuple(sorted((k, str(v)) for k, v in value.items() if k != "rank")))
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _layout(attrs: dict) -> tuple:
+    """The parallel layout a capture was made with (merged rank files included), without the rank."""
+    return ("merged_from" in attrs, tuple(sorted((k, str(v)) for k, v in parallel_of(attrs).items() if k != "rank")))
 
 
 def _bitwise(row: Row) -> bool:
@@ -69,23 +63,18 @@ def _bitwise(row: Row) -> bool:
     return m is not None and m.source == "tensor" and m.max_abs == 0 and m.nonfinite_mismatch == 0
 
 
-def reproducible(rows: list[Row], stack: str, zero_noise: bool) -> Stack | None:
-    """The phases in which this pair's program shows itself bitwise reproducible, or None."""
+def reproducible(rows: list[Row], stack: str, zero_noise: bool) -> str:
+    """Why this pair's program is bitwise reproducible on ``stack`` (a sentence), or '' when nothing shows it."""
     if not stack:
-        return None
+        return ""
     if zero_noise:
-        return Stack(frozenset({"forward"}), f"{stack}; a noise file measured reruns bitwise equal")
-    phases = set()
-    for phase in ("forward",):
-        first = [r for r in rows if r.step == rows[0].step and r.phase == phase and r.verdict in COMPARED
-                 and r.metrics is not None and r.metrics.source == "tensor" and r.pair.a is not None
-                 and r.pair.a.l2 > 0][:EVIDENCE]
-        if len(first) == EVIDENCE and all(_bitwise(r) for r in first):
-            phases.add(phase)
-    if not phases:
-        return None
-    return Stack(frozenset(phases), f"{stack}; the first {EVIDENCE} pairs of {' and '.join(sorted(phases))} are "
-                                    "bitwise identical")
+        return f"{stack}; a noise file measured reruns bitwise equal"
+    first = [r for r in rows if r.step == rows[0].step and r.phase == "forward" and r.verdict in COMPARED
+             and r.metrics is not None and r.metrics.source == "tensor" and r.pair.a is not None
+             and r.pair.a.l2 > 0][:EVIDENCE]
+    if len(first) == EVIDENCE and all(_bitwise(r) for r in first):
+        return f"{stack}; the first {EVIDENCE} pairs of forward are bitwise identical"
+    return ""
 
 
 def _inside(records: list[Record], module: str) -> list[tuple]:
@@ -97,7 +86,7 @@ def _inside(records: list[Record], module: str) -> list[tuple]:
                   if r.phase == "forward" and (r.module == module or is_inside(r.module, module)))
 
 
-def apply_exactness(rows: list[Row], stack: Stack, records_a: dict[int, list[Record]],
+def apply_exactness(rows: list[Row], why: str, records_a: dict[int, list[Record]],
                     records_b: dict[int, list[Record]]) -> int:
     """Mark 'diverged' every forward output within tolerance whose module call had bitwise identical inputs (and
     weights) on both sides but not a bitwise identical output, where both sides saw the same steps
@@ -108,11 +97,11 @@ def apply_exactness(rows: list[Row], stack: Stack, records_a: dict[int, list[Rec
     for step, recs in records_a.items():
         recs_b = records_b.get(step, [])
         step_rows = [r for r in rows if r.step == step]
-        by_tensor: dict[int, Row] = {}
+        by_tensor: dict[tuple[int, int], Row] = {}
         for r in step_rows:
             a = r.pair.a
             if a is not None and r.verdict in COMPARED:
-                by_tensor.setdefault(a.same_as if a.same_as >= 0 else a.seq, r)
+                by_tensor.setdefault(a.tensor_id, r)
         weights: dict[str, list[Row]] = {}
         for r in step_rows:
             if r.phase == "weights" and r.pair.a is not None:
@@ -122,7 +111,7 @@ def apply_exactness(rows: list[Row], stack: Stack, records_a: dict[int, list[Rec
             calls.setdefault((rec.module, rec.call), {}).setdefault(rec.kind, []).append(rec)
         for r in step_rows:
             a = r.pair.a
-            if (a is None or r.verdict != "ok" or r.phase not in stack.phases or r.metrics is None
+            if (a is None or r.verdict != "ok" or r.phase != "forward" or r.metrics is None
                     or r.metrics.source != "tensor" or _bitwise(r)):
                 continue
             if (r.phase, a.kind) != ("forward", "output"):
@@ -131,7 +120,7 @@ def apply_exactness(rows: list[Row], stack: Stack, records_a: dict[int, list[Rec
             inputs = call.get("input", [])
             if not inputs:
                 continue
-            rows_in = [by_tensor.get(x.same_as if x.same_as >= 0 else x.seq) for x in inputs]
+            rows_in = [by_tensor.get(x.tensor_id) for x in inputs]
             if any(x is None or not _bitwise(x) for x in rows_in):
                 continue
             params = [w for m, ws in weights.items() if m == a.module or is_inside(m, a.module) for w in ws]
@@ -144,6 +133,6 @@ def apply_exactness(rows: list[Row], stack: Stack, records_a: dict[int, list[Rec
             r.exact = True
             r.note = ((r.note + "; ") if r.note else "") + (
                 f"exact: its inputs{' and weights' if params else ''} are bitwise identical on both sides and the "
-                f"program is bitwise reproducible ({stack.why}): a difference of any size here is the code's")
+                f"program is bitwise reproducible ({why}): a difference of any size here is the code's")
             marked += 1
     return marked

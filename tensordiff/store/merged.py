@@ -114,7 +114,6 @@ class MergedCapture(CaptureFile):
     pp = 1  # pipeline stages: PipelineCapture (pipeline.py) joins more than one
 
     def __init__(self, paths: list[str], pattern: str = "", stage: int | None = None):
-        self._tokens_shape: tuple[int, int] | None = None  # the model's token ids [B, S] on one rank
         self.path = pattern or paths[0]
         self.paths = list(paths)
         self._stage = stage  # a pipeline stage's rank files (PipelineCapture joins the stages), or the whole run
@@ -352,14 +351,10 @@ class MergedCapture(CaptureFile):
         local_batch = _local_batch(base)
         local_tokens = _local_tokens(base)
         held = _parameters_held(base)
-        ids = next((r for r in base if r.phase == "forward" and r.module == "" and r.kind == "input"
-                    and len(r.shape) == 2), None)
-        self._tokens_shape = (int(ids.shape[0]), int(ids.shape[1])) if ids is not None else None
+        tokens = _tokens_shape(base)
         out = []
         for rec in base:
-            param = held.get(rec.seq)
-            spec = self._spec(param, local_batch, local_tokens) if param is not None else \
-                self._spec(rec, local_batch, local_tokens)
+            spec = self._spec(held.get(rec.seq, rec), local_batch, local_tokens, tokens)
             self._specs[(step, rec.seq)] = spec
             parts = [s[rec.key] for s in shards]
             out.append(self._local_grad(rec, parts, spec) if rec.kind == "grad_local" else
@@ -395,7 +390,9 @@ class MergedCapture(CaptureFile):
         return replace(rec, shape=tuple(shape), numel=int(mean.size), mean=total / mean.size if mean.size else 0.0,
                        min=mn, max=mx, l2=l2, nan=int(nan), inf=int(inf), has_data=True)
 
-    def _spec(self, rec: Record, local_batch: int | None, local_tokens: int | None = None) -> _Spec:
+    def _spec(self, rec: Record, local_batch: int | None, local_tokens: int | None = None,
+              tokens: tuple[int, int] | None = None) -> _Spec:
+        """How ``rec`` is laid out across the ranks; ``tokens``: the model's token ids' shape [B, S] on one rank."""
         tp_dim: int | None = None
         stride = 1
         batch_first = False
@@ -418,7 +415,6 @@ class MergedCapture(CaptureFile):
                     split = self._param_splits.get(f"{rec.module}.weight", {})
                     stride = int(split.get("stride", 1))
         swap01 = False
-        tokens = self._tokens_shape
         # a record shaped like the model's token ids [B, S, ...] is batch first, whatever its class: megatron's own
         # activations are [S, B, ...] (a torch Embedding looking up positions is not)
         whole = tokens is not None and tokens[0] != tokens[1] and tuple(rec.shape[:2]) == tokens
@@ -477,6 +473,14 @@ def _same_stats(a: Record, b: Record, rtol: float = 1e-6) -> bool:
     scale = max(abs(a.l2), abs(b.l2), 1e-30)
     return all(abs(x - y) <= rtol * max(abs(x), abs(y), scale / max(a.numel, 1) ** 0.5)
                for x, y in ((a.l2, b.l2), (a.mean, b.mean), (a.min, b.min), (a.max, b.max)))
+
+
+def _tokens_shape(records: list[Record]) -> tuple[int, int] | None:
+    """[B, S] of the model's first 2-D argument (its token ids) on this rank, or None."""
+    for r in records:
+        if r.phase == "forward" and r.module == "" and r.kind == "input" and len(r.shape) == 2:
+            return int(r.shape[0]), int(r.shape[1])
+    return None
 
 
 def _local_batch(records: list[Record]) -> int | None:
