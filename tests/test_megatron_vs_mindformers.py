@@ -21,10 +21,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = os.path.join(ROOT, "examples", "megatron_vs_mindformers", "run.py")
 
 
-def _run(tmp_path, family, fault="none", graph=False):
-    out = tmp_path / f"{family}-{fault}{'-graph' if graph else ''}"
+def _run(tmp_path, family, fault="none", graph=False, jit=False):
+    out = tmp_path / f"{family}-{fault}{'-graph' if graph else ''}{'-jit' if jit else ''}"
     proc = subprocess.run([sys.executable, RUN, "--family", family, "--fault", fault, "--out", str(out)]
-                          + (["--graph"] if graph else []), capture_output=True, text=True, timeout=900)
+                          + (["--graph"] if graph else []) + (["--jit"] if jit else []),
+                          capture_output=True, text=True, timeout=900)
     report = out / "report.json"
     assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(report) as f:
@@ -134,8 +135,19 @@ GRAPH_CASES = {
 @pytest.mark.parametrize(("family", "fault"), sorted(GRAPH_CASES))
 def test_graph_mode_gives_the_pynative_verdicts(tmp_path, family, fault):
     code, report, out = _run(tmp_path, family, fault, graph=True)
+    _assert_graph_verdict(code, report, out, GRAPH_CASES[(family, fault)])
+
+
+@pytest.mark.parametrize(("family", "fault"), [("gpt2", "gelu-approx"), ("llama", "none")])
+def test_a_jit_train_step_run_from_pynative_gives_the_graph_mode_verdicts(tmp_path, family, fault):
+    """run.py --jit: the MindSpore side stays in PyNative, its whole train step a ``mindspore.jit`` function,
+    captured with ``graph=True`` through the same probes."""
+    code, report, out = _run(tmp_path, family, fault, jit=True)
+    _assert_graph_verdict(code, report, out, GRAPH_CASES[(family, fault)])
+
+
+def _assert_graph_verdict(code, report, out, expected):
     assert report["b"]["capture_mode"] == "graph" and report["a"]["capture_mode"] == "hooks"
-    expected = GRAPH_CASES[(family, fault)]
     if expected is None:
         assert code == 0 and report["outcome"] == "agree", out[-3000:]
         assert report["summary"]["diverged"] == 0 and report["summary"]["ok"] > 150

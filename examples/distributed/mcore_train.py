@@ -5,6 +5,7 @@
     torchrun --standalone --nproc_per_node 2 examples/distributed/mcore_train.py --dp 2 --capture run.h5
     torchrun --standalone --nproc_per_node 2 examples/distributed/mcore_train.py --dp 2 --ddp megatron --capture run.h5
     torchrun --standalone --nproc_per_node 2 examples/distributed/mcore_train.py --pp 2 --capture run.h5
+    torchrun --standalone --nproc_per_node 4 examples/distributed/mcore_train.py --tp 4 --groups 4 --capture run.h5
     python examples/distributed/mcore_train.py --capture ref.h5          # TP=1, DP=1: the reference
 
 Every run starts from the same weights: the full (TP=1) model is built from --seed on each rank and each rank
@@ -17,7 +18,8 @@ all-reduced over the TP group, as megatron's ``finalize_model_grads`` does. Unde
 each stage builds its share of the layers and loads them from the full weights under their global numbers;
 megatron's own schedule (``get_forward_backward_func()``, one micro-batch of the whole local batch) runs the
 forward and backward passes and hands the hidden states between the stages. Each rank writes its capture:
-run.rank0.h5, run.rank1.h5, ...
+run.rank0.h5, run.rank1.h5, ... ``--groups`` sets the query groups (default 2, GQA); TP must divide it, so TP=4
+needs ``--groups 4`` (MHA), on the reference run too.
 """
 
 from __future__ import annotations
@@ -287,6 +289,7 @@ def train_pipeline(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    global GROUPS
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
@@ -300,10 +303,15 @@ def main() -> None:
     p.add_argument("--fault", choices=sorted(FAULTS), default="none")
     p.add_argument("--bias", action="store_true", help="biases on every linear layer (add_bias_linear)")
     p.add_argument("--pos", choices=("rope", "learned"), default="rope", help="position embeddings")
+    p.add_argument("--groups", type=int, default=GROUPS,
+                   help=f"query groups (default {GROUPS}; {HEADS}: MHA); --tp must divide it")
     p.add_argument("--ddp", choices=("manual", "megatron", "torch"), default="manual",
                    help="data-parallel gradient reduction: by hand (manual), megatron-core's DistributedDataParallel "
                         "or torch's DistributedDataParallel over megatron's DP group")
     args = p.parse_args()
+    if HEADS % args.groups or args.groups % args.tp:
+        raise SystemExit(f"--groups {args.groups}: must divide the {HEADS} heads and be a multiple of --tp {args.tp}")
+    GROUPS = args.groups
     ARCH.update(bias=args.bias, pos=args.pos)
     if args.ddp != "manual" and args.pp > 1:
         raise SystemExit("--ddp megatron | torch: not with --pp (the pipeline path reduces by hand)")

@@ -9,7 +9,8 @@ MindFormers ``parallel_core`` ``GPTModel``; ``qwen3`` -> MindFormers ``TrainingQ
 ``llama-legacy`` -> the legacy MindFormers ``LlamaForCausalLM``.
 MindFormers runs on the CPU through ``tensordiff.compat.mindformers_cpu``. ``--fault`` injects one
 of the mistakes listed in FAULTS. ``--graph`` runs MindSpore in GRAPH_MODE: capture then records through probes
-compiled into the graph (tensordiff/capturing/mindspore_graph.py).
+compiled into the graph (tensordiff/capturing/mindspore_graph.py). ``--jit`` stays in PyNative and wraps the whole
+train step (``value_and_grad`` and the update) in ``mindspore.jit``, captured with ``graph=True``.
 """
 
 from __future__ import annotations
@@ -76,7 +77,11 @@ def main(argv: list[str] | None = None) -> list[float]:
     p.add_argument("--capture-steps", type=int, default=2)
     p.add_argument("--graph", "--graph-mode", dest="graph", action="store_true",
                    help="run in GRAPH_MODE (capture records through probes compiled into the graph)")
+    p.add_argument("--jit", action="store_true",
+                   help="PyNative, the train step a mindspore.jit function (captured with graph=True: the probes)")
     args = p.parse_args(argv)
+    if args.graph and args.jit:
+        p.error("--graph and --jit: one or the other (GRAPH_MODE, or a jit step run from PyNative)")
     spec = FAMILIES[args.family]
 
     import mindspore as ms
@@ -103,7 +108,7 @@ def main(argv: list[str] | None = None) -> list[float]:
             ms.set_context(mode=ms.GRAPH_MODE)
         mindformers_cpu.enable(exclude=("split_with_size",) if args.fault == "split-with-size" else ())
         model, loss_fn = _mindformers(spec, args.fault, state)
-        if args.graph:  # the Ascend-only primitives of the built model's cells become CPU composites
+        if args.graph or args.jit:  # the Ascend-only primitives of the built model's cells become CPU composites
             mindformers_cpu.enable_graph(model)
     b = load_batch(args.batch, vocab_size=spec.vocab_size, framework="mindspore")
     opt = ms.nn.SGD(model.trainable_params(), learning_rate=spec.lr)
@@ -111,11 +116,23 @@ def main(argv: list[str] | None = None) -> list[float]:
         return loss_fn(batch)           # as a data loader feeds it (a constant of the graph may be folded away)
 
     grad_fn = ms.value_and_grad(batch_loss, None, opt.parameters)
+
+    def train_step(batch: dict) -> Any:  # --jit: the whole step compiled, value_and_grad and the update
+        loss, grads = grad_fn(batch)
+        opt(grads)
+        return loss
+
+    jit_step = ms.jit(train_step) if args.jit else None
     losses = []
-    with tensordiff.capture(model, args.capture, steps=args.capture_steps, optimizer=opt) as cap:
+    # a jit step run from PyNative: graph=True (PyNative's hooks cannot be compiled); else capture picks by the mode
+    with tensordiff.capture(model, args.capture, steps=args.capture_steps, optimizer=opt,
+                            graph=True if args.jit else None) as cap:
         for step in range(args.train_steps):
-            loss, grads = grad_fn(ms.mutable(b))  # mutable: tensors of the graph, not constants folded in
-            opt(grads)
+            if jit_step is not None:
+                loss = jit_step(ms.mutable(b))
+            else:
+                loss, grads = grad_fn(ms.mutable(b))  # mutable: tensors of the graph, not constants folded in
+                opt(grads)
             cap.step(loss)
             losses.append(float(loss))
             print(f"mindspore {args.family} step {step}: loss {float(loss):.6f}", flush=True)

@@ -4,6 +4,7 @@
     python examples/megatron_vs_mindformers/run.py --family llama --fault split-with-size
     python examples/megatron_vs_mindformers/run.py --family gpt2 --fault gelu-approx
     python examples/megatron_vs_mindformers/run.py --family llama --graph     # the MindSpore side in GRAPH_MODE
+    python examples/megatron_vs_mindformers/run.py --family llama --jit       # PyNative, its train step mindspore.jit
 
 Prints every command it runs (the workflow to copy for your own models) and exits with
 ``tensordiff diff``'s code: 0 no divergence, 1 divergence, 2 error. Files go to --out.
@@ -58,11 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2, help="training steps to capture (default 2)")
     p.add_argument("--graph", action="store_true", help="run the MindSpore side in GRAPH_MODE (captured through probes "
                                                         "compiled into the graph)")
+    p.add_argument("--jit", action="store_true", help="the MindSpore side in PyNative with its train step a "
+                                                      "mindspore.jit function (captured through the same probes)")
     p.add_argument("--verbose", action="store_true", help="show the frameworks' own output")
     args = p.parse_args(argv)
+    if args.graph and args.jit:
+        p.error("--graph and --jit: one or the other")
     spec = FAMILIES[args.family]
     table, table_vars, mapping, mapping_vars = SETUP[args.family]
-    name = args.family + ("" if args.fault == "none" else f"-{args.fault}") + ("-graph" if args.graph else "")
+    name = args.family + ("" if args.fault == "none" else f"-{args.fault}") + ("-graph" if args.graph else "") \
+        + ("-jit" if args.jit else "")
     out = os.path.abspath(args.out or os.path.join(ROOT, "out", "megatron_vs_mindformers", name))
     os.makedirs(out, exist_ok=True)
     py, td = sys.executable, [sys.executable, "-m", "tensordiff"]
@@ -83,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         td + ["capture", "-o", f["b"], "--steps", str(args.steps), "--tensors", "all", "--", py,
               os.path.join(HERE, "mindspore_side.py"),
               "--family", args.family, "--batch", f["batch"], "--load-ckpt", f["ms_ckpt"], "--fault", args.fault,
-              "--train-steps", str(args.steps)] + (["--graph"] if args.graph else []),
+              "--train-steps", str(args.steps)] + (["--graph"] if args.graph else []) + (["--jit"] if args.jit else []),
     ]
     for cmd in steps:
         code = _run(cmd, quiet=not args.verbose, cwd=out)  # MindFormers writes ./output/log: keep it in --out

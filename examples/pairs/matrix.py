@@ -5,20 +5,29 @@ the same pairs with one fault injected, each captured with ``tensordiff capture 
     python examples/pairs/matrix.py                   # the whole matrix (benchmarks/agreement_matrix.py prints it)
     python examples/pairs/matrix.py --sample          # the fixed sample CI runs
     python examples/pairs/matrix.py --only gpt2       # pairs whose name holds 'gpt2'
+    python examples/pairs/matrix.py --only dist-      # the distributed layouts (torchrun, msrun)
 
 A clean pair must end ``agree`` (exit 0); a fault must end ``diverged`` (exit 1) with its first divergence inside
 the module the fault is in, in the expected phase. Shared by ``tests/test_agreement_matrix.py`` and
 ``benchmarks/agreement_matrix.py``.
+
+The distributed layouts (``layout_cases``) run examples/distributed/mcore_train.py under torchrun (gloo, CPU) and
+examples/distributed/ms_train.py under msrun, one capture file per rank, each diffed against the single-process
+run of the same model as a user runs it: ``tensordiff diff ref.h5 'run.rank*.h5' --first-divergence``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 
@@ -28,6 +37,34 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from examples.pairs.models import Arch, Side, Style  # noqa: E402
+
+DIST = os.path.join(ROOT, "examples", "distributed")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A distributed run of one of the scripts in examples/distributed, against the single-process run of the same
+    model (``model`` options on both, ``--fault`` on the distributed run only)."""
+
+    launcher: str
+    """'torchrun' (megatron-core, examples/distributed/mcore_train.py) or 'msrun' (MindFormers, ms_train.py)."""
+    nproc: int
+    args: tuple[str, ...] = ()
+    """the layout: --tp 2 --sp, --dp 2 --ddp megatron, --pp 2, ..."""
+    model: tuple[str, ...] = ()
+    """options of the model itself, given to the reference too: --bias, --pos learned, --groups 4."""
+    fault: str = "none"
+
+    @property
+    def script(self) -> str:
+        return os.path.join(DIST, "mcore_train.py" if self.launcher == "torchrun" else "ms_train.py")
+
+    def reference(self) -> Layout:
+        return Layout(self.launcher, 1, (), self.model)
+
+    def describe(self) -> str:
+        opts = " ".join(self.args + self.model + (() if self.fault == "none" else ("--fault", self.fault)))
+        return f"{self.launcher} x{self.nproc} {os.path.basename(self.script)} {opts}".rstrip()
 
 
 @dataclass(frozen=True)
@@ -40,15 +77,21 @@ class Case:
     b: Side
     sample: bool = False
     """part of the fixed sample CI runs."""
-    mindformers: tuple[str, str, bool] | None = None
+    mindformers: tuple[str, str, str] | None = None
     """a megatron-core vs MindSpore/MindFormers pair, run end to end by examples/megatron_vs_mindformers/run.py:
-    (its --family, its --fault or 'none', GRAPH_MODE on the MindSpore side)."""
+    (its --family, its --fault or 'none', the MindSpore side's mode: 'pynative', 'graph' (GRAPH_MODE) or 'jit' (a
+    mindspore.jit train step run from PyNative))."""
     bitwise: bool = False
     """the two sides compute bit for bit the same (one stack, the same arithmetic written another way): a fault
     below every tolerance is then found by same-stack exactness ('eps-tiny')."""
+    layout: Layout | None = None
+    """a distributed run (its rank files merged on read) against the single-process run: the layout, the model, the
+    fault; ``a`` and ``b`` then only name the framework."""
 
     @property
     def fault(self) -> str:
+        if self.layout is not None:
+            return "" if self.layout.fault == "none" else self.layout.fault
         if self.mindformers is not None:
             return "" if self.mindformers[1] == "none" else self.mindformers[1]
         return self.b.fault
@@ -83,8 +126,24 @@ _WHERE_MF = {"split-with-size": ("backward", "decoder.layers.1.self_attention"),
              "ln-eps": ("forward", "decoder.layers.0.input_layernorm")}
 
 
+#: distributed faults (examples/distributed/*.py), by launcher: (phase, module prefix or the first divergence's
+#: location), as tests/test_distributed.py and tests/test_distributed_ms.py assert them
+_WHERE_DIST = {
+    "torchrun": {"qkv-split": ("weights", "decoder.layers.0.self_attention.linear_qkv"),
+                 "fc1-split": ("weights", "decoder.layers.0.mlp.linear_fc1"),
+                 "sp-noreduce": ("param_grad", "decoder.layers.0.input_layernorm"),
+                 "dp-sum": ("param_grad", "in the data-parallel gradient reduction"),
+                 "bf16-allreduce": ("param_grad", "in the data-parallel gradient reduction"),
+                 "pp-batch-first": ("forward", "decoder.layers.1"),
+                 "pp-layer-offset": ("weights", "decoder.layers.1")},
+    "msrun": {"dp-sum": ("param_grad", "in the gradient reduction")},
+}
+
+
 def expected(case: Case) -> tuple[str, ...]:
-    """(phase, module prefixes the first divergence may be in)."""
+    """(phase, module prefixes the first divergence may be in, or locations it may name)."""
+    if case.layout is not None:
+        return _WHERE_DIST[case.layout.launcher][case.fault]
     if case.mindformers is not None:
         return _WHERE_MF[case.fault]
     family = case.a.family
@@ -143,18 +202,50 @@ def mindformers_cases() -> list[Case]:
     """megatron-core against MindFormers' parallel_core GPTModel (interleaved and stacked fc1), TrainingQwen3 (GQA,
     qk-norm), the legacy Llama, and a hand-written MindSpore GPT-2 port, PyNative and GRAPH_MODE; their faults."""
     mc = Side("mcore")
-    runs = [("llama", "none", False), ("llama-stacked", "none", False), ("qwen3", "none", False),
-            ("llama-legacy", "none", False), ("gpt2", "none", False), ("llama", "none", True),
-            ("llama-legacy", "none", True), ("llama", "split-with-size", False), ("llama", "fc1-unconverted", False),
-            ("qwen3", "fc1-unconverted", True), ("gpt2", "gelu-approx", False), ("gpt2", "ln-eps", False),
-            ("gpt2", "gelu-approx", True)]
-    return [Case(f"mcore-vs-mindformers-{fam}{'-graph' if graph else ''}" + ("" if fault == "none" else f"+{fault}"),
-                 Arch(), mc, Side("mindformers"), mindformers=(fam, fault, graph)) for fam, fault, graph in runs]
+    py, graph, jit = "pynative", "graph", "jit"
+    runs = [("llama", "none", py), ("llama-stacked", "none", py), ("qwen3", "none", py),
+            ("llama-legacy", "none", py), ("gpt2", "none", py), ("llama", "none", graph),
+            ("llama-legacy", "none", graph), ("llama", "split-with-size", py), ("llama", "fc1-unconverted", py),
+            ("qwen3", "fc1-unconverted", graph), ("gpt2", "gelu-approx", py), ("gpt2", "ln-eps", py),
+            ("gpt2", "gelu-approx", graph), ("llama", "none", jit), ("gpt2", "gelu-approx", jit)]
+    return [Case(f"mcore-vs-mindformers-{fam}{'' if mode == py else '-' + mode}"
+                 + ("" if fault == "none" else f"+{fault}"),
+                 Arch(), mc, Side("mindformers"), mindformers=(fam, fault, mode)) for fam, fault, mode in runs]
+
+
+def layout_cases() -> list[Case]:
+    """Distributed layouts against one process: megatron-core under torchrun (TP, TP+SP, biases and learned
+    positions, DP by hand and with megatron's DDP, PP, TP x PP, TP x DP) and MindFormers under msrun (DP); the faults
+    the scripts inject (a converter's TP splits, unreduced SP norm gradients, DP sum for mean, a BF16 all-reduce, a
+    stage's hand-over batch first, stage-local layer numbers)."""
+    t, m = "torchrun", "msrun"
+    clean = [  # name, launcher, processes, layout, model, sample, faults
+        ("tp2", t, 2, ("--tp", "2"), (), True, ("qkv-split", "fc1-split")),
+        ("tp4", t, 4, ("--tp", "4"), ("--groups", "4"), False, ()),
+        ("tp2-sp", t, 2, ("--tp", "2", "--sp"), (), False, ("sp-noreduce",)),
+        ("tp4-sp", t, 4, ("--tp", "4", "--sp"), ("--groups", "4"), False, ()),
+        ("tp2-bias", t, 2, ("--tp", "2"), ("--bias",), False, ()),
+        ("tp2-sp-bias-learned", t, 2, ("--tp", "2", "--sp"), ("--bias", "--pos", "learned"), False, ()),
+        ("dp2", t, 2, ("--dp", "2"), (), False, ("dp-sum", "bf16-allreduce")),
+        ("dp2-ddp-megatron", t, 2, ("--dp", "2", "--ddp", "megatron"), (), False, ("bf16-allreduce",)),
+        ("pp2", t, 2, ("--pp", "2"), (), False, ("pp-batch-first", "pp-layer-offset")),
+        ("tp2xpp2", t, 4, ("--tp", "2", "--pp", "2"), (), False, ()),
+        ("tp2xdp2", t, 4, ("--tp", "2", "--dp", "2"), (), False, ("dp-sum",)),
+        ("ms-dp2", m, 2, (), (), False, ("dp-sum",)),
+    ]
+    out = []
+    for name, launcher, nproc, args, model, sample, faults in clean:
+        side = Side("mcore" if launcher == t else "mindformers")
+        for fault in ("none",) + faults:
+            out.append(Case(f"dist-{name}" + ("" if fault == "none" else f"+{fault}"), Arch(), side, side,
+                            sample=sample and fault in ("none", "qkv-split"),
+                            layout=Layout(launcher, nproc, args, model, fault)))
+    return out
 
 
 def all_cases() -> list[Case]:
     pairs = clean_pairs()
-    return pairs + fault_cases(pairs) + mindformers_cases()
+    return pairs + fault_cases(pairs) + mindformers_cases() + layout_cases()
 
 
 # --------------------------------------------------------------------------------------------------- running
@@ -177,6 +268,8 @@ class Outcome:
     unaccounted: list[str] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
     coverage: str = ""
+    wall_s: float = 0.0
+    """seconds spent on this case in this run: the captures it needed that were not cached yet, and its diff."""
 
 
 class Runner:
@@ -186,6 +279,10 @@ class Runner:
         self.out, self.steps, self.verbose = os.path.abspath(out), steps, verbose
         os.makedirs(self.out, exist_ok=True)
         self.env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.seconds: dict[str, float] = {}
+        """capture path -> seconds its capture took in this run (cached ones: absent)."""
+        self.failed: dict[Layout, str] = {}
+        """distributed runs that failed in this run, with why (not run again for the next case that needs them)."""
 
     def weights(self, arch: Arch) -> str:
         path = os.path.join(self.out, f"w-{_key(asdict(arch))}.safetensors")
@@ -202,6 +299,7 @@ class Runner:
         path = os.path.join(self.out, f"c-{_key(asdict(arch), side.as_dict(), self.steps)}.h5")
         if os.path.exists(path):
             return path
+        t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "tensordiff", "capture", "--auto", "-o", path + ".part.h5", "--steps",
                str(self.steps), "--", sys.executable, os.path.join(HERE, "train.py"), "--arch",
                json.dumps(asdict(arch)), "--side", json.dumps(side.as_dict()), "--weights", self.weights(arch),
@@ -211,30 +309,85 @@ class Runner:
             raise RuntimeError(f"capture of {side.as_dict()} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                                f"{proc.stderr[-3000:]}")
         os.replace(path + ".part.h5", path)
+        self.seconds[path] = time.perf_counter() - t0
         return path
 
+    def capture_layout(self, layout: Layout) -> str:
+        """Runs ``layout``'s script under its launcher (one process: plainly) with --capture; the rank files are kept
+        in a folder of their own, named by the run, and reused. Returns what ``tensordiff diff`` takes: the file, or
+        the rank files' pattern."""
+        folder = os.path.join(self.out, f"d-{_key(asdict(layout), self.steps)}")
+        name = "run.h5" if layout.nproc == 1 else "run.rank*.h5"
+        if os.path.isdir(folder):
+            return os.path.join(folder, name)
+        if layout in self.failed:
+            raise RuntimeError(self.failed[layout])
+        t0 = time.perf_counter()
+        part = folder + ".part"
+        shutil.rmtree(part, ignore_errors=True)  # what a killed run left
+        os.makedirs(part)
+        script = [layout.script, "--capture", os.path.join(part, "run.h5"), "--steps", str(self.steps),
+                  *layout.args, *layout.model] + ([] if layout.fault == "none" else ["--fault", layout.fault])
+        bindir = os.path.dirname(sys.executable)
+        if layout.nproc == 1:
+            cmd = [sys.executable, *script]
+        elif layout.launcher == "torchrun":
+            cmd = [shutil.which("torchrun", path=bindir) or "torchrun", "--standalone", "--nproc_per_node",
+                   str(layout.nproc), *script]
+        else:
+            cmd = [shutil.which("msrun", path=bindir) or "msrun", "--worker_num", str(layout.nproc),
+                   "--local_worker_num", str(layout.nproc), "--master_port", str(_free_port()), "--join", "True",
+                   "--log_dir", os.path.join(part, "logs"), *script]
+        env = dict(self.env, OMP_NUM_THREADS="1", PATH=bindir + os.pathsep + self.env.get("PATH", ""))
+        for var in ("TENSORDIFF_OUTPUT", "TENSORDIFF_STEPS", "TENSORDIFF_TENSORS", "TENSORDIFF_DISABLE"):
+            env.pop(var, None)
+        proc = subprocess.run(cmd, env=env, cwd=part, capture_output=True, text=True, timeout=900)
+        wanted = ["run.h5"] if layout.nproc == 1 else [f"run.rank{r}.h5" for r in range(layout.nproc)]
+        missing = [f for f in wanted if not os.path.exists(os.path.join(part, f))]
+        if proc.returncode != 0 or missing:
+            self.failed[layout] = (f"{layout.describe()} failed ({proc.returncode}; missing {missing}):\n"
+                                   f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            raise RuntimeError(self.failed[layout])
+        os.replace(part, folder)
+        self.seconds[os.path.join(folder, name)] = time.perf_counter() - t0
+        return os.path.join(folder, name)
+
     def run(self, case: Case) -> Outcome:
+        t0 = time.perf_counter()
         if case.mindformers is not None:
-            return self._run_mindformers(case)
-        a, b = self.capture(case.arch, case.a), self.capture(case.arch, case.b)
+            outcome = self._run_mindformers(case)
+            return replace(outcome, wall_s=time.perf_counter() - t0)
+        try:
+            if case.layout is not None:
+                a, b = self.capture_layout(case.layout.reference()), self.capture_layout(case.layout)
+            else:
+                a, b = self.capture(case.arch, case.a), self.capture(case.arch, case.b)
+        except RuntimeError as err:
+            return Outcome(case.name, case.fault, -1, "error", False, reasons=[str(err)[-1500:]],
+                           wall_s=time.perf_counter() - t0)
+        captured = sum(self.seconds.get(path, 0.0) for path in {a, b})
         report = os.path.join(self.out, f"r-{_key(case.name)}.json")
+        if os.path.exists(report):
+            os.remove(report)  # never judge a report an earlier run left
+        t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "tensordiff", "diff", a, b, "--first-divergence", "--json",
                                report], env=self.env, cwd=self.out, capture_output=True, text=True, timeout=900)
+        wall = captured + time.perf_counter() - t0
         if self.verbose:
             print(proc.stdout[-6000:])
-        if proc.returncode not in (0, 1, 3):
+        if proc.returncode not in (0, 1, 3) or not os.path.exists(report):
             return Outcome(case.name, case.fault, proc.returncode, "error", False,
-                           reasons=[(proc.stdout + proc.stderr)[-800:]])
+                           reasons=[(proc.stdout + proc.stderr)[-800:]], wall_s=wall)
         with open(report, encoding="utf-8") as fh:
             doc = json.load(fh)
-        return judge(case, doc, proc.returncode)
+        return replace(judge(case, doc, proc.returncode), wall_s=wall)
 
     def _run_mindformers(self, case: Case) -> Outcome:
         assert case.mindformers is not None
-        family, fault, graph = case.mindformers
+        family, fault, mode = case.mindformers
         out = os.path.join(self.out, f"mf-{_key(case.name)}")
         cmd = [sys.executable, os.path.join(ROOT, "examples", "megatron_vs_mindformers", "run.py"), "--family", family,
-               "--fault", fault, "--out", out] + (["--graph"] if graph else [])
+               "--fault", fault, "--out", out] + ([] if mode == "pynative" else [f"--{mode}"])
         proc = subprocess.run(cmd, env=self.env, cwd=self.out, capture_output=True, text=True, timeout=1800)
         report = os.path.join(out, "report.json")
         if not os.path.exists(report):
@@ -246,11 +399,29 @@ class Runner:
     def run_all(self, cases: list[Case], jobs: int = 2) -> list[Outcome]:
         # captures first, two at a time (each training process uses one thread), then the diffs
         sides = list({_key(asdict(c.arch), s.as_dict()): (c.arch, s) for c in cases for s in (c.a, c.b)
-                      if c.mindformers is None}.values())
+                      if c.mindformers is None and c.layout is None}.values())
         with ThreadPoolExecutor(jobs) as pool:
             list(pool.map(lambda item: self.capture(*item), sides))
+        # distributed runs: those of up to 2 processes two at a time; one of more processes takes the machine alone
+        layouts = list(dict.fromkeys(lay for c in cases if c.layout is not None
+                                     for lay in (c.layout.reference(), c.layout)))
+        with ThreadPoolExecutor(jobs) as pool:
+            list(pool.map(self._try_layout, [lay for lay in layouts if lay.nproc <= 2]))
+        for lay in layouts:
+            if lay.nproc > 2:
+                self._try_layout(lay)
         with ThreadPoolExecutor(jobs) as pool:
             return list(pool.map(self.run, cases))
+
+    def _try_layout(self, layout: Layout) -> None:
+        with contextlib.suppress(RuntimeError):  # run() reports the failure (kept in self.failed) as the outcome
+            self.capture_layout(layout)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def judge(case: Case, doc: dict, code: int) -> Outcome:
@@ -269,15 +440,22 @@ def judge(case: Case, doc: dict, code: int) -> Outcome:
     hints = doc.get("hints") or []
     hint = f"{hints[0]['cause']} {hints[0]['explained']:.0%}" if hints else ""
     found = f"{first['phase']} {first['tensor_a']}" if first else ""
+    if first and case.layout is not None and first["module_a"] not in first.get("location", ""):
+        found += f" ({first['location']})"  # found by where, not by module: the gradient reduction
     if case.fault:
         phase, *modules = expected(case)
         passed = (code == 1 and first is not None and first["phase"] == phase
                   and any(first["module_a"] == m or first["module_a"].startswith(m + ".")
                           or m in first.get("location", "") for m in modules))
+        if case.layout is not None:  # as tests/test_distributed.py asserts them: made at step 0
+            passed = passed and first is not None and first["step"] == 0
     else:
-        passed = code == 0
+        passed = code == 0 and doc["outcome"] == "agree"
+    reasons = list(doc.get("inconclusive_reasons") or [])
+    if case.layout is not None:  # what the cross-rank check found, if anything
+        reasons += [f"rank inconsistency: {r}" for r in doc.get("rank_inconsistencies") or []]
     return Outcome(case.name, case.fault, code, doc["outcome"], passed, found, hint, accounted, unaccounted,
-                   doc.get("inconclusive_reasons") or [], cov)
+                   reasons, cov)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,9 +474,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.clean:
         cases = [c for c in cases if not c.fault]
     results = Runner(args.out, verbose=args.verbose).run_all(cases)
+    layouts = {c.name: c.layout for c in cases if c.layout is not None}
     for r in results:
         mark = "PASS" if r.passed else "FAIL"
-        print(f"{mark} {r.case:50s} exit {r.exit_code} {r.outcome:12s} {r.found} {r.hint}")
+        print(f"{mark} {r.case:50s} exit {r.exit_code} {r.outcome:12s} {r.wall_s:5.0f} s  {r.found} {r.hint}")
+        if r.case in layouts:
+            print(f"      {layouts[r.case].describe()}")
         if not r.passed:
             for line in (r.unaccounted[:12] + r.reasons[:4]):
                 print(f"      {line}")
