@@ -7,7 +7,7 @@ pytest.importorskip("transformers")
 
 from examples.gpt import train
 from tensordiff.diff import DiffOptions, diff
-from tensordiff.diff.align import RenameRules
+from tensordiff.mapping import RenameRules
 
 
 @pytest.fixture(scope="module")

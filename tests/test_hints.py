@@ -126,7 +126,7 @@ def test_no_hint_on_a_clean_pair_split_qkv(gpt):
 
 def test_megatron_vs_hf_gelu_is_named_across_frameworks(tmp_path):
     pytest.importorskip("transformers")
-    from tensordiff.diff.align import RenameRules
+    from tensordiff.mapping import RenameRules
 
     ckpt, ref, hf = (str(tmp_path / n) for n in ("ckpt.safetensors", "ref.h5", "hf.h5"))
     train.main(["--capture", ref, "--train-steps", "1", "--capture-steps", "1", "--save-ckpt", ckpt])
@@ -192,7 +192,7 @@ def test_missing_bias_megatron_skip_bias_add_vs_hf(tmp_path):
 
     import tensordiff
     from examples.gpt.models import GPTSpec, build_hf_gpt2, hf_loss, make_batch
-    from tensordiff.diff.align import RenameRules
+    from tensordiff.mapping import RenameRules
 
     init, ckpt, ref, hf, port = (str(tmp_path / n) for n in ("init.safetensors", "ckpt.safetensors", "ref.h5", "hf.h5",
                                                              "port.h5"))

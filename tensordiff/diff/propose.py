@@ -266,7 +266,7 @@ def propose(path_a: str, path_b: str, step: int | None = None) -> Proposal:
 
 def _trial(prop: Proposal) -> None:
     """Diff the step with the proposed rules: what stays without a counterpart goes, commented out, into the YAML."""
-    from .align import RenameRules
+    from ..mapping import RenameRules
     from .engine import diff
 
     rules = RenameRules.from_text(_render(prop, with_left=False), "proposed mapping")

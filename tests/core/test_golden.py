@@ -31,9 +31,9 @@ from helpers import GOLDEN_DIR, UPDATE_ENV, T, check_golden, render, write_captu
 from tensordiff.ckpt import diff_tensors
 from tensordiff.ckpt.compare import CheckpointDiff
 from tensordiff.diff import DiffOptions
-from tensordiff.diff.align import RenameRules
 from tensordiff.explain import diagnose
 from tensordiff.explain.replay import ReplayResult
+from tensordiff.mapping import RenameRules
 from tensordiff.report.capture import CaptureListing, NoiseSummary, RecordTable, ReplaySummary
 from tensordiff.report.ckpt import CkptDiffReport, ConvertSummary
 from tensordiff.report.diff import DiffReport
