@@ -213,7 +213,7 @@ class ConversionTable:
         return f"mapping {self.name} needs {' and '.join(parts)}{example}"
 
     def describe(self) -> str:
-        """'mcore-to-mindformers (fc1_layout=interleaved)'."""
+        """'mcore-mindformers (fc1_layout=interleaved)'."""
         shown = [f"{k}={v}" for k, v in self.values.items() if k in self.variables]
         return self.name + (f" ({', '.join(shown)})" if shown else "")
 
