@@ -31,7 +31,7 @@ from .._text import bracket_shapes
 from ..errors import CheckpointError, MappingError, TensordiffError
 from ..mapping import PairFile
 from ..mapping import load as load_pair
-from ..mapping.names import regex
+from ..mapping.names import VAR, regex
 from ..transforms import Op, apply, contiguous, parse_op, parse_split
 from .plan import Checkpoint, Conversion, Instance, Plan, check_shapes
 from .schema import ENTRY_FIELDS, PLACEHOLDER, Dim, Entry, Var, name_regex, parse_shape, value_text
@@ -213,8 +213,11 @@ class ConversionTable:
         return f"mapping {self.name} needs {' and '.join(parts)}{example}"
 
     def describe(self) -> str:
-        """'mcore-mindformers (fc1_layout=interleaved)'."""
-        shown = [f"{k}={v}" for k, v in self.values.items() if k in self.variables]
+        """'mcore-mindformers (fc1_layout=interleaved)': the variables this section uses (not the captures' ones)."""
+        section = (self._pair.section("tensors") if self._pair else None) or {}
+        used = set(VAR.findall(str(section))) | {str(k) for e in section.get("entries") or [] if isinstance(e, dict)
+                                                 for k in (e.get("when") or {})}
+        shown = [f"{k}={v}" for k, v in self.values.items() if k in self.variables and k in used]
         return self.name + (f" ({', '.join(shown)})" if shown else "")
 
     def other(self, side: str) -> str:
