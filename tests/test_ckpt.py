@@ -112,7 +112,7 @@ def _load_strict(ms, net, path):
 
 def test_megatron_checkpoint_loads_into_real_mindformers_gptmodel(mcore, mf, workdir, capsys):
     _, tensors = mcore
-    assert td("convert", "mcore.pt", "mf.ckpt", "--mapping", "mcore-to-mindformers") == 0
+    assert td("convert", "mcore.pt", "mf.ckpt", "--mapping", "mcore-mindformers") == 0
     out = capsys.readouterr().out
     assert "mcore → mindformers" in out and "interleave(dim=0) ×2" in out
     params = _load_strict(mf["ms"], mf["gpt"], workdir / "mf.ckpt")
@@ -127,7 +127,7 @@ def test_megatron_checkpoint_loads_into_real_mindformers_gptmodel(mcore, mf, wor
 
 def test_megatron_checkpoint_loads_into_real_legacy_llama(mcore, mf, workdir):
     _, tensors = mcore
-    assert td("convert", "mcore.safetensors", "llama.ckpt", "--mapping", "mcore-to-mindformers-llama", *LLAMA_VARS) == 0
+    assert td("convert", "mcore.safetensors", "llama.ckpt", "--mapping", "mcore-mindformers-llama", *LLAMA_VARS) == 0
     params = _load_strict(mf["ms"], mf["llama"], workdir / "llama.ckpt")
     per = HEADS // GROUPS
     for i in range(LAYERS):
@@ -148,10 +148,10 @@ def test_megatron_checkpoint_loads_into_real_legacy_llama(mcore, mf, workdir):
 def test_mindformers_written_checkpoint_loads_back_into_megatron(mcore, mf, workdir):
     model, tensors = mcore
     ms = mf["ms"]
-    td("convert", "mcore.pt", "mf.ckpt", "--mapping", "mcore-to-mindformers")
+    td("convert", "mcore.pt", "mf.ckpt", "--mapping", "mcore-mindformers")
     _load_strict(ms, mf["gpt"], workdir / "mf.ckpt")
     ms.save_checkpoint(mf["gpt"], str(workdir / "mf_native.ckpt"))  # written by MindSpore from the net itself
-    assert td("convert", "mf_native.ckpt", "back.pt", "--mapping", "mcore-to-mindformers") == 0
+    assert td("convert", "mf_native.ckpt", "back.pt", "--mapping", "mcore-mindformers") == 0
     state = torch.load(workdir / "back.pt", map_location="cpu", weights_only=True)
     result = model.load_state_dict(state, strict=False)
     assert result.unexpected_keys == [] and all(k.endswith("_extra_state") for k in result.missing_keys)
@@ -163,13 +163,13 @@ def test_tied_embeddings_have_no_output_layer_on_either_side(mcore, mf, workdir)
     _, tensors = mcore
     tied = {k: v for k, v in tensors.items() if k != "output_layer.weight"}
     ckpt_files.save(tied, str(workdir / "tied.safetensors"))
-    assert td("convert", "tied.safetensors", "tied.ckpt", "--mapping", "mcore-to-mindformers", "--to", "mindformers") == 0
+    assert td("convert", "tied.safetensors", "tied.ckpt", "--mapping", "mcore-mindformers", "--to", "mindformers") == 0
     params = _load_strict(mf["ms"], mf["gpt_tied"], workdir / "tied.ckpt")
     assert "output_layer.weight" not in params
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("mapping,extra", [("mcore-to-mindformers", []), ("mcore-to-mindformers-llama", LLAMA_VARS)])
+@pytest.mark.parametrize("mapping,extra", [("mcore-mindformers", []), ("mcore-mindformers-llama", LLAMA_VARS)])
 def test_round_trip_is_bit_exact(mcore, mf, workdir, dtype, mapping, extra):
     model, _ = mcore
     state = {k: v.to(getattr(torch, dtype)) for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
@@ -194,14 +194,14 @@ def test_every_problem_is_reported_in_one_error(mcore, workdir, capsys):
     bad["decoder.layers.1.self_attention.linear_proj.weight"] = np.zeros((HIDDEN, HIDDEN - 4), np.float32)
     ckpt_files.save(bad, str(workdir / "bad.safetensors"))
     with pytest.raises(CheckpointError) as err:
-        ConversionTable.load("mcore-to-mindformers").convert(bad, source="mcore", path="bad.safetensors")
+        ConversionTable.load("mcore-mindformers").convert(bad, source="mcore", path="bad.safetensors")
     message = str(err.value)
     assert "bad.safetensors" in message and "3 missing, 1 unexpected, 1 mis-shaped" in message
     for name in gone + ["decoder.layers.7.junk.weight", "decoder.layers.1.self_attention.linear_proj.weight"]:
         assert name in message
     assert "[64, 60]" in message and "fix:" in message and "\n" not in message
 
-    assert td("convert", "bad.safetensors", "bad.ckpt", "--mapping", "mcore-to-mindformers", "--to", "mindformers") == 2
+    assert td("convert", "bad.safetensors", "bad.ckpt", "--mapping", "mcore-mindformers", "--to", "mindformers") == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tensordiff: error: bad.safetensors")
@@ -210,19 +210,19 @@ def test_every_problem_is_reported_in_one_error(mcore, workdir, capsys):
 
 def test_a_missing_variable_is_named_with_an_example(mcore, capsys):
     with pytest.raises(MappingError, match=r"needs --var groups=N .*example: tensordiff ckpt convert"):
-        ConversionTable.load("mcore-to-mindformers-llama", {"heads": "4"})
-    assert td("convert", "mcore.pt", "x.ckpt", "--mapping", "mcore-to-mindformers-llama", "--var", "heads=4") == 2
+        ConversionTable.load("mcore-mindformers-llama", {"heads": "4"})
+    assert td("convert", "mcore.pt", "x.ckpt", "--mapping", "mcore-mindformers-llama", "--var", "heads=4") == 2
     assert "--var groups=N" in capsys.readouterr().err
     # a wrong head count is caught as a shape problem, not silently mis-split
-    assert td("convert", "mcore.pt", "x.ckpt", "--mapping", "mcore-to-mindformers-llama", "--var", "heads=8",
+    assert td("convert", "mcore.pt", "x.ckpt", "--mapping", "mcore-mindformers-llama", "--var", "heads=8",
               "--var", "groups=2") == 2
     assert "heads+2*groups" in capsys.readouterr().err
 
 
 def test_diff_converted_checkpoint_is_identical_then_names_a_perturbed_tensor(mcore, mf, workdir, capsys):
     _, tensors = mcore
-    td("convert", "mcore.pt", "mf.ckpt", "--mapping", "mcore-to-mindformers")
-    td("convert", "mcore.pt", "llama.ckpt", "--mapping", "mcore-to-mindformers-llama", *LLAMA_VARS)
+    td("convert", "mcore.pt", "mf.ckpt", "--mapping", "mcore-mindformers")
+    td("convert", "mcore.pt", "llama.ckpt", "--mapping", "mcore-mindformers-llama", *LLAMA_VARS)
     capsys.readouterr()
     assert td("diff", "mcore.pt", "mf.ckpt", "--width", "80", "--max-rows", "0", "--json", "same.json") == 0
     out = capsys.readouterr().out
@@ -240,7 +240,7 @@ def test_diff_converted_checkpoint_is_identical_then_names_a_perturbed_tensor(mc
     changed[victim] = changed[victim].copy()
     changed[victim][3, 5] += 1e-3
     ckpt_files.save(changed, str(workdir / "mf_changed.ckpt"))
-    assert td("diff", "mcore.pt", "mf_changed.ckpt", "--mapping", "mcore-to-mindformers", "--width", "80",
+    assert td("diff", "mcore.pt", "mf_changed.ckpt", "--mapping", "mcore-mindformers", "--width", "80",
               "--json", "changed.json") == 1
     out = capsys.readouterr().out
     assert "DIFFERS" in out and "Different: decoder.layers.1.mlp.linear_fc2.weight" in out
@@ -249,7 +249,7 @@ def test_diff_converted_checkpoint_is_identical_then_names_a_perturbed_tensor(mc
 
 
 def test_diff_flags_a_layout_variable_that_does_not_match(mcore, mf, workdir, capsys):
-    td("convert", "mcore.pt", "stacked.ckpt", "--mapping", "mcore-to-mindformers", "--var", "fc1_layout=stacked")
+    td("convert", "mcore.pt", "stacked.ckpt", "--mapping", "mcore-mindformers", "--var", "fc1_layout=stacked")
     capsys.readouterr()
     assert td("diff", "mcore.pt", "stacked.ckpt", "--json", "stacked.json") == 1
     assert "DIFFERS" in capsys.readouterr().out
@@ -268,7 +268,7 @@ def test_pickled_objects_are_refused_not_unpickled(mcore, workdir, capsys):
     torch.save({"embedding.word_embeddings.weight": torch.ones(2), "config": NotATensor()}, workdir / "pickle.pt")
     with pytest.raises(CheckpointError, match=r"weights_only=True.*NotATensor"):
         ckpt_files.load(str(workdir / "pickle.pt"))
-    assert td("convert", "pickle.pt", "x.ckpt", "--mapping", "mcore-to-mindformers") == 2
+    assert td("convert", "pickle.pt", "x.ckpt", "--mapping", "mcore-mindformers") == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
@@ -282,7 +282,7 @@ def test_pickled_objects_are_refused_not_unpickled(mcore, workdir, capsys):
 def test_unreadable_files_give_one_line(workdir, name, content, expected, capsys):
     if content is not None:
         (workdir / name).write_bytes(content)
-    assert td("convert", name, "x.ckpt", "--mapping", "mcore-to-mindformers") == 2
+    assert td("convert", name, "x.ckpt", "--mapping", "mcore-mindformers") == 2
     err = capsys.readouterr().err
     assert expected in err and len(err.strip().splitlines()) == 1
 

@@ -7,7 +7,7 @@ pytest.importorskip("transformers")
 
 from examples.gpt import train
 from tensordiff.diff import DiffOptions, diff
-from tensordiff.diff.align import RenameRules
+from tensordiff.mapping import RenameRules
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_fused_vs_split_qkv_is_not_a_divergence(runs):
 
 
 def test_megatron_vs_hf_gpt2_diverges_inside_the_first_mlp(runs):
-    mapping = RenameRules.load("hf-gpt2-to-mcore", {"heads": "4"})
+    mapping = RenameRules.load("mcore-hf-gpt2", {"heads": "4"})
     result = diff(runs("ref"), runs("hf", "--framework", "hf"), DiffOptions(mapping=mapping))
     first = result.first
     assert first is not None
@@ -119,6 +119,6 @@ def test_megatron_vs_hf_gpt2_with_the_same_gelu_agrees(runs, tmp_path):
             opt.step()
             opt.zero_grad()
             cap.step(loss)
-    result = diff(runs("ref"), path, DiffOptions(mapping=RenameRules.load("hf-gpt2-to-mcore", {"heads": "4"})))
+    result = diff(runs("ref"), path, DiffOptions(mapping=RenameRules.load("mcore-hf-gpt2", {"heads": "4"})))
     assert result.first is None, result.first and result.first.explanation
     assert result.count("ok") > 150

@@ -1,8 +1,8 @@
 """Hugging Face LlamaForCausalLM vs megatron-core (llama spec), from one checkpoint, as a new user runs them.
 
 Both training scripts (examples/hf_vs_megatron/) are plain: neither imports tensordiff. They are captured
-with `tensordiff capture --auto`, the checkpoint is converted with the built-in mcore-to-hf-llama table, and
-`tensordiff diff` is given no --mapping and no --var: it must pick hf-llama-to-mcore (4 heads in 2 query
+with `tensordiff capture --auto`, the checkpoint is converted with the built-in mcore-hf-llama table, and
+`tensordiff diff` is given no --mapping and no --var: it must pick mcore-hf-llama (4 heads in 2 query
 groups) and join q/k/v onto linear_qkv and gate/up onto linear_fc1. Each fault is one mistake on the Hugging
 Face side, with the answer written down before running. Real transformers and megatron-core, no mocks.
 """
@@ -60,7 +60,7 @@ def _diff(folder, b_name, tmp_path, *extra):
 def test_a_clean_pair_agrees_with_no_mapping_given(clean, tmp_path, capsys):
     folder, proc = clean
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "mapping hf-llama-to-mcore (heads=4, groups=2), picked from the captures" in proc.stdout
+    assert "mapping mcore-hf-llama (heads=4, groups=2), picked from the captures" in proc.stdout
     assert "No divergence: every record of both runs was compared" in proc.stdout
     code, report = _diff(folder, "hf.h5", tmp_path)
     assert code == 0 and report["outcome"] == "agree"
@@ -99,7 +99,7 @@ def test_a_fault_on_the_hf_side_is_found_at_its_module_with_the_right_hint(clean
 
 def test_a_wrong_query_group_count_is_never_a_pass(clean, tmp_path):
     folder, _ = clean
-    code, report = _diff(folder, "hf.h5", tmp_path, "--mapping", "hf-llama-to-mcore", "--var", "heads=4",
+    code, report = _diff(folder, "hf.h5", tmp_path, "--mapping", "mcore-hf-llama", "--var", "heads=4",
                          "--var", "groups=4")
     assert code == 3 and report["outcome"] == "inconclusive"
     assert any(r["verdict"] == "shape" and r["module_a"].endswith("linear_qkv") for r in report["rows"])

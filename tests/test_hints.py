@@ -126,13 +126,13 @@ def test_no_hint_on_a_clean_pair_split_qkv(gpt):
 
 def test_megatron_vs_hf_gelu_is_named_across_frameworks(tmp_path):
     pytest.importorskip("transformers")
-    from tensordiff.diff.align import RenameRules
+    from tensordiff.mapping import RenameRules
 
     ckpt, ref, hf = (str(tmp_path / n) for n in ("ckpt.safetensors", "ref.h5", "hf.h5"))
     train.main(["--capture", ref, "--train-steps", "1", "--capture-steps", "1", "--save-ckpt", ckpt])
     train.main(["--framework", "hf", "--load-ckpt", ckpt, "--capture", hf, "--train-steps", "1", "--capture-steps", "1"])
     # megatron-core uses the exact (erf) GELU, HF GPT-2 its default gelu_new (tanh)
-    result = diff(ref, hf, DiffOptions(mapping=RenameRules.load("hf-gpt2-to-mcore", {"heads": "4"})))
+    result = diff(ref, hf, DiffOptions(mapping=RenameRules.load("mcore-hf-gpt2", {"heads": "4"})))
     top = _top(result)
     assert top.cause == "activation" and top.details["b"] == "gelu (tanh approximation)"
     assert top.explained > 0.99
@@ -192,7 +192,7 @@ def test_missing_bias_megatron_skip_bias_add_vs_hf(tmp_path):
 
     import tensordiff
     from examples.gpt.models import GPTSpec, build_hf_gpt2, hf_loss, make_batch
-    from tensordiff.diff.align import RenameRules
+    from tensordiff.mapping import RenameRules
 
     init, ckpt, ref, hf, port = (str(tmp_path / n) for n in ("init.safetensors", "ckpt.safetensors", "ref.h5", "hf.h5",
                                                              "port.h5"))
@@ -205,7 +205,7 @@ def test_missing_bias_megatron_skip_bias_add_vs_hf(tmp_path):
     save_file(state, ckpt)
     train.main(["--load-ckpt", ckpt, "--capture", ref, "--train-steps", "1", "--capture-steps", "1"])
     train.main(["--framework", "hf", "--load-ckpt", ckpt, "--capture", hf, "--train-steps", "1", "--capture-steps", "1"])
-    mapping = RenameRules.load("hf-gpt2-to-mcore", {"heads": "4"})
+    mapping = RenameRules.load("mcore-hf-gpt2", {"heads": "4"})
     result = diff(ref, hf, DiffOptions(mapping=mapping))
     # what is left is the GELU: HF GPT-2's gelu_new (tanh) against megatron's erf, after linear_proj
     assert result.first.module_a == "decoder.layers.0.mlp.linear_fc2" and _top(result).cause == "activation"

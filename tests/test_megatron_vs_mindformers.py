@@ -40,11 +40,11 @@ def test_all_fixes_agree_within_fp32_noise(tmp_path, family):
     assert report["outcome"] == "agree" and report["inconclusive_reasons"] == []
     assert all(c["only_a"] == c["only_b"] == 0 for c in report["coverage"].values())
     assert report["first_divergence"] is None and report["hints"] == []
-    picked = {"gpt2": None, "llama": "mindformers-to-mcore (fc1=deinterleave, kv_repeat=1), picked from the captures",
+    picked = {"gpt2": None, "llama": "mcore-mindformers (fc1_layout=interleaved, kv_repeat=1), picked from the captures",
               # stacked fc1, keyword calls, no --mapping given: the layout is read from B's MLP class
-              "llama-stacked": "mindformers-to-mcore (fc1=identity, kv_repeat=1), picked from the captures",
-              "qwen3": "mindformers-to-mcore (fc1=deinterleave, kv_repeat=2), picked from the captures",
-              "llama-legacy": "mindformers-llama-to-mcore (heads=4, groups=4), picked from the captures"}[family]
+              "llama-stacked": "mcore-mindformers (fc1_layout=stacked, kv_repeat=1), picked from the captures",
+              "qwen3": "mcore-mindformers (fc1_layout=interleaved, kv_repeat=2), picked from the captures",
+              "llama-legacy": "mcore-mindformers-llama (heads=4, groups=4), picked from the captures"}[family]
     assert picked is None or report["mapping_note"].startswith(picked), report["mapping_note"]
     s = report["summary"]
     assert s["diverged"] == 0 and s["shape_mismatch"] == 0

@@ -73,7 +73,7 @@ def test_megatron_code_on_mindspore_inputs_and_mindspore_replay(tmp_path):
     subprocess.run([sys.executable, os.path.join(ROOT, "examples/megatron_vs_mindformers/run.py"), "--family", "gpt2",
                     "--fault", "gelu-approx", "--out", str(out)], capture_output=True, text=True, timeout=600)
     a, b = str(out / "megatron.h5"), str(out / "mindspore.h5")
-    mapping = os.path.join(ROOT, "examples/megatron_vs_mindformers/ms_gpt_mapping.yaml")
+    mapping = os.path.join(ROOT, "examples/megatron_vs_mindformers/ms_gpt_pair.yaml")
     report = str(tmp_path / "r.json")
     env = dict(os.environ, PYTHONPATH=ROOT)
     # megatron-core's layer 0 on the inputs MindSpore's layer 0 received: the GELU difference is made inside it

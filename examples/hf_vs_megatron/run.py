@@ -4,8 +4,8 @@
     python examples/hf_vs_megatron/run.py --fault rms-eps    # one mistake on the Hugging Face side
 
 Neither training script imports tensordiff: both are captured with ``tensordiff capture --auto``,
-the checkpoint is converted with the built-in ``mcore-to-hf-llama`` table, and ``tensordiff diff``
-picks the built-in ``hf-llama-to-mcore`` mapping (q/k/v and gate/up joined) from the captures.
+the checkpoint is converted with the built-in ``mcore-hf-llama`` table, and ``tensordiff diff``
+picks the built-in ``mcore-hf-llama`` mapping (q/k/v and gate/up joined) from the captures.
 Prints every command it runs and exits with ``tensordiff diff``'s code (0 agree, 1 divergence,
 2 error, 3 inconclusive). Files go to --out.
 """
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     for cmd in (
         td + ["capture", "--auto", "-o", "mcore.h5"] + steps + ["--", py, os.path.join(HERE, "megatron_train.py"),
                                                                  "--save-weights", "mcore.safetensors"] + steps,
-        td + ["ckpt", "convert", "mcore.safetensors", "hf.safetensors", "--mapping", "mcore-to-hf-llama",
+        td + ["ckpt", "convert", "mcore.safetensors", "hf.safetensors", "--mapping", "mcore-hf-llama",
               "--var", "heads=4", "--var", "groups=2"],
         td + ["capture", "--auto", "-o", "hf.h5"] + steps + ["--", py, os.path.join(HERE, "hf_train.py"),
                                                               "--weights", "hf.safetensors"] + steps + FAULTS[args.fault],

@@ -28,11 +28,11 @@ from examples.megatron_vs_mindformers.spec import FAMILIES  # noqa: E402
 #: per family: (checkpoint table, its --var values, capture mapping, its --var values); no capture mapping:
 #: tensordiff diff picks the built-in one (and its variables) from the two captures and says which
 SETUP: dict[str, tuple[str, list[str], str | None, list[str]]] = {
-    "gpt2": (os.path.join(HERE, "ms_gpt_ckpt.yaml"), [], os.path.join(HERE, "ms_gpt_mapping.yaml"), []),
-    "llama": ("mcore-to-mindformers", ["heads=4", "groups=4"], None, []),
-    "llama-stacked": ("mcore-to-mindformers", ["heads=4", "groups=4", "fc1_layout=stacked"], None, []),
-    "llama-legacy": ("mcore-to-mindformers-llama", ["heads=4", "groups=4"], None, []),
-    "qwen3": ("mcore-to-mindformers", ["heads=4", "groups=2"], None, []),
+    "gpt2": (os.path.join(HERE, "ms_gpt_pair.yaml"), [], os.path.join(HERE, "ms_gpt_pair.yaml"), []),
+    "llama": ("mcore-mindformers", ["heads=4", "groups=4"], None, []),
+    "llama-stacked": ("mcore-mindformers", ["heads=4", "groups=4", "fc1_layout=stacked"], None, []),
+    "llama-legacy": ("mcore-mindformers-llama", ["heads=4", "groups=4"], None, []),
+    "qwen3": ("mcore-mindformers", ["heads=4", "groups=2"], None, []),
 }
 
 

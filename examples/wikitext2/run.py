@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         [py, os.path.join(HERE, "prepare.py"), "--data", data, "-o", f["tokens"]],
         [py, os.path.join(HERE, "megatron_train.py"), "--tokens", f["tokens"], "--steps", steps,
          "--save-ckpt", f["ckpt"], "--capture", f["a"], "--log", f["log"], "--gelu", args.megatron_gelu],
-        td + ["ckpt", "convert", f["ckpt"], f["ms_ckpt"], "--mapping", "mcore-to-mindformers", "--to", "mindformers",
+        td + ["ckpt", "convert", f["ckpt"], f["ms_ckpt"], "--mapping", "mcore-mindformers", "--to", "mindformers",
               "--var", "norm=layernorm", "--var", "fc1_layout=stacked", "--var", "heads=4", "--var", "groups=4"],
         [py, os.path.join(HERE, "mindformers_train.py"), "--tokens", f["tokens"], "--steps", steps,
          "--load-ckpt", f["ms_ckpt"], "--capture", f["b"]],
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run.py: the step above failed with exit code {code}", file=sys.stderr)
             return 2
     print("\nThe first step, tensor by tensor:", flush=True)
-    code = _run(td + ["diff", f["a"], f["b"], "--mapping", "mindformers-to-mcore", "--var", "fc1=identity",
+    code = _run(td + ["diff", f["a"], f["b"], "--mapping", "mcore-mindformers", "--var", "fc1_layout=stacked",
                       "--first-divergence", "--max-rows", "8", "--json", f["diff"]], quiet=False, cwd=out)
     if code == 2:
         return 2

@@ -18,7 +18,7 @@ from .._text import listing, plural
 from ..diff.metrics import Metrics, compare_arrays
 from ..diff.tolerance import Tolerances
 from ..errors import CheckpointError, TensordiffError, UsageError
-from ..mappings import ckpt_tables
+from ..mapping import builtin_with
 from ..transforms import contiguous
 from .files import describe_skipped, format_of, load_with_skipped
 from .plan import Checkpoint, Conversion
@@ -185,7 +185,7 @@ def diff_checkpoints(path_a: str, path_b: str, mapping: str | None = None, varia
     if conv is not None and table is not None:
         _explain_layouts(rows, conv, table, a, b_raw)
     if table is None and any(r.verdict == "differs" for r in rows):
-        for name in ckpt_tables():
+        for name in builtin_with("tensors"):
             try:
                 fits = ConversionTable.load(name, variables, lenient=True)
             except TensordiffError:
@@ -211,7 +211,7 @@ def _detect(a: Checkpoint, b: Checkpoint, path_a: str, path_b: str, variables: d
     if set(a) == set(b) and sides is None and (len(formats) == 1 or "safetensors" in formats):
         return None  # same names, and nothing says the files come from different frameworks
     best: tuple[float, str] | None = None
-    for name in ckpt_tables():
+    for name in builtin_with("tensors"):
         try:
             table = ConversionTable.load(name, variables, lenient=True)
         except TensordiffError:

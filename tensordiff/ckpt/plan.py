@@ -11,7 +11,7 @@ import numpy as np
 
 from .._text import bracket_shape, bracket_shapes, listing
 from ..errors import CheckpointError, TensordiffError
-from ..mappings import ckpt_tables
+from ..mapping import builtin_with
 from .schema import Dim, Entry
 
 Checkpoint = dict[str, np.ndarray]
@@ -89,7 +89,7 @@ class Plan:
                 continue
         matched = len(self.instances)
         if self.unexpected and len(self.unexpected) > matched:
-            others = [n for n in ckpt_tables() if n != table.name]
+            others = [n for n in builtin_with("tensors") if n != table.name]
             hints.append(f"check that this is a {self.source} checkpoint for {table.name}"
                          + (f" (other tables: {', '.join(others)})" if others else "")
                          + f", or pass --to {self.source} if the direction was guessed wrong")

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import MappingError
+from ..mapping.names import PLACEHOLDER, regex
+from ..mapping.pairfile import Var, value_text
 from ..transforms import Op, Split
 
 # ------------------------------------------------------------------------------ symbolic shapes
@@ -60,16 +62,7 @@ def parse_shape(raw: Any, where: str) -> tuple[Dim, ...]:
 
 # ---------------------------------------------------------------------------------------- tables
 ENTRY_FIELDS = {"shape", "split", "optional", "when"}
-PLACEHOLDER = re.compile(r"\{(\w+)\}")
-VAR = re.compile(r"\$\{(\w+)\}")
-
-
-@dataclass(frozen=True)
-class Var:
-    name: str
-    default: str | None = None
-    choices: tuple[str, ...] = ()
-    help: str = ""
+__all__ = ["ENTRY_FIELDS", "PLACEHOLDER", "Dim", "Entry", "Var", "name_regex", "parse_shape", "value_text"]
 
 
 @dataclass
@@ -100,14 +93,5 @@ class Entry:
 
 
 def name_regex(name: str) -> re.Pattern:
-    parts = PLACEHOLDER.split(name)
-    out = []
-    for k, part in enumerate(parts):
-        out.append(re.escape(part) if k % 2 == 0 else f"(?P<{part}>0|[1-9][0-9]*)")
-    return re.compile("".join(out))
-
-
-def value_text(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
+    """A tensor name with ``{i}`` placeholders as a regex (the one name syntax, ``tensordiff.mapping.names``)."""
+    return re.compile(regex(name))

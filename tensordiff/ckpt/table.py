@@ -18,7 +18,6 @@ shape of the source and raises one ``CheckpointError`` that lists all problems a
 
 from __future__ import annotations
 
-import fnmatch
 import itertools
 import os
 import re
@@ -29,16 +28,13 @@ from typing import Any
 
 from .. import dtypes
 from .._text import bracket_shapes
-from .._yaml import load_yaml
 from ..errors import CheckpointError, MappingError, TensordiffError
-from ..mappings import ckpt_tables
+from ..mapping import PairFile
+from ..mapping import load as load_pair
+from ..mapping.names import VAR, regex
 from ..transforms import Op, apply, contiguous, parse_op, parse_split
 from .plan import Checkpoint, Conversion, Instance, Plan, check_shapes
-from .schema import ENTRY_FIELDS, PLACEHOLDER, VAR, Dim, Entry, Var, name_regex, parse_shape, value_text
-
-TABLE_VERSION = 1
-#: Placeholders (``{i}`` in names) and the variable that holds how many values they take.
-DEFAULT_INDICES = {"i": "num_layers"}
+from .schema import ENTRY_FIELDS, PLACEHOLDER, Dim, Entry, Var, name_regex, parse_shape, value_text
 
 
 @dataclass
@@ -59,60 +55,32 @@ class ConversionTable:
     example: str = ""
     missing_vars: tuple[str, ...] = ()
     """variables the active entries use but nobody set (only when loaded with ``lenient=True``)."""
-    _doc: dict = field(default_factory=dict, repr=False)
+    _pair: PairFile | None = field(default=None, repr=False)
+    _ignore_rx: dict[str, tuple[re.Pattern, ...]] = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, name_or_path: str, variables: dict[str, str] | None = None, lenient: bool = False) -> ConversionTable:
-        """A built-in table by name, or a YAML file. ``lenient``: do not fail on unset variables (names only)."""
-        path = name_or_path
-        tables = ckpt_tables()
-        if not os.path.exists(path) and path in tables:
-            path = tables[path]
-        try:
-            with open(path, encoding="utf-8") as fh:
-                text = fh.read()
-        except UnicodeDecodeError as err:
-            raise MappingError(f"{path}: not UTF-8 text (byte {err.start}: {err.object[err.start:err.start + 4]!r}); save the "
-                               "table as UTF-8") from None
-        except OSError as err:
-            known = ", ".join(tables) or "none"
-            raise MappingError(f"{name_or_path}: no such checkpoint mapping ({err.strerror}); built-in tables: {known}; "
-                               "or pass the path of a YAML table (see docs/checkpoints.md)") from None
-        doc = load_yaml(text, path, "table")
-        name = os.path.basename(path)[:-5] if path.endswith(".yaml") else os.path.basename(path)
-        return cls.from_doc(doc, name, path, variables, lenient)
+        """The ``tensors`` section of a built-in pair (by name) or a file. ``lenient``: do not fail on unset
+        variables (names only)."""
+        return cls.from_pair(load_pair(name_or_path, variables), lenient)
 
     @classmethod
-    def from_doc(cls, doc: Any, name: str, path: str, variables: dict[str, str] | None = None,
-                 lenient: bool = False) -> ConversionTable:
-        if not isinstance(doc, dict) or "entries" not in doc or "sides" not in doc:
-            raise MappingError(f"{path}: a checkpoint table is a YAML mapping with 'sides:' and 'entries:' (see "
-                               "docs/checkpoints.md)")
-        if doc.get("tensordiff_ckpt_table", TABLE_VERSION) != TABLE_VERSION:
-            raise MappingError(f"{path}: tensordiff_ckpt_table {doc.get('tensordiff_ckpt_table')!r} is not supported "
-                               f"(this tensordiff reads version {TABLE_VERSION})")
-        sides = doc["sides"]
-        if not (isinstance(sides, list) and len(sides) == 2 and all(isinstance(s, str) for s in sides) and sides[0] != sides[1]):
-            raise MappingError(f"{path}: sides must name two different sides, e.g. [mcore, mindformers]; got {sides!r}")
-        side_a, side_b = sides
-        _check_top_level(doc, path, sides)
-        var_defs: dict[str, Var] = {}
-        for vname, spec in (doc.get("vars") or {}).items():
-            if isinstance(spec, dict):
-                default = spec.get("default")
-                var_defs[str(vname)] = Var(str(vname), None if default is None else value_text(default),
-                                           tuple(value_text(c) for c in spec.get("choices") or ()), str(spec.get("help", "")))
-            else:
-                var_defs[str(vname)] = Var(str(vname), None if spec is None else value_text(spec))
-        indices = {str(k): str(v) for k, v in (doc.get("indices") or DEFAULT_INDICES).items()}
-        values = {v.name: v.default for v in var_defs.values() if v.default is not None}
-        values.update({str(k): value_text(v) for k, v in (variables or {}).items()})
-        table = cls(name=name, path=path, description=str(doc.get("description", "")), sides=(side_a, side_b),
-                    formats={s: tuple(str(x) for x in (doc.get("formats") or {}).get(s) or ()) for s in sides},
-                    variables=var_defs, values=values,
-                    ignore={s: tuple(str(x) for x in (doc.get("ignore") or {}).get(s) or ()) for s in sides},
-                    entries=[], indices=indices, example=str(doc.get("example", "")), _doc=doc)
+    def from_pair(cls, pair: PairFile, lenient: bool = False) -> ConversionTable:
+        section = pair.section("tensors")
+        path = pair.path
+        if section is None:
+            raise MappingError(f"{path}: no 'tensors:' section, so it cannot convert checkpoints (it lines up "
+                               "captures only); add one (docs/mapping.md)")
+        if "entries" not in section:
+            raise MappingError(f"{path}: tensors: needs an 'entries:' list (see docs/mapping.md)")
+        _check_section(section, path, pair.sides)
+        table = cls(name=pair.name, path=path, description=pair.description, sides=pair.sides,
+                    formats={s: tuple(str(x) for x in (section.get("formats") or {}).get(s) or ()) for s in pair.sides},
+                    variables=dict(pair.variables), values=dict(pair.values),
+                    ignore={s: tuple(str(x) for x in (section.get("ignore") or {}).get(s) or ()) for s in pair.sides},
+                    entries=[], indices=dict(pair.indices), example=pair.example, _pair=pair)
+        table._ignore_rx = {s: tuple(re.compile(regex(p, numbers=False)) for p in table.ignore[s]) for s in pair.sides}
         table._bind(lenient)
         return table
 
@@ -121,7 +89,7 @@ class ConversionTable:
             if var.choices and vname in self.values and self.values[vname] not in var.choices:
                 raise MappingError(f"{self.name}: --var {vname}={self.values[vname]} is not one of {', '.join(var.choices)}"
                                    + (f" ({var.help})" if var.help else ""))
-        raw_entries = self._doc["entries"] or []
+        raw_entries = (self._pair.section("tensors") or {}).get("entries") or []
         if not isinstance(raw_entries, list):
             raise MappingError(f"{self.path}: entries: must be a list")
         missing: list[str] = []
@@ -162,23 +130,15 @@ class ConversionTable:
                                f"fields are {', '.join(sorted(allowed))}")
         if not isinstance(raw.get("optional", False), bool):
             raise MappingError(f"{where}: optional: must be true or false, got {raw['optional']!r}")
+        assert self._pair is not None
+        pair = self._pair
         when = raw.get("when") or {}
-        if not isinstance(when, dict):
-            raise MappingError(f"{where}: when: must map variables to values, e.g. {{fc1_layout: stacked}}")
-        for vname, want in when.items():
-            if str(vname) not in self.values:
-                raise MappingError(f"{where}: when: uses variable {vname!r}, which has no value and no default in vars:")
-            if self.values[str(vname)] != value_text(want):
-                return None
+        if not pair.holds(when, where):
+            return None
         unset: list[str] = []
 
         def subst(text: Any) -> str:
-            def repl(m: re.Match) -> str:
-                if m.group(1) in self.values:
-                    return self.values[m.group(1)]
-                unset.append(m.group(1))
-                return m.group(0)
-            return VAR.sub(repl, str(text))
+            return pair.subst(text, where, unset)
 
         names: dict[str, tuple[str, ...]] = {}
         for side in self.sides:
@@ -236,8 +196,9 @@ class ConversionTable:
                 if choice == self.values.get(vname):
                     continue
                 try:
-                    alt = ConversionTable.from_doc(self._doc, self.name, self.path, {**self.values, vname: choice},
-                                                   lenient=True)
+                    assert self._pair is not None
+                    alt = ConversionTable.from_pair(self._pair.with_values({**self.values, vname: choice}),
+                                                    lenient=True)
                 except TensordiffError:
                     continue
                 if not alt.missing_vars:
@@ -252,8 +213,11 @@ class ConversionTable:
         return f"mapping {self.name} needs {' and '.join(parts)}{example}"
 
     def describe(self) -> str:
-        """'mcore-to-mindformers (fc1_layout=interleaved)'."""
-        shown = [f"{k}={v}" for k, v in self.values.items() if k in self.variables]
+        """'mcore-mindformers (fc1_layout=interleaved)': the variables this section uses (not the captures' ones)."""
+        section = (self._pair.section("tensors") if self._pair else None) or {}
+        used = set(VAR.findall(str(section))) | {str(k) for e in section.get("entries") or [] if isinstance(e, dict)
+                                                 for k in (e.get("when") or {})}
+        shown = [f"{k}={v}" for k, v in self.values.items() if k in self.variables and k in used]
         return self.name + (f" ({', '.join(shown)})" if shown else "")
 
     def other(self, side: str) -> str:
@@ -261,7 +225,7 @@ class ConversionTable:
 
     # ------------------------------------------------------------------ matching
     def ignored(self, key: str, side: str) -> bool:
-        return any(fnmatch.fnmatchcase(key, pat) for pat in self.ignore[side])
+        return any(rx.fullmatch(key) for rx in self._ignore_rx[side])
 
     def match(self, key: str, side: str) -> tuple[Entry, int, dict[str, int]] | None:
         """The entry (and part, and placeholder values) whose ``side`` name is ``key``."""
@@ -383,17 +347,18 @@ class ConversionTable:
         return Conversion(tensors=out, plan=plan, origin=origin, applied=applied)
 
 
-def _scalar(value: Any) -> bool:
-    return isinstance(value, (str, int, float, bool))
-
-
-def _check_top_level(doc: dict, path: str, sides: list[str]) -> None:
-    """The types of a table's keys besides its entries: one error naming the key, never a crash or a silent skip."""
+def _check_section(section: dict, path: str, sides: tuple[str, str]) -> None:
+    """The types of the ``tensors`` section's keys besides its entries: one error naming the key, never a crash or a
+    silent skip."""
     def fail(key: str, expected: str, got: Any) -> MappingError:
-        return MappingError(f"{path}: {key}: expected {expected}, got {got!r}; see docs/checkpoints.md")
+        return MappingError(f"{path}: tensors: {key}: expected {expected}, got {got!r}; see docs/mapping.md")
 
+    unknown = set(map(str, section)) - {"formats", "ignore", "entries"}
+    if unknown:
+        raise MappingError(f"{path}: tensors: unknown key(s) {', '.join(sorted(unknown))}; the keys are entries, "
+                           "formats and ignore (docs/mapping.md)")
     for key in ("formats", "ignore"):
-        value = doc.get(key)
+        value = section.get(key)
         if value is None:
             continue
         if not isinstance(value, dict):
@@ -403,22 +368,3 @@ def _check_top_level(doc: dict, path: str, sides: list[str]) -> None:
                 raise fail(key, f"sides named in 'sides:' ({', '.join(sides)})", side)
             if items is not None and not (isinstance(items, list) and all(isinstance(x, str) for x in items)):
                 raise fail(f"{key}: {side}", "a list of text", items)
-    vars_ = doc.get("vars")
-    if vars_ is not None:
-        if not isinstance(vars_, dict):
-            raise fail("vars", "a mapping of names to a default or {default:, choices:, help:}", vars_)
-        for name, spec in vars_.items():
-            if isinstance(spec, dict):
-                unknown = set(spec) - {"default", "choices", "help"}
-                if unknown:
-                    raise fail(f"vars: {name}", "the keys default, choices and help", sorted(unknown))
-                if spec.get("default") is not None and not _scalar(spec["default"]):
-                    raise fail(f"vars: {name}: default", "text, a number or true/false", spec["default"])
-                choices = spec.get("choices")
-                if choices is not None and not (isinstance(choices, list) and all(_scalar(c) for c in choices)):
-                    raise fail(f"vars: {name}: choices", "a list of text or numbers", choices)
-            elif spec is not None and not _scalar(spec):
-                raise fail(f"vars: {name}", "text, a number or {default:, choices:, help:}", spec)
-    indices = doc.get("indices")
-    if indices is not None and not (isinstance(indices, dict) and all(_scalar(v) for v in indices.values())):
-        raise fail("indices", "a mapping of placeholders to variable names", indices)

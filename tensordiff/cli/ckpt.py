@@ -17,19 +17,19 @@ from typing import Any
 from ..ckpt.compare import diff_checkpoints
 from ..ckpt.convert import convert_file
 from ..errors import UsageError
-from ..mappings import ckpt_tables
+from ..mapping import builtin_with
 from ..report.ckpt import CkptDiffReport, ConvertSummary
 from ._args import add_output, add_var, console, parse_vars, write_json
 
-CONVERT_EXAMPLE = ("example: tensordiff ckpt convert mcore.pt mf.ckpt --mapping mcore-to-mindformers; "
-                   "tensordiff ckpt convert mcore.pt llama.ckpt --mapping mcore-to-mindformers-llama "
+CONVERT_EXAMPLE = ("example: tensordiff ckpt convert mcore.pt mf.ckpt --mapping mcore-mindformers; "
+                   "tensordiff ckpt convert mcore.pt llama.ckpt --mapping mcore-mindformers-llama "
                    "--var heads=32 --var groups=8")
-DIFF_EXAMPLE = "example: tensordiff ckpt diff mcore.pt mf.ckpt --mapping mcore-to-mindformers --json diff.json"
+DIFF_EXAMPLE = "example: tensordiff ckpt diff mcore.pt mf.ckpt --mapping mcore-mindformers --json diff.json"
 
 
 def add_parsers(sub: Any) -> None:
     """``ckpt`` with its actions ``convert`` and ``diff``."""
-    tables = ", ".join(ckpt_tables()) or "none"
+    tables = ", ".join(builtin_with("tensors")) or "none"
     k = sub.add_parser("ckpt", help="convert or compare checkpoints across frameworks",
                        description=f"Convert one checkpoint between megatron-core and MindFormers, or compare two. "
                                    f"Built-in tables: {tables} (see docs/checkpoints.md).", epilog=CONVERT_EXAMPLE)

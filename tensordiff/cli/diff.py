@@ -6,10 +6,10 @@ import argparse
 from typing import Any
 
 from ..diff import noise as noises
-from ..diff.align import RenameRules
 from ..diff.result import DiffOptions
 from ..diff.tolerance import Tolerances
 from ..explain import diagnose
+from ..mapping import RenameRules
 from ..record import PHASES
 from ..report.diff import DiffReport
 from ._args import add_jobs, add_output, add_var, apply_jobs, check_numbers, console, parse_vars, write_json

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from typing import Any
 
 from .._text import listing, plural
@@ -61,12 +62,12 @@ def run(args: argparse.Namespace) -> int:
         if left:
             n = sum(len(v) for v in left.values())
             out.print(f"no counterpart in {'B' if side == 'A' else 'A'} for {plural(n, 'record', 'records')} of {side}: "
-                      f"{listing(_shown(p) for p in left)} (commented out under ignore_{side.lower()}: uncomment "
+                      f"{listing(_shown(p) for p in left)} (commented out under ignore: uncomment "
                       "what should be left out)")
     out.print(f"wrote {args.output}; next: tensordiff diff {args.a} {args.b} --mapping {args.output}")
     return 0
 
 
 def _shown(pattern: str) -> str:
-    """A module regex as a reader writes the name: 'decoder.layers.N.mlp', '<model>'."""
-    return pattern.replace("(\\d+)", "N").replace("\\.", ".") or "<model>"
+    """A module pattern as a reader writes the name: 'decoder.layers.N.mlp', '<model>'."""
+    return re.sub(r"\{\w+\}", "N", pattern) or "<model>"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..diff.align import RenameRules
 from ..explain.replay import load_factory, replay
+from ..mapping import RenameRules
 from ..report.capture import ReplaySummary
 from ._args import add_var, console, parse_vars, write_json
 

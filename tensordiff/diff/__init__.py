@@ -19,7 +19,7 @@ Pipeline, one module per step:
 Needs numpy, h5py and pyyaml (ml_dtypes to read BF16/FP8 tensors); imports neither torch nor MindSpore.
 """
 
-from .align import RenameRules
+from ..mapping import RenameRules
 from .engine import diff
 from .result import DiffOptions, DiffResult, FirstDivergence, Row
 from .tolerance import Tolerances

@@ -26,25 +26,18 @@ from __future__ import annotations
 
 import difflib
 import math
-import os
-import re
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from dataclasses import dataclass, replace
+from typing import Literal
 
 import numpy as np
 
-from .._regex import BoundedPattern, compile_user
-from .._yaml import load_yaml
-from ..errors import MappingError
-from ..mappings import rename_rules
+from ..mapping import RenameRules
+from ..mapping.names import unwrap as _strip_wrappers
 from ..record import PHASES, Record
-from ..transforms import Op, Split, apply, apply_stats, parse_op, parse_split
+from ..transforms import Op, Split, apply, apply_stats
 
-_WRAPPERS = ("module.", "_orig_mod.")
 MatchHow = Literal["exact", "prefix", "rule", "tensor", "order", ""]
-_PARAM_KINDS = ("param", "grad", "grad_local")
-_INPUT_KINDS = ("input", "grad_input")
 
 
 @dataclass(frozen=True)
@@ -117,68 +110,6 @@ class Pair:
         return apply_stats(self.ops, st) if self.ops else st
 
 
-@dataclass
-class Rule:
-    b: BoundedPattern
-    a: str
-    phases: frozenset[str] | None = None
-    kinds: frozenset[str] | None = None
-    slots: dict[str, str] = field(default_factory=dict)
-    only_slots: frozenset[str] | None = None
-    inputs: tuple[Op, ...] = ()
-    outputs: tuple[Op, ...] = ()
-    params: dict[str, tuple[Op, ...]] = field(default_factory=dict)
-    parts: tuple[BoundedPattern, ...] = ()
-    """a join: B's modules (``b`` is the first), joined in this order."""
-    join: str = ""
-    """the join's split, e.g. ``qkv_groups(heads=4, groups=2)``; see ``split_for``."""
-
-    def split_for(self, kind: str) -> Split:
-        """The join's split for a record kind: parameters join along dim 0, activations along the last dim,
-        unless the split names its dim."""
-        text = self.join.strip()
-        if "dim=" not in text.replace(" ", ""):
-            dim = "0" if kind in _PARAM_KINDS else "-1"
-            if text.endswith(")") and "(" in text:
-                head, inner = text[:text.index("(")], text[text.index("(") + 1:-1].strip()
-                text = f"{head}({inner + ', ' if inner else ''}dim={dim})"
-            else:
-                text = f"{text}(dim={dim})"
-        return parse_split(text, "join")
-
-    def _admits(self, rec: Record) -> bool:
-        """The rule's phase, kind and slot limits let ``rec`` through."""
-        return ((self.phases is None or rec.phase in self.phases) and (self.kinds is None or rec.kind in self.kinds)
-                and (self.only_slots is None or rec.kind in _PARAM_KINDS or rec.slot in self.only_slots))
-
-    def target(self, rec: Record, module: str | None = None) -> tuple[tuple, tuple[Op, ...]] | None:
-        """Where B's record goes in A (and B's transforms), or None; ``module``: B's name with the mapping's prefixes stripped."""
-        if not self._admits(rec):
-            return None
-        if self.parts and rec.kind not in _INPUT_KINDS:
-            return None  # a join's outputs, gradients and parameters are paired by ``join_target``
-        m = self.b.fullmatch(rec.module if module is None else module)
-        if not m:
-            return None
-        name = m.expand(self.a)
-        return (rec.phase, name, rec.call, rec.kind, self.slots.get(rec.slot, rec.slot)), self.ops_for(rec)
-
-    def join_target(self, rec: Record, module: str) -> tuple[tuple, int] | None:
-        """For a join: (A's key, which part) of B's output, gradient or parameter record, or None."""
-        if not self.parts or rec.kind in _INPUT_KINDS or not self._admits(rec):
-            return None
-        for i, pattern in enumerate(self.parts):
-            m = pattern.fullmatch(module)
-            if m:
-                return (rec.phase, m.expand(self.a), rec.call, rec.kind, self.slots.get(rec.slot, rec.slot)), i
-        return None
-
-    def ops_for(self, rec: Record) -> tuple[Op, ...]:
-        if rec.kind in _PARAM_KINDS:
-            return self.params.get(rec.slot, ())
-        return self.inputs if rec.kind in _INPUT_KINDS else self.outputs
-
-
 def joined_record(parts: tuple[Record, ...], split: Split) -> Record:
     """A record describing B's joined tensor: the parts' names in one label, the joined shape, the statistics
     combined (a join only reorders the parts' elements)."""
@@ -198,168 +129,6 @@ def joined_record(parts: tuple[Record, ...], split: Split) -> Record:
     return replace(parts[0], module=label, shape=tuple(shape), numel=numel, mean=mean, l2=l2,
                    min=min(p.min for p in parts), max=max(p.max for p in parts), nan=sum(p.nan for p in parts),
                    inf=sum(p.inf for p in parts), has_data=all(p.has_data for p in parts), same_as=-1)
-
-
-@dataclass(frozen=True)
-class Ignore:
-    """Records left out on purpose: a module regex, optionally only some kinds or slots."""
-
-    module: BoundedPattern
-    kinds: frozenset[str] | None = None
-    slots: frozenset[str] | None = None
-
-    def hits(self, rec: Record, module: str | None = None) -> bool:
-        """``module``: the record's module name as the rules see it (B's with the mapping's prefixes stripped)."""
-        return (self.module.fullmatch(rec.module if module is None else module) is not None
-                and (self.kinds is None or rec.kind in self.kinds)
-                and (self.slots is None or rec.slot in self.slots))
-
-
-@dataclass
-class RenameRules:
-    """Rename rules from B's names to A's (a YAML file; see docs/mapping.md)."""
-
-    rules: list[Rule] = field(default_factory=list)
-    order_fallback: bool = True
-    ignore_a: list[Ignore] = field(default_factory=list)
-    ignore_b: list[Ignore] = field(default_factory=list)
-    strip_b: tuple[str, ...] = ()
-    """prefixes dropped from B's module names before matching (a wrapper A does not have)."""
-    description: str = ""
-    path: str = ""
-
-    @classmethod
-    def load(cls, path: str, variables: dict[str, str] | None = None) -> RenameRules:
-        """Load a mapping file, or a built-in mapping by name (see ``rename_rules()``)."""
-        if not os.path.exists(path) and path in rename_rules():
-            path = rename_rules()[path]
-        try:
-            with open(path, encoding="utf-8") as fh:
-                text = fh.read()
-        except UnicodeDecodeError as err:
-            raise MappingError(f"{path}: not UTF-8 text (byte {err.start}: {err.object[err.start:err.start + 4]!r}); save the "
-                               "mapping file as UTF-8") from None
-        except OSError as err:
-            raise MappingError(f"{path}: cannot read the mapping file ({err.strerror}); check the --mapping path") from None
-        return cls.from_text(text, path, variables)
-
-    @classmethod
-    def from_text(cls, text: str, path: str = "<mapping>", variables: dict[str, str] | None = None) -> RenameRules:
-        doc = load_yaml(text, path, "mapping file")
-        if not isinstance(doc, dict) or "rules" not in doc:
-            raise MappingError(f"{path}: a mapping file is a YAML mapping with a 'rules:' list (see docs/mapping.md)")
-        raw_vars = doc.get("vars") or {}
-        if not isinstance(raw_vars, dict) or not all(isinstance(v, (str, int, float)) for v in raw_vars.values()):
-            raise MappingError(f"{path}: 'vars:' maps names to values (text or numbers), e.g. vars: {{layers: 32}}")
-        values = {str(k): str(v) for k, v in raw_vars.items()}
-        values.update(variables or {})
-
-        def subst(text: Any, where: str) -> str:
-            def repl(m: re.Match) -> str:
-                if m.group(1) not in values:
-                    raise MappingError(f"{path}: {where} uses ${{{m.group(1)}}} but no value is set; add it under vars: or "
-                                       f"pass --var {m.group(1)}=VALUE")
-                return values[m.group(1)]
-            return re.sub(r"\$\{(\w+)\}", repl, str(text))
-
-        def ops(items: Any, where: str) -> tuple[Op, ...]:
-            if items is None:
-                return ()
-            if isinstance(items, str):
-                items = [items]
-            return tuple(parse_op(subst(i, where), f"{path}: {where}") for i in items)
-
-        def patterns(items: Any, where: str) -> list[Ignore]:
-            out = []
-            for item in items or []:
-                spec = item if isinstance(item, dict) else {"module": item}
-                if "module" not in spec or not isinstance(spec["module"], str):
-                    raise MappingError(f"{path}: {where}: an entry is a module regex (text) or {{module: REGEX, kinds: "
-                                       f"[...], slots: [...]}}, got {item!r}")
-                pattern = compile_user(subst(spec["module"], where), f"{path}: {where}")
-                kinds = spec.get("kinds")
-                slots = spec.get("slots")
-                out.append(Ignore(pattern, frozenset(kinds) if kinds is not None else None,
-                                  frozenset(str(x) for x in slots) if slots is not None else None))
-            return out
-
-        rules = []
-        for i, raw in enumerate(doc["rules"] or []):
-            where = f"rule {i + 1}"
-            if not isinstance(raw, dict) or "a" not in raw or "b" not in raw:
-                raise MappingError(f"{path}: {where} needs both 'a:' (A's module name) and 'b:' (a regex on B's module name)")
-            sources = raw["b"] if isinstance(raw["b"], list) else [raw["b"]]
-            if not isinstance(raw["a"], str) or not all(isinstance(x, str) for x in sources):
-                raise MappingError(f"{path}: {where}: 'a:' must be a module name and 'b:' a regex or a list of them, "
-                                   f"as text (got a: {raw['a']!r}, b: {raw['b']!r}); quote them: b: 'layers\\.(\\d+)'")
-            for key in ("kinds", "phases", "only_slots"):
-                value = raw.get(key)
-                if value is not None and not (isinstance(value, list) and all(isinstance(x, (str, int)) for x in value)):
-                    raise MappingError(f"{path}: {where}: '{key}:' must be a list, e.g. {key}: [output, grad_output] "
-                                       f"(got {value!r})")
-            compiled_list = []
-            for source in sources:
-                compiled_list.append(compile_user(subst(source, where), f"{path}: {where}"))
-            compiled = tuple(compiled_list)
-            if not compiled:
-                raise MappingError(f"{path}: {where}: 'b:' is an empty list; give a regex, or a list of them with 'join:'")
-            pattern = compiled[0]
-            join = subst(raw.get("join", ""), where) if raw.get("join") is not None else ""
-            if len(compiled) > 1 and not join:
-                raise MappingError(f"{path}: {where}: 'b:' lists {len(compiled)} modules; say how they join into A's "
-                                   "one with 'join:', e.g. join: 'qkv_groups(heads=32, groups=8)' or join: 'chunk(n=2)'")
-            if join and len(compiled) < 2:
-                raise MappingError(f"{path}: {where}: 'join:' needs 'b:' to list the modules joined, in order")
-            phases = raw.get("phases")
-            if phases is not None:
-                unknown = set(phases) - set(PHASES)
-                if unknown:
-                    raise MappingError(f"{path}: {where}: unknown phase(s) {sorted(unknown)}; phases are {', '.join(PHASES)}")
-            rules.append(
-                Rule(
-                    b=pattern,
-                    a=subst(raw["a"], where),
-                    phases=frozenset(phases) if phases is not None else None,
-                    kinds=frozenset(raw["kinds"]) if raw.get("kinds") is not None else None,
-                    slots={str(k): str(v) for k, v in (raw.get("slots") or {}).items()},
-                    only_slots=frozenset(str(x) for x in raw["only_slots"]) if raw.get("only_slots") is not None else None,
-                    inputs=ops(raw.get("inputs", raw.get("activations")), where),
-                    outputs=ops(raw.get("outputs", raw.get("activations")), where),
-                    params={str(k): ops(v, where) for k, v in (raw.get("params") or {}).items()},
-                    parts=compiled if join else (),
-                    join=join,
-                )
-            )
-            if join:
-                for kind in ("param", "output"):
-                    try:
-                        rules[-1].split_for(kind)
-                    except MappingError as err:
-                        raise MappingError(f"{path}: {where}: {err}") from None
-        order_fallback = doc.get("order_fallback", True)
-        if not isinstance(order_fallback, bool):  # 'no' or 0 must not read as true
-            raise MappingError(f"{path}: order_fallback must be true or false, unquoted (got {order_fallback!r})")
-        return cls(
-            rules=rules,
-            order_fallback=order_fallback,
-            ignore_a=patterns(doc.get("ignore_a"), "ignore_a"),
-            ignore_b=patterns(doc.get("ignore_b"), "ignore_b"),
-            strip_b=tuple(str(p) for p in (doc.get("strip_b") or [])),
-            description=str(doc.get("description", "")),
-            path=path,
-        )
-
-
-def _strip_wrappers(name: str) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for prefix in _WRAPPERS:
-            if name.startswith(prefix):
-                name, changed = name[len(prefix):], True
-        if name in ("module", "_orig_mod"):
-            name, changed = "", True
-    return name
 
 
 def _pair_gradients_by_tensor(a_list: list[Record], b_list: list[Record],

@@ -14,10 +14,11 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from ..mapping import RenameRules
+from ..mapping.names import unwrap
 from ..record import Record
-from .align import RenameRules
 
-_LAYERS = re.compile(r"^(module\.|_orig_mod\.)*(model\.)?decoder\.layers\.\d+")
+_LAYERS = re.compile(r"^(model\.)?decoder\.layers\.\d+")
 
 
 def _config(attrs: dict[str, Any]) -> dict[str, Any]:
@@ -34,16 +35,15 @@ def _first(config: dict[str, Any], *names: str) -> Any:
 
 def _is_mcore(attrs: dict[str, Any], records: Iterable[Record]) -> bool:
     return str(attrs.get("framework")) == "torch" and "megatron_core_version" in attrs and any(
-        _LAYERS.match(r.module) for r in records)
+        _LAYERS.match(unwrap(r.module)) for r in records)
 
 
-_HF_LLAMA = (re.compile(r"^(module\.|_orig_mod\.)*model\.layers\.\d+\.self_attn\.q_proj$"),
-             re.compile(r"^(module\.|_orig_mod\.)*model\.layers\.\d+\.mlp\.gate_proj$"))
+_HF_LLAMA = (re.compile(r"^model\.layers\.\d+\.self_attn\.q_proj$"), re.compile(r"^model\.layers\.\d+\.mlp\.gate_proj$"))
 
 
 def _is_hf_llama(records: Iterable[Record]) -> bool:
     """transformers' Llama layout (Llama, Mistral, Qwen2, ...): decoder layers with q_proj and a gated MLP."""
-    names = {r.module for r in records if r.phase == "weights"}
+    names = {unwrap(r.module) for r in records if r.phase == "weights"}
     return all(any(p.match(n) for n in names) for p in _HF_LLAMA)
 
 
@@ -63,29 +63,29 @@ def pick_mapping(attrs_a: dict[str, Any], attrs_b: dict[str, Any], records_a: li
     groups = _first(cfg_a, "num_query_groups") or _first(cfg_b, "num_query_groups", "num_key_value_heads", "n_kv_heads")
     variables: dict[str, str] = {}
     if fw_b == "mindspore" and cls_b == "LlamaForCausalLM":
-        name = "mindformers-llama-to-mcore"
+        name = "mcore-mindformers-llama"
         why = "B is MindFormers' legacy LlamaForCausalLM"
         if heads:
             variables["heads"] = str(heads)
             variables["groups"] = str(groups or heads)
             why += f"; {heads} heads in {groups or heads} query groups"
-    elif fw_b == "mindspore" and any(_LAYERS.match(r.module) for r in records_b):
-        name = "mindformers-to-mcore"
+    elif fw_b == "mindspore" and any(_LAYERS.match(unwrap(r.module)) for r in records_b):
+        name = "mcore-mindformers"
         interleaved = any(r.module_class == "MLPInterleaved" for r in records_b)
-        variables["fc1"] = "deinterleave" if interleaved else "identity"
+        variables["fc1_layout"] = "interleaved" if interleaved else "stacked"
         why = f"B is MindFormers' parallel_core {cls_b}; its MLP is {'MLPInterleaved' if interleaved else 'MLP'}"
         if heads and groups and int(heads) % int(groups) == 0:
             variables["kv_repeat"] = str(int(heads) // int(groups))
             why += f"; {heads} heads in {groups} query groups"
     elif fw_b == "torch" and _is_hf_llama(records_b):
-        name = "hf-llama-to-mcore"
+        name = "mcore-hf-llama"
         why = f"B is Hugging Face {cls_b} (Llama layout: self_attn.q_proj/k_proj/v_proj, mlp.gate_proj/up_proj)"
         if heads:
             variables["heads"] = str(heads)
             variables["groups"] = str(groups or heads)
             why += f"; {heads} heads in {groups or heads} query groups"
     elif fw_b == "torch" and (cls_b.startswith("GPT2") or _first(cfg_b, "model_type") == "gpt2"):
-        name = "hf-gpt2-to-mcore"
+        name = "mcore-hf-gpt2"
         why = f"B is Hugging Face {cls_b}"
         if heads:
             variables["heads"] = str(heads)

@@ -200,5 +200,5 @@ def judge_outcome(result: DiffResult) -> tuple[Outcome, list[str]]:
     only_b = sum(c.only_b for c in result.coverage.values())
     if only_a or only_b:
         reasons.append(f"{only_a} of A's and {only_b} of B's records have no counterpart and are not accounted for "
-                       "(the 'only in' lines); a mapping gives them one, or ignores them on purpose (ignore_a, ignore_b)")
+                       "(the 'only in' lines); a mapping gives them one, or ignores them on purpose (its ignore: list)")
     return ("inconclusive", reasons) if reasons else ("agree", [])

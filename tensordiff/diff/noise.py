@@ -22,8 +22,9 @@ import os
 from typing import Any
 
 from ..errors import NoiseFileError
+from ..mapping import RenameRules
 from ..store import open_capture
-from .align import RenameRules, align_step
+from .align import align_step
 from .judge import compare_pair
 from .tolerance import Tolerances
 

@@ -15,8 +15,8 @@ Evidence, strongest first:
 4. **layouts**: each rule's activations get ``swap01`` when A's output is B's with the first two
    dimensions swapped ([S, B, H] vs [B, S, H]).
 
-Per-layer names become one rule with ``(\\d+)`` when A's layer numbers are B's. What stays unmatched is
-listed with the reason and written, commented out, under ``ignore_a`` / ``ignore_b``: the user decides.
+Per-layer names become one rule with ``{i}`` when A's layer numbers are B's. What stays unmatched is
+listed with the reason and written, commented out, under ``ignore:``: the user decides.
 Nothing here imports a framework.
 """
 
@@ -266,7 +266,7 @@ def propose(path_a: str, path_b: str, step: int | None = None) -> Proposal:
 
 def _trial(prop: Proposal) -> None:
     """Diff the step with the proposed rules: what stays without a counterpart goes, commented out, into the YAML."""
-    from .align import RenameRules
+    from ..mapping import RenameRules
     from .engine import diff
 
     rules = RenameRules.from_text(_render(prop, with_left=False), "proposed mapping")
@@ -525,46 +525,50 @@ def _q(text: str) -> str:
     return "'" + text.replace("'", "''") + "'"
 
 
+_PLACEHOLDERS = "ijklmn"
+
+
 def _generalise(b: tuple[str, ...], a: str) -> tuple[tuple[str, ...], str]:
-    """Layer numbers that A and B share become ``(\\d+)`` groups and back-references."""
+    """Layer numbers that A and B share become placeholders ``{i}``, ``{j}``, ... on both sides."""
     digits_b = _digits(b[0])
     digits_a = _digits(a)
-    if not digits_b or any(_digits(x) != digits_b for x in b[1:]):
-        return tuple(re.escape(x) for x in b), a
-    # each of A's numbers must be one of B's, in order
-    if [d for d in digits_a if d in digits_b] != digits_a or len(set(digits_b)) != len(digits_b) or not digits_a:
-        return tuple(re.escape(x) for x in b), a
-    group_of = {d: i + 1 for i, d in enumerate(digits_b)}
+    if (not digits_b or any(_digits(x) != digits_b for x in b[1:]) or len(digits_b) > len(_PLACEHOLDERS)
+            or [d for d in digits_a if d in digits_b] != digits_a or len(set(digits_b)) != len(digits_b)
+            or not digits_a):
+        return b, a  # each of A's numbers must be one of B's, in order
+    name_of = {d: _PLACEHOLDERS[k] for k, d in enumerate(digits_b)}
 
-    def regex(name: str) -> str:
-        out, last = [], 0
-        for m in _NUM.finditer(name):
-            out.append(re.escape(name[last:m.start()]))
-            out.append(r"(\d+)")
-            last = m.end()
-        out.append(re.escape(name[last:]))
-        return "".join(out)
+    def generic(name: str) -> str:
+        return _NUM.sub(lambda m: "{" + name_of[m.group(0)] + "}", name)
 
-    target, last = [], 0
-    for m in _NUM.finditer(a):
-        target.append(a[last:m.start()])
-        target.append(f"\\{group_of[m.group(0)]}")
-        last = m.end()
-    target.append(a[last:])
-    return tuple(regex(x) for x in b), "".join(target)
+    return tuple(generic(x) for x in b), generic(a)
+
+
+def _side_names(p: Proposal) -> tuple[str, str]:
+    """The two sides' names in the file: the captures' file names (``mcore.h5`` -> mcore), else a and b."""
+    def stem(path: str) -> str:
+        base = re.sub(r"(\.rank\*)?\.h5$", "", path.replace("\\", "/").rsplit("/", 1)[-1])
+        return re.sub(r"[^A-Za-z0-9_-]", "_", base)
+
+    a, b = stem(p.path_a), stem(p.path_b)
+    return (a, b) if a and b and a != b and a[0].isalpha() and b[0].isalpha() else ("a", "b")
 
 
 def _render(p: Proposal, with_left: bool = True) -> str:
+    side_a, side_b = _side_names(p)
     lines = [
         "# Proposed by `tensordiff map` from two captures; read it, edit it, then:",
         f"#   tensordiff diff {p.path_a} {p.path_b} --mapping THIS_FILE",
         f"# Evidence: {p.params_by_value} of B's {p.params_total_b} parameters matched A's by value at step {p.step}"
         + (" (statistics only: transforms taken from the shapes)" if p.stats_only else "")
         + "; the rest of the rules follow the module tree, classes and shapes.",
-        "tensordiff_mapping: 1",
+        f"# Each rule renames {side_b}'s modules (B) onto {side_a}'s (A); {{i}} is a layer number (docs/mapping.md).",
+        "tensordiff_mapping: 2",
         "description: proposed by tensordiff map",
-        "order_fallback: false",
-        "rules:",
+        f"sides: [{side_a}, {side_b}]",
+        "modules:",
+        "  order_fallback: false",
+        "  rules:",
     ]
     seen: set[str] = set()
     for m in sorted(p.matches, key=lambda m: (m.a.count("."), m.a)):
@@ -578,52 +582,53 @@ def _render(p: Proposal, with_left: bool = True) -> str:
                "tree": "holds the images of its submodules", "class": "same class or name and output shape"}[m.how]
         b_text = _q(bs[0]) if len(bs) == 1 else "[" + ", ".join(_q(x) for x in bs) + "]"
         if m.input_slots:
-            lines.append(f"  - b: {b_text}    # arguments named differently, paired by order, dtype and shape")
-            lines.append(f"    a: {_q(a)}")
-            lines.append("    kinds: [input, grad_input]")
-            lines.append("    only_slots: [" + ", ".join(_q(k) for k in m.input_slots) + "]")
-            lines.append("    slots: {" + ", ".join(f"{_q(k)}: {_q(v)}" for k, v in m.input_slots.items()) + "}")
+            lines.append(f"    - {side_b}: {b_text}    # arguments named differently, paired by order, dtype and shape")
+            lines.append(f"      {side_a}: {_q(a)}")
+            lines.append("      kinds: [input, grad_input]")
+            lines.append("      only_slots: [" + ", ".join(_q(k) for k in m.input_slots) + "]")
+            lines.append("      slots: {" + ", ".join(f"{_q(k)}: {_q(v)}" for k, v in m.input_slots.items()) + "}")
             if m.activations:
-                lines.append(f"    activations: [{', '.join(_q(x) for x in m.activations)}]")
+                lines.append(f"      activations: [{', '.join(_q(x) for x in m.activations)}]")
         if m.b == ("",) and m.how == "tree":
             continue  # the roots pair by name already; only their arguments needed a rule
-        lines.append(f"  - b: {b_text}    # {why}")
-        lines.append(f"    a: {_q(a)}")
+        lines.append(f"    - {side_b}: {b_text}    # {why}")
+        lines.append(f"      {side_a}: {_q(a)}")
         if m.join:
-            lines.append(f"    join: {_q(m.join)}")
+            lines.append(f"      split: {_q(m.join)}")
         if m.slots:
-            lines.append("    slots: {" + ", ".join(f"{_q(k)}: {_q(v)}" for k, v in m.slots.items()) + "}")
+            lines.append("      slots: {" + ", ".join(f"{_q(k)}: {_q(v)}" for k, v in m.slots.items()) + "}")
         ops = {k: v for k, v in m.param_ops.items() if v and v != "flat"}
         if ops:
-            lines.append("    params: {" + ", ".join(f"{_q(k)}: [{', '.join(_q(o.strip()) for o in _split_ops(v))}]"
-                                                for k, v in ops.items()) + "}")
+            lines.append("      params: {" + ", ".join(f"{_q(k)}: [{', '.join(_q(o.strip()) for o in _split_ops(v))}]"
+                                                  for k, v in ops.items()) + "}")
         if m.outputs:
             if m.activations:
-                lines.append(f"    inputs: [{', '.join(_q(x) for x in m.activations)}]")
-            lines.append(f"    outputs: [{', '.join(_q(x) for x in m.activations + m.outputs)}]")
+                lines.append(f"      inputs: [{', '.join(_q(x) for x in m.activations)}]")
+            lines.append(f"      outputs: [{', '.join(_q(x) for x in m.activations + m.outputs)}]")
         elif m.activations:
-            lines.append(f"    activations: [{', '.join(_q(x) for x in m.activations)}]")
+            lines.append(f"      activations: [{', '.join(_q(x) for x in m.activations)}]")
     if not with_left:
         return "\n".join(lines) + "\n"
     if p.not_compared:
         lines.append("# Pairs found but not compared (their shapes differ: a transform is missing, or the tensors differ in "
                      "kind, e.g. a per-token loss against a mean); add the transform, or ignore one side:")
         lines += [f"#   {x}" for x in p.not_compared]
-    for side, left, unmatched in (("a", p.left_a, p.unmatched_a), ("b", p.left_b, p.unmatched_b)):
+    if p.left_a or p.left_b:
+        lines.append("# Records with no counterpart on the other side (a trial diff of step "
+                     f"{p.step} with the rules above); uncomment what should be left out, or write a rule:")
+        lines.append("#   ignore:")
+    for side, name, left, unmatched in (("a", side_a, p.left_a, p.unmatched_a), ("b", side_b, p.left_b, p.unmatched_b)):
         if not left:
             continue
-        lines.append(f"# Records of {side.upper()} with no counterpart in {'B' if side == 'a' else 'A'} (a trial diff of step "
-                     f"{p.step} with the rules above); uncomment what should be left out, or write a rule:")
-        lines.append(f"# ignore_{side}:")
+        lines.append(f"#     {name}:    # {side.upper()}")
         for pattern, recs in left.items():
             module = recs[0].module
             why = unmatched.get(module, "")
-            all_of_it = bool(why)
-            if all_of_it:
-                lines.append(f"#   - {_q(pattern)}    # {why}")
+            if why:
+                lines.append(f"#       - {_q(pattern)}    # {why}")
                 continue
             kinds = sorted({r.kind for r in recs})
             slots = sorted({r.slot for r in recs})
-            lines.append(f"#   - {{module: {_q(pattern)}, kinds: [{', '.join(kinds)}], "
+            lines.append(f"#       - {{module: {_q(pattern)}, kinds: [{', '.join(kinds)}], "
                          f"slots: [{', '.join(_q(x) for x in slots)}]}}")
     return "\n".join(lines) + "\n"

@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 from ..errors import UsageError
+from ..mapping import RenameRules
 from ..record import PHASES
-from .align import Pair, RenameRules
+from .align import Pair
 from .metrics import Metrics
 from .tolerance import Tolerances
 

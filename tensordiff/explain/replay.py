@@ -26,9 +26,10 @@ import numpy as np
 
 from .. import frameworks
 from .._text import first_line
-from ..diff.align import RenameRules, align_step
+from ..diff.align import align_step
 from ..diff.metrics import rel_l2
 from ..errors import ReplayError, TensordiffError, UsageError
+from ..mapping import RenameRules
 from ..record import Record
 from ..store import open_capture
 

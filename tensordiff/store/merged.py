@@ -6,7 +6,7 @@
 unchanged.
 
 How each record merges comes from the files themselves and a rule table shipped as data
-(``tensordiff/mappings/splits/megatron-core.yaml``), never from importing megatron:
+(``tensordiff/store/splits/megatron-core.yaml``), never from importing megatron:
 
 * **tensor parallel**: a parameter (and its gradient) marked ``tensor_model_parallel`` in the file's
   ``param_splits`` is concatenated along its ``partition_dim``, with its ``partition_stride`` (a gated fc1 holds
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -35,7 +36,7 @@ import numpy as np
 
 from .._yaml import load_yaml
 from ..errors import CaptureFileError
-from ..mappings import split_tables
+from ..mapping.names import unwrap
 from ..record import Record
 from ..stats import host_stats
 from .fanout import prefetch
@@ -56,23 +57,15 @@ class _Rule:
     swap01: bool = False  # sequence parallel: the single-device run holds the merged tensor with dims 0, 1 swapped
 
     def hits(self, rec: Record) -> bool:
-        return ((self.module is None or self.module.fullmatch(_unwrapped(rec.module)) is not None)
+        return ((self.module is None or self.module.fullmatch(unwrap(rec.module)) is not None)
                 and (self.classes is None or rec.module_class in self.classes)
                 and (self.kinds is None or rec.kind in self.kinds)
                 and (self.slots is None or rec.slot in self.slots))
 
 
-def _unwrapped(name: str) -> str:
-    """A module name without the data-parallel wrapper's prefix: megatron's and torch's DDP hold the model as
-    ``module`` ('module.decoder...' is the model's 'decoder...', 'module' its root)."""
-    while name == "module" or name.startswith("module."):
-        name = name[len("module."):]
-    return name
-
-
 def _load_rules(name: str = "megatron-core") -> tuple[list[_Rule], list[_Rule]]:
     """The table's tensor-parallel rules and its sequence-parallel rules."""
-    path = split_tables()[name]
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "splits", name + ".yaml")
     with open(path, encoding="utf-8") as fh:
         doc = load_yaml(fh.read(), path, "split table")
 

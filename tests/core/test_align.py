@@ -9,8 +9,9 @@ import dataclasses
 
 import pytest
 
-from tensordiff.diff.align import Pair, RenameRules, align_step
+from tensordiff.diff.align import Pair, align_step
 from tensordiff.errors import MappingError
+from tensordiff.mapping import RenameRules
 from tensordiff.record import Record
 from tensordiff.transforms import Op
 
@@ -224,8 +225,8 @@ def test_a_missing_variable_is_a_mapping_error_naming_it_and_the_fix():
 
 @pytest.mark.parametrize("text, fragment", [
     ("rules: [\n", "not valid YAML at line"),
-    ("- just\n- a list\n", "'rules:' list"),
-    ("description: no rules\n", "'rules:' list"),
+    ("- just\n- a list\n", "a YAML mapping with 'sides:' and a 'modules:' or 'tensors:' section"),
+    ("description: no rules\n", "neither a 'modules:' section (for diff) nor a 'tensors:' section"),
     ("rules:\n  - {b: 'x'}\n", "rule 1 needs both 'a:'"),
     ("rules:\n  - {b: 'x', a: 'y'}\n  - {b: '(', a: 'y'}\n", "rule 2: bad regular expression '('"),
     ("rules:\n  - {b: 'x', a: 'y', phases: [forwards]}\n", "unknown phase(s) ['forwards']"),
@@ -246,28 +247,34 @@ def test_load_reads_a_file_and_names_a_missing_one(tmp_path):
     loaded = RenameRules.load(str(path))
     assert loaded.description == "mine" and loaded.order_fallback is False and loaded.path == str(path)
     missing = str(tmp_path / "nope.yaml")
-    with pytest.raises(MappingError, match=r"nope\.yaml: cannot read the mapping file"):
+    with pytest.raises(MappingError, match=r"nope\.yaml: no such mapping .*built-in: mcore-hf-gpt2, mcore-hf-llama"):
         RenameRules.load(missing)
 
 
-def test_every_built_in_mapping_loads_by_name():
-    from tensordiff.mappings import rename_rules
+def test_every_built_in_mapping_loads_by_name_and_by_its_former_names():
+    from tensordiff.mapping import ALIASES, builtin
 
-    shipped = rename_rules()
-    assert "hf-gpt2-to-mcore" in shipped and "mindformers-to-mcore" in shipped
+    shipped = builtin()
+    assert {"mcore-hf-gpt2", "mcore-hf-llama", "mcore-mindformers", "mcore-mindformers-llama"} <= set(shipped)
+    values = {"heads": "4", "groups": "2"}
     for name, path in shipped.items():
-        loaded = RenameRules.load(name)
-        assert loaded.path == path and loaded.rules, name
+        loaded = RenameRules.load(name, values)
+        assert loaded.path == path and loaded.rules and loaded.name == name, name
+    for old, new in ALIASES.items():  # the names diff and ckpt had before the two were one file
+        assert RenameRules.load(old, values).path == shipped[new]
 
 
-def test_a_built_in_mappings_default_variable_is_overridden_by_the_caller():
-    # hf-gpt2-to-mcore packs c_attn with qkv_grouped(heads=${heads}); its file sets heads: 12
+def test_a_mappings_variable_comes_from_the_caller_over_its_default():
+    # mcore-hf-gpt2 packs c_attn with qkv_grouped(heads=${heads}); heads has no default: the caller says it
     def heads(mapping: RenameRules) -> set[int]:
         return {dict(o.kwargs)["heads"] for r in mapping.rules for ops in (r.outputs, *r.params.values())
                 for o in ops if o.name == "qkv_grouped"}
 
-    assert heads(RenameRules.load("hf-gpt2-to-mcore")) == {12}
-    assert heads(RenameRules.load("hf-gpt2-to-mcore", {"heads": "4"})) == {4}
+    assert heads(RenameRules.load("mcore-hf-gpt2", {"heads": "4"})) == {4}
+    assert heads(RenameRules.from_text("vars: {heads: 12}\nrules:\n  - {b: x, a: y, outputs: ['qkv_grouped(heads=${heads})']}\n",
+                                       "m.yaml", {"heads": "6"})) == {6}
+    with pytest.raises(MappingError, match=r"mcore-hf-gpt2\.yaml: rule 7 uses \$\{heads\} but no value is set; .*--var heads"):
+        RenameRules.load("mcore-hf-gpt2")
 
 
 # ----------------------------------------------------------------------------------------- tensor

@@ -22,8 +22,8 @@ A_RECS = [rec("decoder.layers.0.mlp", "MLP"), rec("decoder.layers.0.mlp.linear_f
 def test_mindformers_parallel_core_with_interleaved_fc1_and_gqa():
     b = {"framework": "mindspore", "model_class": "TrainingQwen3ForCausalLM", "mindformers_version": "1.9.0"}
     rules, note = pick_mapping(MCORE, b, A_RECS, [rec("model.decoder.layers.0.mlp", "MLPInterleaved")])
-    assert rules is not None and rules.path.endswith("mindformers-to-mcore.yaml")
-    assert note.startswith("mindformers-to-mcore (fc1=deinterleave, kv_repeat=2), picked from the captures: "
+    assert rules is not None and rules.path.endswith("mcore-mindformers.yaml")
+    assert note.startswith("mcore-mindformers (fc1_layout=interleaved, kv_repeat=2), picked from the captures: "
                            "B is MindFormers' parallel_core TrainingQwen3ForCausalLM; its MLP is MLPInterleaved; "
                            "4 heads in 2 query groups")
 
@@ -32,16 +32,16 @@ def test_mindformers_with_stacked_fc1_gets_the_identity_layout():
     b = {"framework": "mindspore", "model_class": "GPTModel"}
     a = dict(MCORE, model_config=json.dumps({"num_attention_heads": 4, "num_query_groups": 4}))
     _, note = pick_mapping(a, b, A_RECS, [rec("decoder.layers.0.mlp", "MLP")])
-    assert note.startswith("mindformers-to-mcore (fc1=identity, kv_repeat=1)")
+    assert note.startswith("mcore-mindformers (fc1_layout=stacked, kv_repeat=1)")
 
 
 def test_legacy_llama_and_hf_gpt2():
     _, note = pick_mapping(MCORE, {"framework": "mindspore", "model_class": "LlamaForCausalLM"}, A_RECS,
                            [rec("model.layers.0.feed_forward")])
-    assert note.startswith("mindformers-llama-to-mcore (heads=4, groups=2), picked from the captures")
+    assert note.startswith("mcore-mindformers-llama (heads=4, groups=2), picked from the captures")
     _, note = pick_mapping(MCORE, {"framework": "torch", "model_class": "GPT2LMHeadModel",
                                    "transformers_version": "4.57.1"}, A_RECS, [rec("transformer.h.0.mlp")])
-    assert note.startswith("hf-gpt2-to-mcore (heads=4), picked from the captures")
+    assert note.startswith("mcore-hf-gpt2 (heads=4), picked from the captures")
 
 
 def weights(module: str) -> Record:
@@ -53,8 +53,8 @@ def test_a_hugging_face_llama_layout_is_recognised_by_its_modules_whatever_the_c
     b_recs = [weights(f"model.layers.0.{m}") for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                                        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
     rules, note = pick_mapping(MCORE, {"framework": "torch", "model_class": "Qwen2ForCausalLM"}, A_RECS, b_recs)
-    assert rules is not None and rules.path.endswith("hf-llama-to-mcore.yaml")
-    assert note.startswith("hf-llama-to-mcore (heads=4, groups=2), picked from the captures: B is Hugging Face "
+    assert rules is not None and rules.path.endswith("mcore-hf-llama.yaml")
+    assert note.startswith("mcore-hf-llama (heads=4, groups=2), picked from the captures: B is Hugging Face "
                            "Qwen2ForCausalLM")
     # q_proj without a gated MLP (OPT, say) is not the Llama layout
     rules, note = pick_mapping(MCORE, {"framework": "torch", "model_class": "OPTForCausalLM"}, A_RECS, b_recs[:3])

@@ -88,7 +88,7 @@ def test_a_record_with_no_counterpart_makes_it_inconclusive(tmp_path):
     assert (fwd.recorded_a, fwd.compared_a, fwd.linked_a, fwd.only_a) == (8, 7, 1, 1)
     assert res.outcome == "inconclusive" and res.exit_code == 3
     assert res.reasons == ["1 of A's and 0 of B's records have no counterpart and are not accounted for (the 'only "
-                           "in' lines); a mapping gives them one, or ignores them on purpose (ignore_a, ignore_b)"]
+                           "in' lines); a mapping gives them one, or ignores them on purpose (its ignore: list)"]
     ignore = RenameRules.from_text("rules: []\nignore_a: ['post']\n")
     res = diff(a, b, DiffOptions(mapping=ignore))  # ignored on purpose: accounted for
     assert res.outcome == "agree" and res.exit_code == 0

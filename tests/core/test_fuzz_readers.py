@@ -245,9 +245,9 @@ def test_a_damaged_batch_file_is_one_error(files, data):
 @given(st.data())
 def test_a_damaged_checkpoint_table_is_one_error(files, data):
     pytest.importorskip("safetensors")
-    from tensordiff.ckpt.table import ckpt_tables
+    from tensordiff.mapping import builtin
 
-    files.setdefault("table", ckpt_tables()["mcore-to-mindformers"])
+    files.setdefault("table", builtin()["mcore-mindformers"])
     if "ckpt" not in files:
         from safetensors.numpy import save_file
 
@@ -538,12 +538,13 @@ def test_a_read_that_never_returns_ends_the_command_with_one_line(tmp_path):
     assert proc.returncode == 0 and proc.stderr == ""
 
 
-TABLE_EDITS = [("sides: [mcore, mindformers]", "sides: mcore"), ("tensordiff_ckpt_table: 1", "tensordiff_ckpt_table: [1]"),
-               ("  mcore: [.pt, .pth]", "  mcore: 5"), ("    choices: [interleaved, stacked]", "    choices: 7"),
-               ("    default: interleaved", "    default: [1]"), ("ignore:\n  mcore:", "ignore:\n  mcorex:"),
-               ("    - '*._extra_state'", "    - {a: 1}"), ("vars:\n", "vars: 5\nxvars:\n"),
-               ("ignore:\n", "ignore: 3\nxignore:\n"), ("entries:\n", "entries: 4\nxentries:\n"),
-               ("    shape: [vocab, hidden]", "    shape: 12"), ("    optional: true", "    optional: [x]")]
+TABLE_EDITS = [("sides: [mcore, mindformers]", "sides: mcore"), ("tensordiff_mapping: 2", "tensordiff_mapping: [2]"),
+               ("    mcore: [.pt, .pth]", "    mcore: 5"), ("    choices: [interleaved, stacked]", "    choices: 7"),
+               ("    default: interleaved", "    default: [1]"),
+               ("    mcore:\n      - '*._extra_state'", "    mcorex:\n      - '*._extra_state'"),
+               ("      - '*._extra_state'", "      - {a: 1}"), ("vars:\n", "vars: 5\nxvars:\n"),
+               ("tensors:\n", "tensors: 3\nxtensors:\n"), ("  entries:\n", "  entries: 4\n  xentries:\n"),
+               ("      shape: [vocab, hidden]", "      shape: 12"), ("      optional: true", "      optional: [x]")]
 
 
 @pytest.mark.parametrize(("old", "new"), TABLE_EDITS)
@@ -551,9 +552,9 @@ def test_a_checkpoint_table_with_a_value_of_the_wrong_type_is_one_error(files, t
     pytest.importorskip("safetensors")
     from safetensors.numpy import save_file
 
-    from tensordiff.ckpt.table import ckpt_tables
+    from tensordiff.mapping import builtin
 
-    with open(ckpt_tables()["mcore-to-mindformers"], encoding="utf-8") as fh:
+    with open(builtin()["mcore-mindformers"], encoding="utf-8") as fh:
         text = fh.read()
     assert old in text
     table = tmp_path / "t.yaml"

@@ -31,9 +31,9 @@ from helpers import GOLDEN_DIR, UPDATE_ENV, T, check_golden, render, write_captu
 from tensordiff.ckpt import diff_tensors
 from tensordiff.ckpt.compare import CheckpointDiff
 from tensordiff.diff import DiffOptions
-from tensordiff.diff.align import RenameRules
 from tensordiff.explain import diagnose
 from tensordiff.explain.replay import ReplayResult
+from tensordiff.mapping import RenameRules
 from tensordiff.report.capture import CaptureListing, NoiseSummary, RecordTable, ReplaySummary
 from tensordiff.report.ckpt import CkptDiffReport, ConvertSummary
 from tensordiff.report.diff import DiffReport
@@ -369,7 +369,7 @@ def test_ckpt_diff_report():
     fc1.note = "equals B without interleave(dim=0): check --var fc1_layout (now interleaved)"  # as _explain_layouts writes it
     diff = CheckpointDiff("mcore.safetensors", "mf.safetensors", rows,
                           how="(mindformers, converted to A's mcore names and layout)",
-                          mapping="mcore-to-mindformers (fc1_layout=interleaved)",
+                          mapping="mcore-mindformers (fc1_layout=interleaved)",
                           notes=["2 entries of B ignored by the table (global_step, learning_rate)"])
     assert {r.verdict for r in rows} == {"identical", "ok", "differs", "shape", "a_only", "b_only"}
     golden("ckpt_diff.txt", CkptDiffReport(diff))
@@ -413,7 +413,7 @@ def test_ckpt_convert_summary():
                 "decoder.layers.0.self_attention.core_attention.rotary_pos_emb.inv_freq": (head_dim // 2,)})
     tensors = {k: rng.normal(0, 1, s).astype(np.float16 if len(s) == 1 else np.float32) for k, s in src.items()}
     save(tensors, "mcore.safetensors")
-    done = convert_file("mcore.safetensors", "mf.safetensors", "mcore-to-mindformers", to="mindformers")
+    done = convert_file("mcore.safetensors", "mf.safetensors", "mcore-mindformers", to="mindformers")
     assert done.read == len(src) and len(done.conversion.tensors) == len(src) - 1
     golden("ckpt_convert.txt", ConvertSummary(done), normalise=_mb_free)
 

@@ -18,7 +18,7 @@ import pytest
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tensordiff")
 
 #: Leaf modules every stage may use.
-CORE = {"_version", "errors", "_text", "_yaml", "_regex", "_watchdog", "dtypes", "record", "transforms", "mappings", "stats"}
+CORE = {"_version", "errors", "_text", "_yaml", "_regex", "_watchdog", "dtypes", "record", "transforms", "mapping", "stats"}
 #: Stage -> the stages it may import (besides itself and the core).
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "ckpt": {"diff", "frameworks"},
     "runs": {"store"},
     "report": {"explain", "ckpt", "runs", "diff", "store"},
-    "cli": {"report", "explain", "ckpt", "runs", "diff", "store", "capturing", "batch", "mappings"},
+    "cli": {"report", "explain", "ckpt", "runs", "diff", "store", "capturing", "batch"},
     "root": {"capturing", "cli"},
     "compat": set(),
 }

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tensordiff.diff.align import RenameRules
 from tensordiff.errors import MappingError
+from tensordiff.mapping import RenameRules
 
 HEAD = "tensordiff_mapping: 1\n"
 
