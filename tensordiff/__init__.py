@@ -26,6 +26,23 @@ from ._version import __version__
 
 __all__ = ["__version__", "capture"]
 
+#: The sub-packages and modules reachable as attributes after ``import tensordiff`` (``tensordiff.batch.load``,
+#: ``tensordiff.diff.diff``, ...), imported on first use so that ``import tensordiff`` stays light.
+_LAZY = frozenset({"batch", "capturing", "ckpt", "cli", "compat", "diff", "dtypes", "errors", "explain", "frameworks",
+                   "mapping", "record", "report", "runs", "stats", "store", "transforms"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _LAZY)
+
 
 def _is_torch_module(obj: Any) -> bool:
     return any(c.__module__.startswith("torch.nn") and c.__name__ == "Module" for c in type(obj).__mro__)

@@ -184,6 +184,23 @@ def apply_stats(ops: tuple[Op, ...], st: tuple) -> tuple | None:
     return st
 
 
+def apply_mean(ops: tuple[Op, ...], numel: int, mean: float) -> tuple[int, float] | None:
+    """(numel, mean) of B's tensor after ``ops``, where only the sum of its elements follows them (``unrepeat_sum``:
+    the gradient of repeated heads summed per group keeps the total); None when not even that follows."""
+    for op in ops:
+        kw = dict(op.kwargs)
+        if op.name in _PERMUTATION:
+            continue
+        if op.name == "scale":
+            mean *= float(kw["factor"])
+        elif op.name == "unrepeat_sum":
+            times = max(int(kw.get("times", 1)), 1)
+            numel, mean = numel // times, mean * times
+        else:
+            return None
+    return numel, mean
+
+
 def apply(ops: tuple[Op, ...], x: np.ndarray) -> np.ndarray:
     for op in ops:
         x = op(x)

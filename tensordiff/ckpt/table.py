@@ -213,11 +213,13 @@ class ConversionTable:
         return f"mapping {self.name} needs {' and '.join(parts)}{example}"
 
     def describe(self) -> str:
-        """'mcore-mindformers (fc1_layout=interleaved)': the variables this section uses (not the captures' ones)."""
+        """'mcore-mindformers (fc1_layout=interleaved, heads=4)': the variables this section uses (not only the
+        captures'), and every value the caller gave."""
         section = (self._pair.section("tensors") if self._pair else None) or {}
         used = set(VAR.findall(str(section))) | {str(k) for e in section.get("entries") or [] if isinstance(e, dict)
                                                  for k in (e.get("when") or {})}
-        shown = [f"{k}={v}" for k, v in self.values.items() if k in self.variables and k in used]
+        given = self._pair.given if self._pair else {}
+        shown = [f"{k}={v}" for k, v in self.values.items() if (k in self.variables and k in used) or k in given]
         return self.name + (f" ({', '.join(shown)})" if shown else "")
 
     def other(self, side: str) -> str:

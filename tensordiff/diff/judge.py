@@ -16,6 +16,7 @@ from .. import dtypes
 from ..errors import CaptureFileError
 from ..record import Record
 from ..store import CaptureFile
+from ..transforms import apply_mean
 from .accounting import compare_masks, maybe_mask
 from .align import Pair
 from .metrics import Metrics, compare_arrays, compare_stats
@@ -98,6 +99,11 @@ def measure_pair(ca: CaptureFile, cb: CaptureFile, pair: Pair, ulp_k: int) -> Me
         return _stats_with_bias(a, b, pair)
     st = pair.b_stats()
     if st is None:
+        follows = apply_mean(pair.ops, b.numel, b.mean) if pair.join is None else None
+        if follows is not None and follows[0] == a.numel:  # the sum follows (a gradient summed over repeated heads)
+            rms = a.l2 / max(a.numel, 1) ** 0.5
+            return (_means(a, b, a.mean, follows[1], rms), "",
+                    f"statistics only: the means ({' '.join(map(str, pair.ops))} keeps only the sum)")
         return None, "skipped", (f"statistics cannot follow {' '.join(map(str, pair.ops))}; "
                                  "store tensors (--tensors all) to compare this step")
     b = dataclasses.replace(b, numel=st[0], min=st[1], max=st[2], mean=st[3], l2=st[4])

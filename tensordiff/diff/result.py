@@ -211,7 +211,20 @@ class DiffResult:
         return sum(1 for r in self.rows if r.verdict == verdict)
 
     def unmatched(self, side: Literal["a", "b"]) -> list[Row]:
+        """Rows of ``side``'s records with no counterpart, whatever became of them (compared under another name,
+        accounted for by a rule, of a kind the other side never records, or none of these: ``only_in``)."""
         return [r for r in self.rows if r.verdict == "unmatched" and (r.pair.a if side == "a" else r.pair.b) is not None]
+
+    def only_in(self, side: Literal["a", "b"]) -> int:
+        """``side``'s records with no counterpart that were compared nowhere and no rule accounts for: what makes a
+        diff inconclusive (the text's and the JSON's 'only in A/B')."""
+        if not self.coverage:
+            return len(self.unmatched(side))
+        return sum(getattr(c, f"only_{side}") for c in self.coverage.values())
+
+    def linked(self, side: Literal["a", "b"]) -> int:
+        """``side``'s records with no pair of their own whose tensor was compared under another of its names."""
+        return sum(getattr(c, f"linked_{side}") for c in self.coverage.values())
 
 
 @dataclass

@@ -75,6 +75,8 @@ class PairFile:
     values: dict[str, str] = field(default_factory=dict)
     """the variables' values in force: defaults, then ``--var``."""
     indices: dict[str, str] = field(default_factory=dict)
+    given: dict[str, str] = field(default_factory=dict)
+    """the values the caller set (``--var``), over the defaults."""
     legacy: bool = False
     """a file of the older format (``modules`` rules are then regexes with ``a:``/``b:``)."""
     _doc: dict = field(default_factory=dict, repr=False)
@@ -86,8 +88,9 @@ class PairFile:
     def with_values(self, values: dict[str, str]) -> PairFile:
         """This file with other variable values (defaults first, then ``values``)."""
         bound = {v.name: v.default for v in self.variables.values() if v.default is not None}
-        bound.update({str(k): value_text(v) for k, v in values.items()})
-        return replace(self, values=bound)
+        given = {str(k): value_text(v) for k, v in values.items()}
+        bound.update(given)
+        return replace(self, values=bound, given=given)
 
     def subst(self, text: Any, where: str, missing: list[str] | None = None) -> str:
         """``text`` with ``${var}`` replaced; an unset variable is an error, or, with ``missing``, noted there and

@@ -237,10 +237,9 @@ class DiffReport:
         text.append(", ")
         text.append(f"{res.count('diverged')} diverged", style="tensordiff.diverged" if res.count("diverged") else "")
         text.append(", ")
-        only_a = sum(c.only_a for c in res.coverage.values()) if res.coverage else len(res.unmatched("a"))
-        only_b = sum(c.only_b for c in res.coverage.values()) if res.coverage else len(res.unmatched("b"))
+        only_a, only_b = res.only_in("a"), res.only_in("b")
         text.append(f"{only_a} only in A, {only_b} only in B", style="tensordiff.unmatched" if only_a or only_b else "")
-        linked = sum(c.linked_a + c.linked_b for c in res.coverage.values())
+        linked = res.linked("a") + res.linked("b")
         if linked:
             text.append(f" ({linked} more recorded again under another name, compared there)", style="tensordiff.dim")
         by_rule = _rule_counts(res.rows)
@@ -298,7 +297,8 @@ class DiffReport:
             "hints": [h.as_dict() for h in hints], "hints_note": hints_note or None,
             "checks": [c.as_dict() for c in checks],
             "summary": {"ok": res.count("ok"), "diverged": res.count("diverged"), "drift": res.count("drift"),
-                        "only_a": len(res.unmatched("a")), "only_b": len(res.unmatched("b")),
+                        "only_a": res.only_in("a"), "only_b": res.only_in("b"),
+                        "linked_a": res.linked("a"), "linked_b": res.linked("b"),
                         "shape_mismatch": res.count("shape"), "skipped": res.count("skipped"),
                         "steps_only_a": res.only_a_steps, "steps_only_b": res.only_b_steps,
                         "uncertain": res.count("uncertain"),

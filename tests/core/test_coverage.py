@@ -218,3 +218,19 @@ def test_the_same_gradient_is_only_in_a_when_the_other_side_records_input_gradie
     bwd = res.coverage["backward"]
     assert (bwd.not_recorded_a, bwd.only_a) == (0, 1)
     assert (res.outcome, res.exit_code) == ("inconclusive", 3)
+
+
+def test_the_json_summary_counts_only_in_b_as_the_text_does(tmp_path, capsys):
+    """A record of B with no counterpart whose tensor was compared under another of B's names (the model's output,
+    which is fc's output) is not 'only in B': the text and the JSON's summary say the same 0, and say the link."""
+    import json
+
+    recs = records(values())
+    a = capture(tmp_path, "a", [r for r in recs if not (r.module == "" and r.kind == "output")])
+    b = capture(tmp_path, "b", recs)
+    report = tmp_path / "r.json"
+    assert main(["diff", a, b, "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads(report.read_text())["summary"]
+    assert "0 only in A, 0 only in B (1 more recorded again under another name" in " ".join(out.split())
+    assert (summary["only_a"], summary["only_b"], summary["linked_a"], summary["linked_b"]) == (0, 0, 0, 1)

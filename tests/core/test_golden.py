@@ -245,11 +245,13 @@ def test_diff_report_json_keys(gelu_pair):
 
 
 #: B stores linear_fc1's weight with every row twice (like repeated KV heads) and sums its gradient
-#: over the copies: the mapping undoes both. Statistics follow the un-repeat but not the sum.
+#: over the copies: the mapping undoes both. Statistics follow the un-repeat; through the sum only the total
+#: follows, and not even that after an un-repeat (which keeps one part of each run): that row is skipped.
 REPEAT_MAPPING = """
 rules:
   - {b: 'mlp\\.linear_fc1', a: mlp.linear_fc1, phases: [weights], params: {weight: 'unrepeat(times=2, dim=0)'}}
-  - {b: 'mlp\\.linear_fc1', a: mlp.linear_fc1, phases: [param_grad], params: {weight: 'unrepeat_sum(times=2, dim=0)'}}
+  - {b: 'mlp\\.linear_fc1', a: mlp.linear_fc1, phases: [param_grad],
+     params: {weight: ['unrepeat(times=1, dim=0)', 'unrepeat_sum(times=2, dim=0)']}}
 """
 
 

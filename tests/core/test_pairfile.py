@@ -135,3 +135,10 @@ def test_one_list_of_wrappers_is_dropped_from_every_name():
                     if re.search(r"['\"]_orig_mod", fh.read()):
                         hits.append(f)
     assert hits == ["names.py"]
+
+
+def test_the_checkpoint_header_names_every_variable_given_and_the_layout_ones_in_force():
+    described = ConversionTable.load("mcore-mindformers", {"heads": "4", "groups": "2"}).describe()
+    assert described == "mcore-mindformers (fc1_layout=interleaved, norm=rmsnorm, mcore_spec=local, heads=4, groups=2)"
+    with open(DOC.replace("mapping.md", "checkpoints.md"), encoding="utf-8") as fh:
+        assert "--var norm=layernorm" in fh.read()  # the variable the header shows is documented

@@ -8,7 +8,7 @@ import pytest
 from helpers import ml_dtypes, needs_ml_dtypes
 
 from tensordiff.errors import MappingError
-from tensordiff.transforms import OPS, STATS, Chunk, Op, QkvGroups, apply, apply_stats, parse_op, parse_split
+from tensordiff.transforms import OPS, STATS, Chunk, Op, QkvGroups, apply, apply_mean, apply_stats, parse_op, parse_split
 
 
 def op(text: str) -> Op:
@@ -213,6 +213,17 @@ def test_statistics_cannot_follow_a_sum_of_repeated_heads():
     assert apply_stats((op("unrepeat_sum(times=2)"),), st) is None
     assert apply_stats((op("swap01"), op("unrepeat_sum(times=2)"), op("scale(factor=2)")), st) is None
     assert apply_stats((Op("not_an_op"),), st) is None
+
+
+def test_only_the_total_follows_a_sum_of_repeated_heads():
+    # MindFormers repeats k/v heads before core_attention; their gradients summed per group are megatron's: the sum
+    # of all elements is the same on both sides, so statistics-only steps still compare the means
+    g = _rng.standard_normal((3, 2, 8, 4))
+    ops = (op("swap01"), op("unrepeat_sum(times=2, dim=2)"), op("scale(factor=3)"))
+    summed = apply(ops, g)
+    numel, mean = apply_mean(ops, g.size, float(g.mean()))
+    assert numel == summed.size and mean == pytest.approx(float(summed.mean()), rel=1e-12)
+    assert apply_mean((op("unrepeat(times=2, dim=2)"), op("unrepeat_sum(times=2)")), g.size, 0.0) is None
 
 
 # -------------------------------------------------------------------------------------------- splits
