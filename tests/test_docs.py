@@ -100,6 +100,13 @@ def test_the_megatron_to_mindformers_workflow_runs_as_written_agrees_and_finds_t
 
 
 @needs_frameworks
+def test_the_recipe_builds_both_models_converts_the_weights_and_loads_them_strictly(tmp_path):
+    problems = run_page("docs/mindformers-recipe.md", str(tmp_path))
+    assert problems == [], "\n".join(problems)
+    assert (tmp_path / "mcore.safetensors").exists() and (tmp_path / "mf.safetensors").exists()
+
+
+@needs_frameworks
 def test_the_mapping_pages_commands_print_what_it_shows_on_the_workflows_captures(workdir):
     if not os.path.exists(os.path.join(workdir, "mindspore.h5")):
         pytest.skip("the workflow's captures are made by the test before")
