@@ -9,6 +9,7 @@ Face side, with the answer written down before running. Real transformers and me
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -103,3 +104,13 @@ def test_a_wrong_query_group_count_is_never_a_pass(clean, tmp_path):
                          "--var", "groups=4")
     assert code == 3 and report["outcome"] == "inconclusive"
     assert any(r["verdict"] == "shape" and r["module_a"].endswith("linear_qkv") for r in report["rows"])
+
+
+def test_map_on_a_pair_a_built_in_fits_says_so_with_both_trials(clean, tmp_path, capsys):
+    folder, _ = clean
+    out = tmp_path / "proposed.yaml"
+    assert main(["map", str(folder / "mcore.h5"), str(folder / "hf.h5"), "-o", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "a built-in mapping fits these captures already: mcore-hf-llama (heads=4, groups=2)" in printed
+    assert re.search(r"\(\d+ pairs compared at step 0, agree\)", printed), printed
+    assert "# A built-in mapping fits these captures already: mcore-hf-llama" in out.read_text()

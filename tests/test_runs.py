@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import re
 import struct
 import subprocess
@@ -341,3 +342,25 @@ def test_a_threshold_that_cannot_fail_is_refused(tmp_path, capsys, flag):
     assert main(["runs", a, a, *flag]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and flag[0] in err and "finite number >= 0" in err
+
+
+def test_the_relative_error_curve_draws_bit_identical_steps_at_a_floor_not_as_gaps(logs):
+    from tensordiff.report.runs_plot import rel_series
+
+    run = read_run(logs[0])
+    same = compare_runs(run, run)  # every loss bit-identical: the whole curve would be a gap on a log axis
+    values, equal, floor = rel_series(same)
+    assert equal == same.steps and values == [floor] * len(same.steps) and 0 < floor < same.threshold
+    assert not any(math.isnan(v) for v in values)
+
+
+def test_the_sample_lines_in_the_docs_are_read_as_documented(tmp_path):
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "runs.md"),
+              encoding="utf-8") as fh:
+        blocks = re.findall(r"```text\n(.*?)```", fh.read(), re.S)
+    megatron, mindformers = (tmp_path / "megatron.log"), (tmp_path / "mf.log")
+    megatron.write_text(blocks[0])
+    mindformers.write_text(blocks[1])
+    a, b = read_run(str(megatron)), read_run(str(mindformers))
+    assert (a.loss, a.grad_norm, a.lr, a.val_loss) == ({10: 8.162007}, {10: 1.51}, {10: 3e-4}, {100: 2.920654})
+    assert (b.loss, b.grad_norm, b.lr) == ({1: 9.5}, {1: 1.52}, {1: 0.0003})

@@ -89,6 +89,7 @@ class ConversionTable:
             if var.choices and vname in self.values and self.values[vname] not in var.choices:
                 raise MappingError(f"{self.name}: --var {vname}={self.values[vname]} is not one of {', '.join(var.choices)}"
                                    + (f" ({var.help})" if var.help else ""))
+        assert self._pair is not None  # tables are made by from_pair
         raw_entries = (self._pair.section("tensors") or {}).get("entries") or []
         if not isinstance(raw_entries, list):
             raise MappingError(f"{self.path}: entries: must be a list")

@@ -24,7 +24,8 @@ def add_parsers(sub: Any) -> None:
     d.add_argument("a", help="capture A (the reference)")
     d.add_argument("b", help="capture B")
     d.add_argument("--first-divergence", action="store_true", help="show only the table of the phase holding the first "
-                                                                   "divergence")
+                                                                   "divergence (none: the tables of what was not "
+                                                                   "compared; with --max-rows 0, every table)")
     d.add_argument("--mapping", help="YAML rename rules from B's names to A's, or a built-in name (default: the built-in "
                                      "that fits the captures, see docs/mapping.md)")
     d.add_argument("--no-auto-mapping", action="store_true",

@@ -32,7 +32,7 @@ import numpy as np
 from ..record import Record
 from ..store import open_capture
 from ..transforms import Chunk, QkvGroups, Split, parse_op
-from .autoselect import _config, _first
+from .autoselect import _config, _first, pick_mapping
 from .result import DiffOptions, DiffResult
 
 #: Two parameters are the same checkpoint tensor when their relative L2 difference is below this
@@ -97,6 +97,10 @@ class Proposal:
     trial: DiffResult | None = None
     not_compared: list[str] = field(default_factory=list)
     """Pairs the trial diff found but could not compare (their shapes differ under the proposed rules)."""
+    builtin: str = ""
+    """A built-in mapping ``diff`` picks for these captures by itself (its note), or '' when none fits."""
+    builtin_trial: DiffResult | None = None
+    """The same trial diff with that built-in mapping: what the proposal competes with."""
 
     def yaml(self) -> str:
         return _render(self)
@@ -260,7 +264,17 @@ def propose(path_a: str, path_b: str, step: int | None = None) -> Proposal:
                         path_a=path_a, path_b=path_b,
                         stats_only=any(p.x is None for p in params_a + params_b))
         _match(prop, params_a, params_b, recs_a, recs_b, heads)
+        builtin, note = pick_mapping(dict(ca.attrs), dict(cb.attrs), recs_a, recs_b)
     _trial(prop)
+    if builtin is not None:
+        from .engine import diff
+
+        prop.builtin = note
+        try:
+            prop.builtin_trial = diff(path_a, path_b, DiffOptions(mapping=builtin, steps=[chosen], auto_mapping=False,
+                                                                  order_fallback=False))
+        except Exception:  # the proposal stands on its own; the comparison is a courtesy
+            prop.builtin_trial = None
     return prop
 
 
@@ -563,6 +577,9 @@ def _render(p: Proposal, with_left: bool = True) -> str:
         + (" (statistics only: transforms taken from the shapes)" if p.stats_only else "")
         + "; the rest of the rules follow the module tree, classes and shapes.",
         f"# Each rule renames {side_b}'s modules (B) onto {side_a}'s (A); {{i}} is a layer number (docs/mapping.md).",
+        *([f"# A built-in mapping fits these captures already: {p.builtin.split(', picked from the captures')[0]}; "
+           "tensordiff diff uses it without --mapping. Prefer it, or start from its file (tensordiff/mapping/pairs/)."]
+          if p.builtin else []),
         "tensordiff_mapping: 2",
         "description: proposed by tensordiff map",
         f"sides: [{side_a}, {side_b}]",

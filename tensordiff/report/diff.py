@@ -50,8 +50,10 @@ class DiffReport:
         for step, phase, rows in phase_rows(res):
             if self.phases is not None and phase not in self.phases:
                 continue
-            if self.first_only and (first is None or (step, phase) != (first.step, first.phase)):
+            if self.first_only and first is not None and (step, phase) != (first.step, first.phase):
                 continue
+            if self.first_only and first is None and self.max_rows > 0 and not any(map(_open, rows)):
+                continue  # no divergence: only the tables holding what keeps it from agreeing (--max-rows 0: all)
             yield self._table(step, phase, rows, first_key, options.max_width)
         yield self._summary()
         for side, where in res.nonfinite.items():
@@ -352,6 +354,13 @@ def _who(attrs: dict) -> str:
     if attrs.get("capture_mode") == "graph":
         parts.append("graph mode")
     return ", ".join(p.strip() for p in parts)
+
+
+def _open(row: Row) -> bool:
+    """A row behind an inconclusive reason: not compared, and not accounted for by any rule."""
+    if row.verdict == "unmatched":
+        return not (row.linked or row.not_recorded or row.accounted is not None)
+    return row.verdict in ("shape", "skipped", "uncertain")
 
 
 def _select(rows: list[Row], max_rows: int) -> list[Row | int]:

@@ -20,6 +20,16 @@ from ..runs.run import Run
 A_COLOR, B_COLOR, BAD_COLOR = "#1f77b4", "#d62728", "#b00020"
 
 
+def rel_series(res: Comparison) -> tuple[list[float], list[int], float]:
+    """The loss's relative difference per common step for a log axis: (values, the steps where the losses are
+    bit-identical, the floor they are drawn at). A zero has no place on a log scale: it is drawn at a floor a
+    decade below the smallest difference (or the threshold's 1e-6), so the curve has no unexplained gaps."""
+    positive = [v for v in (res.rel_loss[s] for s in res.steps) if v > 0 and math.isfinite(v)]
+    floor = 10 ** math.floor(math.log10(min(positive) / 10)) if positive else res.threshold * 1e-6
+    equal = [s for s in res.steps if res.rel_loss[s] == 0]
+    return [res.rel_loss[s] if res.rel_loss[s] != 0 else floor for s in res.steps], equal, floor
+
+
 def _label(run: Run, side: str) -> str:
     return f"{side}: {os.path.basename(run.path)} ({run.kind})"
 
@@ -55,9 +65,11 @@ def plot_png(res: Comparison, dpi: int = 110) -> bytes:
 
     ax = axes[1]
     steps = res.steps
-    # steps where the losses are bit-identical have no place on a log scale: left as gaps
-    rel = [res.rel_loss[s] if res.rel_loss[s] > 0 else math.nan for s in steps]
+    rel, equal, floor = rel_series(res)
     ax.semilogy(steps, rel, color="#444444", lw=1.0, label="loss |B − A| / |A|")
+    if equal:
+        ax.semilogy(equal, [floor] * len(equal), "v", color="#2ca02c", ms=3,
+                    label=f"losses bit-identical ({len(equal)} steps, drawn at {floor:.0e})")
     if gn_steps:
         ax.semilogy(gn_steps, [abs(b.grad_norm[s] - a.grad_norm[s]) / abs(a.grad_norm[s])
                                if a.grad_norm[s] and b.grad_norm[s] != a.grad_norm[s] else math.nan for s in gn_steps],

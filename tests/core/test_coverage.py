@@ -234,3 +234,16 @@ def test_the_json_summary_counts_only_in_b_as_the_text_does(tmp_path, capsys):
     summary = json.loads(report.read_text())["summary"]
     assert "0 only in A, 0 only in B (1 more recorded again under another name" in " ".join(out.split())
     assert (summary["only_a"], summary["only_b"], summary["linked_a"], summary["linked_b"]) == (0, 0, 0, 1)
+
+
+def test_first_divergence_with_none_shows_the_rows_behind_an_inconclusive_reason(tmp_path, capsys):
+    a = capture(tmp_path, "a", records(values()))
+    b = capture(tmp_path, "b", records(values(), y_shape=(1, 4, 5)))  # B's fc output has another shape: SHAPE rows
+    assert main(["diff", a, b, "--first-divergence", "--width", "80"]) == 3
+    out = capsys.readouterr().out
+    assert "step 0 · forward" in out and "SHAPE" in out.upper() and "step 0 · weights" not in out
+    assert main(["diff", a, b, "--first-divergence", "--max-rows", "0", "--width", "80"]) == 3
+    assert "step 0 · weights" in capsys.readouterr().out              # --max-rows 0: every table
+    same = capture(tmp_path, "c", records(values()))
+    assert main(["diff", a, same, "--first-divergence", "--width", "80"]) == 0
+    assert "step 0 ·" not in capsys.readouterr().out                  # agree: nothing to list
