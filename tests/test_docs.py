@@ -133,6 +133,19 @@ def test_the_recipe_builds_both_models_converts_the_weights_and_loads_them_stric
 
 
 @needs_frameworks
+def test_the_checkpoint_page_converts_and_checks_the_workflows_weights_saved_as_megatron_lm_does(workdir):
+    if not os.path.exists(os.path.join(workdir, "init.safetensors")):
+        pytest.skip("the workflow's checkpoint is made by the test before")
+    proc = subprocess.run([sys.executable, "-c", "import torch; from safetensors.torch import load_file; "
+                           "torch.save({'model': load_file('init.safetensors'), 'iteration': 0}, 'mcore.pt')"],
+                          cwd=workdir, env=_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    problems = run_page("docs/checkpoints.md", workdir)
+    assert problems == [], "\n".join(problems)
+    assert os.path.exists(os.path.join(workdir, "mcore-back.pt"))
+
+
+@needs_frameworks
 def test_the_mapping_pages_commands_print_what_it_shows_on_the_workflows_captures(workdir):
     if not os.path.exists(os.path.join(workdir, "mindspore.h5")):
         pytest.skip("the workflow's captures are made by the test before")
