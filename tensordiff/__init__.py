@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._version import __version__
+from ._warn import warn as _warn
 
 __all__ = ["__version__", "capture"]
 
@@ -102,9 +103,7 @@ def capture(model: Any, path: str | None = None, steps: int | None = None, *, op
         raise UsageError(f"cannot capture a {type(model).__module__}.{type(model).__name__}: "
                          "expected a torch.nn.Module or a mindspore.nn.Cell")
     except Exception as err:  # the training run comes first: warn and record nothing
-        import warnings
 
         report_status(f"capture not started: {err}")
-        warnings.warn(f"tensordiff: capture not started ({type(err).__name__}: {err}); training goes on without it",
-                      RuntimeWarning, stacklevel=2)
+        _warn(f"tensordiff: capture not started ({type(err).__name__}: {err}); training goes on without it")
         return NullCapture()

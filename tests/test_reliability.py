@@ -256,3 +256,58 @@ def test_a_tensors_match_regex_that_never_ends_stops_capture_not_training(tmp_pa
     warned = [line for line in runs["bomb"][1].splitlines() if "tensordiff:" in line]
     assert len(warned) == 1 and "capture stopped (MappingError: tensors_match='(a|aa)*c$': the regular expression" in \
         warned[0] and "catastrophic backtracking" in warned[0] and "training goes on" in warned[0]
+
+
+TERMINATED = r"""
+import signal, sys, torch, tensordiff
+if sys.argv[2] == "own":  # the program's own handler, installed before the capture: it must still run
+    def own(signum, frame):
+        print("own handler", flush=True)
+        sys.exit(7)
+    signal.signal(signal.SIGTERM, own)
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+opt = torch.optim.SGD(m.parameters(), lr=0.01)
+x = torch.randn(128, 256)
+with tensordiff.capture(m, sys.argv[1], steps=60, optimizer=opt) as cap:   # the defaults
+    for i in range(60):
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        cap.step(loss)
+        print(f"returned {i}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("handler", ["default", "own"])
+def test_a_sigterm_keeps_every_returned_step_and_ends_the_process_as_it_would_have(tmp_path, handler):
+    """torchrun stops the other workers with SIGTERM when one rank fails: the capture finishes the steps it was
+    handed and closes the file, then the signal does what it would have done (the default: the process dies of
+    SIGTERM; a handler of the program's own: it runs)."""
+    import random
+    import signal
+    import time
+
+    rng = random.Random(27 if handler == "default" else 28)
+    for trial in range(3):
+        path = str(tmp_path / f"term{trial}.h5")
+        target, delay = rng.randrange(2, 40), rng.uniform(0.0, 0.03)
+        proc = subprocess.Popen([sys.executable, "-c", TERMINATED, path, handler], stdout=subprocess.PIPE, text=True)
+        returned, out = -1, []
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("returned"):
+                returned = int(line.split()[1])
+                if returned >= target:
+                    time.sleep(delay)
+                    proc.send_signal(signal.SIGTERM)
+                    break
+        rest, _ = proc.communicate(timeout=120)
+        out.append(rest)
+        assert proc.returncode == (-signal.SIGTERM if handler == "default" else 7), (trial, proc.returncode)
+        assert ("own handler" in "".join(out)) == (handler == "own")
+        with CaptureFile(path) as c:
+            kept = c.steps
+            assert kept[: returned + 1] == list(range(returned + 1)), (trial, target, returned, kept)

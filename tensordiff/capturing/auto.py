@@ -25,13 +25,13 @@ import atexit
 import contextlib
 import sys
 import types
-import warnings
 from functools import partial
 from typing import Any
 
 import torch
 import torch.optim.optimizer as _optim
 
+from .._warn import warn as _warn_line
 from ..record import flatten
 from .options import CaptureOptions, options_from_env, report_status
 from .recorder import open_recorders
@@ -270,4 +270,4 @@ class AutoCapture:
     @staticmethod
     def _warn(message: str) -> None:
         with contextlib.suppress(Exception):
-            warnings.warn(f"tensordiff: {message}; training goes on", RuntimeWarning, stacklevel=3)
+            _warn_line(f"tensordiff: {message}; training goes on")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-import warnings
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -23,12 +22,14 @@ import numpy as np
 
 from .. import dtypes
 from .._text import first_line
+from .._warn import warn as _warn
 from ..record import flatten
 from ..store.format import shape_text
 from ..store.writer import CaptureWriter
 from ..store.writer_process import ProcessWriter
 from .backend import TensorBackend
 from .options import BIG_MODEL_MAX_MB, BIG_MODEL_PARAMS, CaptureOptions, report_status
+from .signals import SignalGuard
 
 STAT_KEYS = ("min", "max", "mean", "l2", "nan", "inf")
 
@@ -49,12 +50,15 @@ class Recorder:
         self._t = backend
         self.options = options
         self.path = path
-        writer = options.writer or ("process" if accelerator and options.tensors != "none" else "thread")
+        writer = options.writer or "process"
         if writer == "process" and options.background and not options.durable:
-            self._writer: CaptureWriter = ProcessWriter(path, attrs)
+            # step() returns once the step is in the child's hands: a SIGKILL of this process after it loses nothing
+            self._writer: CaptureWriter = ProcessWriter(path, attrs, durable=True)
         else:  # durable: the thread writer, which says when a step is on disk
             self._writer = CaptureWriter(path, attrs, background=options.background, durable=options.durable)
         _OPEN.add(self)
+        self._signals = SignalGuard(self._finish_on_signal)
+        self._signals.install()
         self._params = list(params)  # (module, attribute, parameter)
         self._classes = classes
         self._handles: list[Any] = []
@@ -84,9 +88,9 @@ class Recorder:
         if count >= BIG_MODEL_PARAMS:
             self.options.tensors_max_mb = BIG_MODEL_MAX_MB
             with contextlib.suppress(Exception):
-                warnings.warn(f"tensordiff: {count / 1e9:.1f}B parameters: full tensors stored up to "
+                _warn(f"tensordiff: {count / 1e9:.1f}B parameters: full tensors stored up to "
                               f"{BIG_MODEL_MAX_MB:g} MiB a record, statistics for larger ones; "
-                              "set tensors_max_mb=0 (--tensors-max-mb 0) to store all", RuntimeWarning, stacklevel=3)
+                              "set tensors_max_mb=0 (--tensors-max-mb 0) to store all")
 
     # subclasses ---------------------------------------------------------------
     def _remove_framework_hooks(self) -> None:
@@ -154,11 +158,21 @@ class Recorder:
                    for name, v in values.items() if v is not None}
             self._writer.submit_scalars(at, out)
         except Exception as err:
-            warnings.warn(f"tensordiff: scalars {sorted(values)} not recorded ({type(err).__name__}: {err}); "
-                          "training goes on", RuntimeWarning, stacklevel=2)
+            _warn(f"tensordiff: scalars {sorted(values)} not recorded ({type(err).__name__}: {err}); "
+                          "training goes on")
+
+    def _finish_on_signal(self, timeout: float) -> None:
+        """SIGTERM / SIGHUP: the steps handed to the writer are written and the file closed within ``timeout``; the
+        step in flight is left out (it is not whole); every hook is removed."""
+        if self._closed:
+            return
+        self._remove_hooks()
+        self._closed = True
+        self._writer.close(timeout)
 
     def close(self) -> None:
         """Finish the step in flight, remove every hook, close the file."""
+        self._signals.remove()
         if self._in_step and not self._failed:
             try:
                 self._end_step()
@@ -183,13 +197,8 @@ class Recorder:
         if not self._failed:
             text = first_line(err, limit=10_000, default="")
             report_status(f"capture stopped: {type(err).__name__}: {text}")
-            with contextlib.suppress(Exception):  # warnings turned into errors (-W error) must not reach the model
-                warnings.warn(
-                    f"tensordiff: capture stopped ({type(err).__name__}: {text}); hooks removed, training goes on; "
-                    f"completed steps are in {self.path}",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+            _warn(f"tensordiff: capture stopped ({type(err).__name__}: {text}); hooks removed, training goes on; "
+                  f"completed steps are in {self.path}")
         self._failed = True
         self._in_step = False
         self._remove_hooks()

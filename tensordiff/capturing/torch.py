@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import warnings
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -29,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._warn import warn as _warn
 from ..frameworks.torch import dtype_name, to_numpy
 from ..frameworks.torch_copies import HostCopier, HostCopy
 from ..frameworks.torch_stats import StatsCollector
@@ -164,8 +164,8 @@ class TorchCapture(Recorder):
                                          self._fail)
             except Exception as err:  # the rest of the capture goes on without them
                 with contextlib.suppress(Exception):  # warnings turned into errors (-W error) must not reach the run
-                    warnings.warn(f"tensordiff: gradients before the data-parallel reduction not recorded "
-                                  f"({type(err).__name__}: {err}); the capture goes on", RuntimeWarning, stacklevel=3)
+                    _warn(f"tensordiff: gradients before the data-parallel reduction not recorded "
+                                  f"({type(err).__name__}: {err}); the capture goes on")
 
     def _pre_hook(self, name: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         self._on_call(name, args, kwargs)

@@ -87,7 +87,7 @@ class ConversionTable:
     def _bind(self, lenient: bool) -> None:
         for vname, var in self.variables.items():
             if var.choices and vname in self.values and self.values[vname] not in var.choices:
-                raise MappingError(f"{self.name}: --var {vname}={self.values[vname]} is not one of {', '.join(var.choices)}"
+                raise MappingError(f"{self.path}: --var {vname}={self.values[vname]} is not one of {', '.join(var.choices)}"
                                    + (f" ({var.help})" if var.help else ""))
         assert self._pair is not None  # tables are made by from_pair
         raw_entries = (self._pair.section("tensors") or {}).get("entries") or []
@@ -162,6 +162,9 @@ class ConversionTable:
             if f"to_{a}" in raw or f"to_{b}" in raw:
                 raise MappingError(f"{where}: a split entry takes no to_<side>: transforms")
             joined = self.other(multi[0])
+            if not isinstance(raw["split"], str):
+                raise MappingError(f"{where}: 'split:' is one split as text, e.g. split: 'chunk(n=2, dim=0)' "
+                                   f"(got {raw['split']!r})")
             text = subst(raw["split"])
             split = None if unset else parse_split(text, where)
         elif "split" in raw:
@@ -171,7 +174,11 @@ class ConversionTable:
         ops: dict[str, tuple[Op, ...]] = {}
         for side in self.sides:
             items = raw.get(f"to_{side}") or []
-            texts = [subst(i) for i in ([items] if isinstance(items, str) else items)]
+            items = [items] if isinstance(items, str) else items
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise MappingError(f"{where}: 'to_{side}:' is a transform or a list of them, e.g. "
+                                   f"to_{side}: ['interleave(dim=0)'] (got {items!r})")
+            texts = [subst(i) for i in items]
             ops[side] = () if unset else tuple(parse_op(t, where) for t in texts)
         shapes: dict[str, tuple[Dim, ...] | None] = dict.fromkeys(self.sides)
         raw_shape = raw.get("shape")

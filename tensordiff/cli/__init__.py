@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from .. import _watchdog as watchdog
 from .._text import first_line
 from .._version import __version__
-from ..errors import TensordiffError
+from ..errors import TensordiffError, UsageError
 from . import batch, capture, check, ckpt, diff, inspect, map, merge, replay, runs
 
 EXAMPLE = "example: tensordiff capture -o a.h5 --steps 2 -- python train.py; tensordiff diff a.h5 b.h5 --first-divergence"
@@ -52,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if supervised is not None:
             return supervised
     try:
+        _check_outputs(args)
         return int(args.run(args))
     except TensordiffError as err:
         print(f"tensordiff: error: {err}", file=sys.stderr)
@@ -70,6 +71,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except Exception as err:  # a bug in tensordiff, not bad input: one line, the traceback on request
         return _internal(args, err)
+
+
+#: The options of every command that name a file to write.
+_OUTPUTS = ("output", "json", "plot", "html", "dst")
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Every file a command will write, before it starts: in a folder that exists, and not a folder itself."""
+    for key in _OUTPUTS:
+        path = getattr(args, key, None)
+        if not isinstance(path, str) or not path or path == "-":
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise UsageError(f"{path}: is a folder, not a file to write; give a file name (--{key} {path}/out...)")
+        if not os.path.isdir(folder):
+            raise UsageError(f"{path}: the folder {folder} does not exist; create it (mkdir -p {folder}) or write "
+                             "the file elsewhere")
 
 
 def _broken_pipe() -> int:

@@ -59,16 +59,25 @@ def load(path: str) -> dict[tuple, float]:
     if not isinstance(doc, dict) or "tensordiff_noise" not in doc or not isinstance(doc.get("records"), list):
         raise NoiseFileError(f"{path}: not a tensordiff noise file (no 'tensordiff_noise' / 'records'); "
                              "make one with tensordiff noise")
-    if doc["tensordiff_noise"] > FORMAT:
+    version = doc["tensordiff_noise"]
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise NoiseFileError(f"{path}: tensordiff_noise is {version!r}, not a format number (1..{FORMAT}); make the "
+                             "file again with tensordiff noise")
+    if version > FORMAT:
         raise NoiseFileError(f"{path}: noise format {doc['tensordiff_noise']} is newer than this tensordiff reads "
                              f"({FORMAT}); upgrade tensordiff")
     out: dict[tuple, float] = {}
     for i, rec in enumerate(doc["records"]):
         try:
             phase, module, call, kind, slot, value = rec
+            if isinstance(value, bool) or isinstance(call, bool) or not isinstance(call, int) or any(
+                    not isinstance(x, str) for x in (phase, module, kind, slot)):
+                raise TypeError
             value = float(value)
         except (TypeError, ValueError):
-            raise NoiseFileError(f"{path}: record {i} is not [phase, module, call, kind, slot, rel_l2]: {rec!r}") from None
+            raise NoiseFileError(f"{path}: record {i} is not [phase, module, call, kind, slot, rel_l2] (text, text, an "
+                                 f"integer call index, text, text, a number): {rec!r}; make the file again with "
+                                 "tensordiff noise") from None
         if not math.isfinite(value) or value < 0:
             raise NoiseFileError(f"{path}: record {i} ({module} {kind}.{slot}) has noise {value!r}; expected a finite number "
                                  ">= 0")

@@ -160,7 +160,20 @@ def parse(pair: PairFile) -> RenameRules:
             return ()
         if isinstance(items, str):
             items = [items]
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise MappingError(f"{path}: {where}: transforms are a name or a list of names, e.g. [swap01] or "
+                               f"['qkv_grouped(heads=4, dim=0)'] (got {items!r})")
         return tuple(parse_op(pair.subst(i, where), f"{path}: {where}") for i in items)
+
+    def table(raw: dict, key: str, where: str) -> dict:
+        value = raw.get(key) or {}
+        if not isinstance(value, dict):
+            example = "{hidden_states: '0'}" if key == "slots" else "{weight: [transpose]}"
+            raise MappingError(f"{path}: {where}: '{key}:' maps names to {'names' if key == 'slots' else 'transforms'}, "
+                               f"e.g. {key}: {example} (got {value!r})")
+        if key == "slots" and not all(isinstance(v, (str, int)) for v in value.values()):
+            raise MappingError(f"{path}: {where}: 'slots:' maps B's slot names to A's, as text (got {value!r})")
+        return value
 
     def ignores(items: Any, where: str) -> list[Ignore]:
         if items is not None and not isinstance(items, list):
@@ -175,6 +188,10 @@ def parse(pair: PairFile) -> RenameRules:
                 raise MappingError(f"{path}: {where}: an entry is a module {what} (text) or {{module: {what.upper()}, "
                                    f"kinds: [...], slots: [...]}}, got {item!r}")
             kinds, slots = spec.get("kinds"), spec.get("slots")
+            for key, value in (("kinds", kinds), ("slots", slots)):
+                if value is not None and not (isinstance(value, list) and all(isinstance(x, (str, int)) for x in value)):
+                    raise MappingError(f"{path}: {where}: '{key}:' must be a list, e.g. {key}: [output, grad_output] "
+                                       f"(got {value!r})")
             for n in names:
                 out.append(Ignore(pattern(n, where), frozenset(kinds) if kinds is not None else None,
                                   frozenset(str(x) for x in slots) if slots is not None else None))
@@ -228,6 +245,9 @@ def parse(pair: PairFile) -> RenameRules:
         target = pair.subst(raw[key_a], where)
         if not legacy:
             target = template(target, pair.subst(sources[0], where), f"{path}: {where}")
+        if raw.get(key_split) is not None and not isinstance(raw[key_split], str):
+            raise MappingError(f"{path}: {where}: '{key_split}:' is one split as text, e.g. {key_split}: 'chunk(n=2)' "
+                               f"(got {raw[key_split]!r})")
         join = pair.subst(raw[key_split], where) if raw.get(key_split) is not None else ""
         if len(compiled) > 1 and not join:
             raise MappingError(f"{path}: {where}: '{key_b}:' lists {len(compiled)} modules; say how they join into A's "
@@ -245,11 +265,11 @@ def parse(pair: PairFile) -> RenameRules:
             b=compiled[0], a=target,
             phases=frozenset(phases) if phases is not None else None,
             kinds=frozenset(raw["kinds"]) if raw.get("kinds") is not None else None,
-            slots={str(k): str(v) for k, v in (raw.get("slots") or {}).items()},
+            slots={str(k): str(v) for k, v in table(raw, "slots", where).items()},
             only_slots=frozenset(str(x) for x in raw["only_slots"]) if raw.get("only_slots") is not None else None,
             inputs=ops(raw.get("inputs", raw.get("activations")), where),
             outputs=ops(raw.get("outputs", raw.get("activations")), where),
-            params={str(k): ops(v, where) for k, v in (raw.get("params") or {}).items()},
+            params={str(k): ops(v, f"{where}: params: {k}") for k, v in table(raw, "params", where).items()},
             parts=compiled if join else (), join=join)
         if join:
             for kind in ("param", "output"):

@@ -211,8 +211,11 @@ def _vars(raw: Any, path: str) -> dict[str, Var]:
             choices = spec.get("choices")
             if choices is not None and not (isinstance(choices, list) and all(_scalar(c) for c in choices)):
                 raise fail(f"vars: {name}: choices", "a list of text or numbers", choices)
-            out[str(name)] = Var(str(name), None if default is None else value_text(default),
-                                 tuple(value_text(c) for c in choices or ()), str(spec.get("help", "")))
+            var = Var(str(name), None if default is None else value_text(default),
+                      tuple(value_text(c) for c in choices or ()), str(spec.get("help", "")))
+            if var.choices and var.default is not None and var.default not in var.choices:
+                raise fail(f"vars: {name}: default", f"one of its choices ({', '.join(var.choices)})", default)
+            out[str(name)] = var
         elif spec is None or _scalar(spec):
             out[str(name)] = Var(str(name), None if spec is None else value_text(spec))
         else:

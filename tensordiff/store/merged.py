@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from .._yaml import load_yaml
-from ..errors import CaptureFileError
+from ..errors import CaptureFileError, MappingError
 from ..mapping.names import unwrap
 from ..record import Record
 from ..stats import host_stats
@@ -63,28 +63,48 @@ class _Rule:
                 and (self.slots is None or rec.slot in self.slots))
 
 
-def _load_rules(name: str = "megatron-core") -> tuple[list[_Rule], list[_Rule]]:
-    """The table's tensor-parallel rules and its sequence-parallel rules."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "splits", name + ".yaml")
+def _load_rules(name: str = "megatron-core", path: str | None = None) -> tuple[list[_Rule], list[_Rule]]:
+    """The table's tensor-parallel rules and its sequence-parallel rules (``path``: another table file)."""
+    path = path or os.path.join(os.path.dirname(os.path.abspath(__file__)), "splits", name + ".yaml")
     with open(path, encoding="utf-8") as fh:
         doc = load_yaml(fh.read(), path, "split table")
+    if not isinstance(doc, dict):
+        raise MappingError(f"{path}: a split table is a YAML mapping with 'rules:' (see the file's header)")
 
-    def rule(raw: dict[str, Any], key: str) -> _Rule:
+    def texts(raw: dict[str, Any], key: str, where: str) -> frozenset[str] | None:
+        value = raw.get(key)
+        if value is None or value == []:
+            return None
+        value = [value] if isinstance(value, str) and key == "class" else value
+        if not isinstance(value, list) or not all(isinstance(x, (str, int)) for x in value):
+            raise MappingError(f"{path}: {where}: '{key}:' is a list of names, got {value!r}")
+        return frozenset(str(x) for x in value)
+
+    def rule(raw: Any, key: str, where: str) -> _Rule:
+        if not isinstance(raw, dict):
+            raise MappingError(f"{path}: {where}: a rule is a mapping (class:, kinds:, slots:, {key}:), got {raw!r}")
         split = raw.get(key) or {}
-        cls = raw.get("class")
-        return _Rule(
-            module=re.compile(raw["module"]) if raw.get("module") is not None else None,
-            classes=None if cls is None else frozenset([cls] if isinstance(cls, str) else cls),
-            kinds=frozenset(raw["kinds"]) if raw.get("kinds") else None,
-            slots=frozenset(str(s) for s in raw["slots"]) if raw.get("slots") else None,
-            tp_dim=int(split["dim"]) if "dim" in split else None,
-            tp_stride=str(split.get("stride", "")),
-            batch_first=bool(raw.get("batch_first", False)),
-            swap01=bool(split.get("swap01", False)),
-        )
+        if not isinstance(split, dict) or ("dim" in split and (isinstance(split["dim"], bool)
+                                                              or not isinstance(split["dim"], int))):
+            raise MappingError(f"{path}: {where}: '{key}:' is {{dim: D}} with an integer D, got {split!r}")
+        module = raw.get("module")
+        if module is not None and not isinstance(module, str):
+            raise MappingError(f"{path}: {where}: 'module:' is a regex as text, got {module!r}")
+        try:
+            compiled = re.compile(module) if module is not None else None
+        except re.error as err:
+            raise MappingError(f"{path}: {where}: bad regular expression {module!r} ({err})") from None
+        return _Rule(module=compiled, classes=texts(raw, "class", where), kinds=texts(raw, "kinds", where),
+                     slots=texts(raw, "slots", where), tp_dim=split.get("dim"), tp_stride=str(split.get("stride", "")),
+                     batch_first=raw.get("batch_first", False) is True, swap01=split.get("swap01", False) is True)
 
-    return ([rule(raw, "tp") for raw in doc.get("rules") or []],
-            [rule(raw, "sp") for raw in doc.get("sequence_parallel") or []])
+    out = []
+    for section, key in (("rules", "tp"), ("sequence_parallel", "sp")):
+        items = doc.get(section) or []
+        if not isinstance(items, list):
+            raise MappingError(f"{path}: '{section}:' is a list of rules, got {items!r}")
+        out.append([rule(raw, key, f"{section} {i + 1}") for i, raw in enumerate(items)])
+    return out[0], out[1]
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,6 @@ import contextlib
 import os
 import resource
 import threading
-import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -27,6 +26,7 @@ import numpy as np
 
 from .. import dtypes
 from .._text import first_line
+from .._warn import warn as _warn
 from . import codec
 from .format import (
     CHUNK_MIN_BYTES,
@@ -94,6 +94,7 @@ class CaptureWriter:
         if self.policy not in POLICIES or self.compression not in COMPRESSIONS or self.threads < 1:
             raise ValueError(f"CaptureWriter: policy must be one of {POLICIES}, compression one of {COMPRESSIONS} "
                              f"and threads >= 1 (got {self.policy!r}, {self.compression!r}, {self.threads})")
+        self._file_closed = False
         self._open(attrs)
         self.error: BaseException | None = None
         self.dropped_steps: list[int] = []
@@ -148,8 +149,8 @@ class CaptureWriter:
                 self._cv.wait()  # the step is flushed when this returns: a SIGKILL after it cannot lose it
         if behind:
             if not self.dropped_steps:
-                warnings.warn(f"tensordiff: writer behind by {behind / 1e9:.1f} GB; full tensors of step {step} dropped, "
-                              "statistics kept", RuntimeWarning, stacklevel=2)
+                _warn(f"tensordiff: writer behind by {behind / 1e9:.1f} GB; full tensors of step {step} dropped, "
+                              "statistics kept")
             self.dropped_steps.append(step)
 
     def _open(self, attrs: dict[str, Any]) -> None:
@@ -214,8 +215,7 @@ class CaptureWriter:
         try:
             self._file.close()
         except Exception as err:  # pragma: no cover - closing a broken file
-            warnings.warn(f"tensordiff: closing {self.path} failed: {first_line(err, 200)}", RuntimeWarning,
-                          stacklevel=3)
+            _warn(f"tensordiff: closing {self.path} failed: {first_line(err, 200)}")
 
     def _room(self, nbytes: int) -> bool:
         """Room for a step with ``nbytes`` of full tensors (the caller holds the condition): always for statistics
@@ -237,18 +237,38 @@ class CaptureWriter:
             self._scalar_jobs.append(("scalars", step, values))
             self._cv.notify_all()
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
+        """Write what was handed over, then close the file; ``timeout``: give up waiting after that many seconds
+        (a signal ending the run: the file then keeps the steps completed so far). True when the file is closed.
+
+        A Ctrl-C while it waits does not leave the file open: the close finishes (within 30 s), then the
+        KeyboardInterrupt goes on."""
         self._closed = True
+        if self._file_closed:
+            return True
+        interrupted: BaseException | None = None
         if self._thread is not None:
             with self._cv:
                 self._stop = True
                 self._cv.notify_all()
-            self._thread.join()
+            try:
+                self._thread.join(timeout)
+            except KeyboardInterrupt as err:
+                interrupted = err
+                self._thread.join(30.0 if timeout is None else timeout)
+            if self._thread.is_alive():  # still writing: closing the file under it would damage the step
+                if interrupted is not None:
+                    raise interrupted
+                return False
             self._thread = None
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
         self._close_file()
+        self._file_closed = True
+        if interrupted is not None:
+            raise interrupted
+        return True
 
     def _run(self) -> None:
         while True:
@@ -284,8 +304,8 @@ class CaptureWriter:
                 self._cv.notify_all()  # a submit waiting for room gives up
             what = "scalars" if job[0] == "scalars" else f"step {job[0]}"
             done = "" if job[0] == "scalars" else f"; the file keeps the steps written before step {job[0]}"
-            warnings.warn(f"tensordiff: writing {what} to {self.path} failed ({first_line(err, 300)}): capture "
-                          f"stopped{done}; training goes on", RuntimeWarning, stacklevel=2)
+            _warn(f"tensordiff: writing {what} to {self.path} failed ({first_line(err, 300)}): capture "
+                          f"stopped{done}; training goes on")
 
     def _write_scalars(self, step: int, values: dict[str, float]) -> None:
         self._check_room(step, 0, len(values))
@@ -386,8 +406,7 @@ def _env_number(name: str, kind: type, default: Any, low: float) -> Any:
         return value
     except ValueError:
         what = "an integer" if kind is int else "a number"
-        warnings.warn(f"tensordiff: {name}={text!r} is not {what} >= {low:g}; using {default}", RuntimeWarning,
-                      stacklevel=3)
+        _warn(f"tensordiff: {name}={text!r} is not {what} >= {low:g}; using {default}")
         return default
 
 
@@ -396,8 +415,7 @@ def _env_choice(name: str, choices: tuple[str, ...]) -> str:
     if not text:
         return choices[0]
     if text not in choices:
-        warnings.warn(f"tensordiff: {name}={text!r} is not one of {', '.join(choices)}; using {choices[0]}",
-                      RuntimeWarning, stacklevel=3)
+        _warn(f"tensordiff: {name}={text!r} is not one of {', '.join(choices)}; using {choices[0]}")
         return choices[0]
     return text
 

@@ -154,3 +154,39 @@ def test_ckpt_diff_sides_with_no_table_to_apply_them_to_is_refused(tmp_path, cap
     assert cli.main(["ckpt", "diff", a, b, "--sides", "a,b"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tensordiff: error: --sides a,b: no conversion table applies") and err.count("\n") == 1
+
+
+def _capture(tmp_path):
+    import numpy as np
+    from helpers import T, write_capture
+
+    w = np.ones((2, 2), np.float32)
+    return write_capture(str(tmp_path / "c.h5"), [[T("weights", "fc", "param", "weight", w),
+                                                     T("forward", "fc", "output", "0", w)]])
+
+
+@pytest.mark.parametrize(("name", "text", "fragment"), [
+    ("mapping", "rules:\n  - {b: x, a: y, params: 'x'}\n", "'params:' maps names to transforms"),
+    ("mapping", "rules: 5\n", "rules: must be a list of rules"),
+    ("mapping", "strip_b: 5\nrules: []\n", "the prefixes to strip are a list of text"),
+    ("noise", '{"tensordiff_noise": 1, "records": [["forward", "fc", "zero", "output", "0", 1e-6]]}',
+     "record 0 is not [phase, module, call, kind, slot, rel_l2]"),
+    ("noise", '{"tensordiff_noise": null, "records": []}', "tensordiff_noise is None, not a format number"),
+    ("noise", '{"tensordiff_noise": "x", "records": []}', "tensordiff_noise is 'x', not a format number"),
+])
+def test_a_file_with_a_value_of_the_wrong_type_is_one_line_and_exit_2(tmp_path, capsys, name, text, fragment):
+    cap = _capture(tmp_path)
+    path = tmp_path / ("m.yaml" if name == "mapping" else "n.json")
+    path.write_text(text)
+    option = "--mapping" if name == "mapping" else "--noise-file"
+    assert cli.main(["diff", cap, cap, option, str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"tensordiff: error: {path}: ") and fragment in err, err
+
+
+def test_an_output_in_a_folder_that_does_not_exist_is_refused_before_anything_runs(tmp_path, capsys):
+    out = tmp_path / "missing" / "dir" / "batch.h5"
+    assert cli.main(["batch", "-o", str(out), "--vocab", "100", "--seq", "8", "--batch", "1"]) == 2
+    assert capsys.readouterr().err == (f"tensordiff: error: {out}: the folder {out.parent} does not exist; create it "
+                                       f"(mkdir -p {out.parent}) or write the file elsewhere\n")
+    assert not out.parent.exists()

@@ -1,0 +1,70 @@
+"""A capture that is told to stop (SIGTERM: how torchrun stops every other worker when one rank fails; SIGHUP: a
+closed terminal) finishes writing the steps it was handed and closes its file, within a bounded time, then lets the
+signal do what it would have done without tensordiff: the program's own handler runs, or the process ends by the
+signal with the status it would have had.
+
+Installed from the main thread only (Python runs signal handlers there), when the capture starts; removed when it
+closes, unless the program installed a handler of its own in between (then that one stays).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Callable
+from typing import Any
+
+#: How long a signal may wait for the file to be finished before it goes on (seconds; TENSORDIFF_SIGNAL_TIMEOUT).
+DEFAULT_TIMEOUT = 30.0
+_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def _timeout() -> float:
+    try:
+        value = float(os.environ.get("TENSORDIFF_SIGNAL_TIMEOUT", DEFAULT_TIMEOUT))
+    except ValueError:
+        return DEFAULT_TIMEOUT
+    return value if value >= 0 else DEFAULT_TIMEOUT
+
+
+class SignalGuard:
+    """Runs ``finish(timeout)`` on SIGTERM / SIGHUP, then the signal's previous disposition."""
+
+    def __init__(self, finish: Callable[[float], None]):
+        self._finish = finish
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal.signal works in the main thread only; the capture goes on without the guard
+        for signum in _SIGNALS:
+            try:
+                previous = signal.getsignal(signum)
+                if previous is None:  # installed from C: not ours to chain to
+                    continue
+                signal.signal(signum, self._handle)
+            except (ValueError, OSError, RuntimeError):
+                continue
+            self._previous[signum] = previous
+
+    def remove(self) -> None:
+        for signum, previous in list(self._previous.items()):
+            try:
+                if signal.getsignal(signum) == self._handle:  # the program's own later handler stays
+                    signal.signal(signum, previous)
+            except (ValueError, OSError, RuntimeError):
+                pass
+            del self._previous[signum]
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        previous = self._previous.get(signum, signal.SIG_DFL)
+        self.remove()
+        with contextlib.suppress(BaseException):  # the signal's own action happens whatever the capture did
+            self._finish(_timeout())
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:  # the default: end the process by the signal, as without tensordiff
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)

@@ -1,0 +1,155 @@
+"""Every key of every file format tensordiff reads, given a value of the wrong type: one TensordiffError naming the
+file (exit 2 on the command line), never another exception (exit 4, an internal error).
+
+The formats: pair files (the built-in ones, the documented one, and the older diff and ckpt files), the split table
+that merges rank files, and noise files. For each document every key path is replaced in turn by a value of each
+other type; whatever loads must then also work (its rules tried on a record, its table matched against a name)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import yaml
+
+from tensordiff.ckpt.table import ConversionTable
+from tensordiff.diff import noise
+from tensordiff.errors import TensordiffError
+from tensordiff.mapping import builtin, from_text
+from tensordiff.mapping.modules import parse
+from tensordiff.record import Record
+from tensordiff.store.merged import _load_rules
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WRONG = (5, "x", ["x"], {"k": 1}, None, True)
+
+
+def paths(doc, prefix=()):
+    """Every key path of a YAML/JSON document (list positions included)."""
+    items = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    for key, value in items:
+        yield (*prefix, key)
+        yield from paths(value, (*prefix, key))
+
+
+def replaced(doc, path, value):
+    out = copy.deepcopy(doc)
+    node = out
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return out
+
+
+def mutations(doc, limit_lists=2):
+    """(path, wrong value, mutated document), lists cut to their first ``limit_lists`` items to keep it quick."""
+    def cut(d):
+        if isinstance(d, dict):
+            return {k: cut(v) for k, v in d.items()}
+        if isinstance(d, list):
+            return [cut(v) for v in d[:limit_lists]]
+        return d
+    small = cut(doc)
+    for path in paths(small):
+        for value in WRONG:
+            yield path, value, replaced(small, path, value)
+
+
+def record(module="decoder.layers.0.mlp.linear_fc1", kind="output", slot="0", phase="forward"):
+    return Record(step=0, seq=0, phase=phase, module=module, call=0, kind=kind, slot=slot, module_class="Linear",
+                  dtype="float32", shape=(2, 2), numel=4)
+
+
+def use_pair(text: str, path: str) -> None:
+    pair = from_text(text, path, "p", {"heads": "4", "groups": "2"})
+    if pair.section("modules") is not None:
+        rules = parse(pair)
+        for r in (record(), record("model.layers.0.mlp.gate_proj"), record(kind="param", slot="weight",
+                                                                          phase="weights")):
+            for rule in rules.rules:
+                rule.target(r)
+                rule.join_target(r, r.module)
+                rule.ops_for(r)
+            for ignore in rules.ignore_a + rules.ignore_b:
+                ignore.hits(r)
+    if pair.section("tensors") is not None:
+        table = ConversionTable.from_pair(pair, lenient=True)
+        table.match("decoder.layers.0.mlp.linear_fc1.weight", table.sides[0])
+        table.ignored("x", table.sides[1])
+
+
+def _pair_docs():
+    docs = {}
+    for name, path in builtin().items():
+        with open(path, encoding="utf-8") as fh:
+            docs[name] = fh.read()
+    with open(os.path.join(ROOT, "docs", "mapping.md"), encoding="utf-8") as fh:
+        page = fh.read()
+    block = page[page.index("## The pair file"):]
+    docs["docs-example"] = block[block.index("```yaml\n") + 8:block.index("```\n", block.index("```yaml\n") + 8)]
+    docs["older-diff"] = ("tensordiff_mapping: 1\nvars: {heads: 4}\nstrip_b: ['model.']\norder_fallback: false\n"
+                          "ignore_a: [{module: 'x', kinds: [output]}]\nignore_b: ['y']\nrules:\n"
+                          "  - {b: 'h\\.(\\d+)', a: 'layers.\\1', kinds: [output], slots: {'0': hidden},\n"
+                          "     activations: [swap01], params: {weight: [transpose]}}\n"
+                          "  - {b: ['q\\.(\\d+)', 'k\\.(\\d+)'], a: 'qk.\\1', join: 'chunk(n=2)'}\n")
+    docs["older-ckpt"] = ("tensordiff_ckpt_table: 1\nsides: [mcore, ms]\nformats: {mcore: [.pt]}\nvars: {n: {default: 1}}\n"
+                          "ignore: {ms: ['adam.*']}\nentries:\n  - {mcore: 'l.{i}.w', ms: 'm.{i}.w', shape: [h, h]}\n"
+                          "  - {mcore: 'l.{i}.qkv', ms: ['m.{i}.q', 'm.{i}.k'], split: 'chunk(n=2, dim=0)'}\n")
+    return docs
+
+
+@pytest.mark.parametrize("name", sorted(_pair_docs()))
+def test_a_pair_file_with_any_value_of_the_wrong_type_is_one_mapping_error(name, tmp_path):
+    text = _pair_docs()[name]
+    use_pair(text, f"{name}.yaml")  # the file as it is works
+    doc = yaml.safe_load(text)
+    tried = 0
+    for path, value, mutated in mutations(doc):
+        tried += 1
+        try:
+            use_pair(yaml.safe_dump(mutated), f"{name}.yaml")
+        except TensordiffError as err:
+            assert str(err).startswith(f"{name}.yaml") or f"{name}.yaml" in str(err) or "mapping p" in str(err), \
+                (path, value, str(err))
+            assert "\n" not in str(err), (path, value)
+        except Exception as err:
+            pytest.fail(f"{name}: {'/'.join(map(str, path))} = {value!r}: {type(err).__name__}: {err}")
+    assert tried > 50
+
+
+def test_the_split_table_with_any_value_of_the_wrong_type_is_one_mapping_error(tmp_path):
+    path = os.path.join(ROOT, "tensordiff", "store", "splits", "megatron-core.yaml")
+    with open(path, encoding="utf-8") as fh:
+        doc = yaml.safe_load(fh)
+    tp, sp = _load_rules(path=path)
+    assert tp and sp
+    target = tmp_path / "splits.yaml"
+    for key_path, value, mutated in mutations(doc):
+        target.write_text(yaml.safe_dump(mutated))
+        try:
+            rules = _load_rules(path=str(target))
+            for rule in rules[0] + rules[1]:
+                rule.hits(record())
+        except TensordiffError as err:
+            assert str(target) in str(err), (key_path, value, str(err))
+        except Exception as err:
+            pytest.fail(f"{'/'.join(map(str, key_path))} = {value!r}: {type(err).__name__}: {err}")
+
+
+def test_a_noise_file_with_any_value_of_the_wrong_type_is_one_noise_file_error(tmp_path):
+    good = tmp_path / "good.json"
+    noise.save(str(good), {("forward", "decoder.layers.0", 0, "output", "0"): 1e-6,
+                           ("backward", "embedding", 1, "grad_output", "0"): 2e-7}, ["r1.h5", "r2.h5"], "two runs")
+    doc = json.loads(good.read_text())
+    assert len(noise.load(str(good))) == 2
+    bad = tmp_path / "bad.json"
+    for key_path, value, mutated in mutations(doc, limit_lists=6):
+        bad.write_text(json.dumps(mutated))
+        try:
+            noise.load(str(bad))
+        except TensordiffError as err:
+            assert str(bad) in str(err), (key_path, value, str(err))
+        except Exception as err:
+            pytest.fail(f"{'/'.join(map(str, key_path))} = {value!r}: {type(err).__name__}: {err}")
