@@ -1,6 +1,6 @@
 """Step-time overhead and file size of capture on a megatron-core GPT on the CPU.
 
-    .venv/bin/python benchmarks/capture_overhead.py [--layers 4 --hidden 256 --steps 20]
+    .venv/bin/python benchmarks/capture_overhead.py [--layers 4 --hidden 256 --steps 20] [--writer thread]
 
 Prints the median step time of: no capture; statistics only (every step captured);
 full tensors on the first step; and the capture file's size against the bytes of
@@ -27,13 +27,15 @@ import tensordiff  # noqa: E402
 from examples.gpt.models import GPTSpec, build_mcore_gpt, make_batch, mcore_loss  # noqa: E402
 from tensordiff.store import CaptureFile  # noqa: E402
 
+WRITER: str | None = None  # --writer: the capture's writer (default: tensordiff's own choice)
+
 
 def run(spec: GPTSpec, steps: int, path: str | None, tensors: str, cap_steps: int) -> list[float]:
     model = build_mcore_gpt(spec, seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = []
     batches = [make_batch(spec, seed=i) for i in range(steps)]
-    with tensordiff.capture(model, path, steps=cap_steps, optimizer=opt, tensors=tensors) as cap:
+    with tensordiff.capture(model, path, steps=cap_steps, optimizer=opt, tensors=tensors, writer=WRITER) as cap:
         for tokens, labels, _ in batches:
             t0 = time.perf_counter()
             loss = mcore_loss(model, tokens, labels)
@@ -52,7 +54,10 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--writer", choices=("process", "thread"), help="the capture's writer (default: its own choice)")
     args = p.parse_args()
+    global WRITER
+    WRITER = args.writer
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     spec = GPTSpec(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=max(1, args.hidden // 64),
                    vocab_size=8192, seq_length=args.seq, batch_size=args.batch)

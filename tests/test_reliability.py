@@ -103,7 +103,8 @@ torch.manual_seed(0)
 m = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
 opt = torch.optim.SGD(m.parameters(), lr=0.01)
 x = torch.randn(128, 256)
-with tensordiff.capture(m, sys.argv[1], steps=40, optimizer=opt, tensors="all", durable=True) as cap:
+with tensordiff.capture(m, sys.argv[1], steps=40, optimizer=opt, tensors="all", durable=sys.argv[2] == "durable",
+                        writer=None if sys.argv[2] in ("default", "durable") else sys.argv[2]) as cap:
     for i in range(40):
         loss = m(x).pow(2).mean()
         loss.backward()
@@ -114,9 +115,11 @@ with tensordiff.capture(m, sys.argv[1], steps=40, optimizer=opt, tensors="all", 
 """
 
 
-def test_a_sigkill_loses_no_step_whose_step_call_returned_with_durable(tmp_path):
+@pytest.mark.parametrize("mode", ["default", "durable"])
+def test_a_sigkill_loses_no_step_whose_step_call_returned(tmp_path, mode):
     """Kill loop, fixed seed: SIGKILL at a random moment after step k's ``cap.step()`` returned; the file opens and
-    holds every step 0..k complete (the guarantee ``durable=True`` documents)."""
+    holds every step 0..k complete, with the default capture (the writer process finishes what it was handed) and
+    with ``durable=True`` (the thread writer flushed it before step() returned)."""
     import random
     import signal
     import time
@@ -125,7 +128,7 @@ def test_a_sigkill_loses_no_step_whose_step_call_returned_with_durable(tmp_path)
     for trial in range(4):
         path = str(tmp_path / f"killed{trial}.h5")
         target, delay = rng.randrange(2, 30), rng.uniform(0.0, 0.05)
-        proc = subprocess.Popen([sys.executable, "-c", KILLED, path], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen([sys.executable, "-c", KILLED, path, mode], stdout=subprocess.PIPE, text=True)
         returned = -1
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -136,10 +139,27 @@ def test_a_sigkill_loses_no_step_whose_step_call_returned_with_durable(tmp_path)
                 break
         proc.wait(timeout=120)
         assert proc.returncode == -signal.SIGKILL, (trial, proc.returncode)
+        deadline = time.time() + 60
+        while mode == "default" and _writer_alive(path) and time.time() < deadline:
+            time.sleep(0.1)  # the writer process finishes the file on its own, after its parent is gone
         with CaptureFile(path) as c:
             kept = c.steps
             assert kept[: returned + 1] == list(range(returned + 1)), (trial, target, returned, kept)
             assert all(len(c.records(s)) > 0 for s in kept)
+
+
+def _writer_alive(path: str) -> bool:
+    """A writer process (``python -m tensordiff.store.writer_process``) still has ``path`` open."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            if any(os.readlink(os.path.join("/proc", pid, "fd", fd)) == path
+                   for fd in os.listdir(os.path.join("/proc", pid, "fd"))):
+                return True
+        except OSError:
+            continue
+    return False
 
 
 ODD = r"""
@@ -311,3 +331,44 @@ def test_a_sigterm_keeps_every_returned_step_and_ends_the_process_as_it_would_ha
         with CaptureFile(path) as c:
             kept = c.steps
             assert kept[: returned + 1] == list(range(returned + 1)), (trial, target, returned, kept)
+
+
+RANKS = r"""
+import os, sys, time, torch, tensordiff
+rank = int(os.environ["RANK"])
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+opt = torch.optim.SGD(m.parameters(), lr=0.01)
+x = torch.randn(32, 64)
+with tensordiff.capture(m, os.path.join(sys.argv[1], f"run.rank{rank}.h5"), steps=400, optimizer=opt) as cap:
+    for i in range(400):
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        cap.step(loss)
+        print(f"rank {rank} returned {i}", flush=True)
+        if rank == 1 and i == 12:
+            raise RuntimeError("rank 1 fails, the others are stopped")   # the fault the user is chasing
+        time.sleep(0.02)
+"""
+
+
+def test_under_torchrun_the_ranks_stopped_after_one_fails_keep_every_returned_step(tmp_path):
+    """One rank raises; torchrun stops the others with SIGTERM: their captures still hold every step they returned."""
+    import shutil
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    proc = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "2", str(script), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0  # the run failed, as it would have without tensordiff
+    returned = max(int(line.split()[-1]) for line in proc.stdout.splitlines() if line.startswith("rank 0 returned"))
+    assert returned < 399  # rank 0 was stopped, not left to finish
+    with CaptureFile(str(tmp_path / "run.rank0.h5")) as c:
+        assert c.steps[: returned + 1] == list(range(returned + 1)), (returned, c.steps[-3:])
+    with CaptureFile(str(tmp_path / "run.rank1.h5")) as c:
+        assert c.steps == list(range(13))  # the failing rank: every step it returned, closed on the way out
