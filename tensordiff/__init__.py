@@ -68,10 +68,12 @@ def capture(model: Any, path: str | None = None, steps: int | None = None, *, op
     ``value_and_grad`` returns, unless ``optimizer`` is given).
     ``tensors_max_mb`` and ``tensors_match`` (a regex on module names) narrow which records of a full-tensor step are
     stored in full; the rest keep their statistics. Models of 1B parameters or more default to 64 MiB per record.
-    ``writer='process'`` writes the file from a child process (the default when a GPU model stores full tensors:
-    HDF5 then never holds the training process's GIL), ``'thread'`` from threads of this process.
-    ``durable=True`` (or ``TENSORDIFF_DURABLE=1``): ``step()`` returns only once its step is flushed to the file, so
-    a killed run loses no step whose ``step()`` returned (the thread writer is used; the step waits for the write).
+    ``writer='process'`` (the default) writes the file from a child process: HDF5 never holds the training process's
+    GIL, and ``step()`` returns once its step is in the child's hands, so a killed run (SIGKILL included) loses no
+    step whose ``step()`` returned; ``'thread'`` writes from threads of this process (a SIGKILL loses what is queued).
+    ``durable=True`` (or ``TENSORDIFF_DURABLE=1``): ``step()`` returns only once its step is flushed to the file (the
+    thread writer is used; the step waits for the write). A SIGTERM or SIGHUP closes the file with every step handed
+    over, then does what it would have done without tensordiff.
     ``tensordiff capture -o FILE --steps N -- cmd`` sets FILE, N and the tensor mode
     through the environment, overriding the arguments; with no path at all the
     capture is off and the returned object records nothing. A capture that cannot

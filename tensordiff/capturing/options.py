@@ -61,8 +61,8 @@ class CaptureOptions:
     tensors_match: str | None = None
     """Full tensors only for modules whose name matches this regular expression (statistics for the rest)."""
     writer: str | None = None
-    """Where the file is written: 'thread' (threads of this process) or 'process' (a child process: HDF5 never holds
-    this process's GIL). Default: 'process' when full tensors of an accelerator's model are stored, else 'thread'."""
+    """Where the file is written: 'process' (the default: a child process; HDF5 never holds this process's GIL, and
+    a step whose ``step()`` returned survives a SIGKILL) or 'thread' (threads of this process)."""
     _match: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
