@@ -153,3 +153,36 @@ def test_a_noise_file_with_any_value_of_the_wrong_type_is_one_noise_file_error(t
             assert str(bad) in str(err), (key_path, value, str(err))
         except Exception as err:
             pytest.fail(f"{'/'.join(map(str, key_path))} = {value!r}: {type(err).__name__}: {err}")
+
+
+def test_a_batch_file_with_an_attribute_or_a_field_of_the_wrong_type_is_one_batch_error(tmp_path):
+    import h5py
+    import numpy as np
+
+    from tensordiff import batch
+
+    good = tmp_path / "good.h5"
+    batch.save(str(good), batch.make(100, 8, 2, seed=0))
+    assert batch.read(str(good), vocab_size=100).tokens.shape == (2, 8)
+    with h5py.File(good, "r") as f:
+        attrs = list(f.attrs)
+        fields = list(f)
+    wrong_attrs = ("x", np.arange(3), -1, 2**40, np.float64("nan"))
+    wrong_fields = (np.array(b"x"), np.zeros((2,), np.int64), np.zeros((2, 8), np.float32),
+                    np.zeros((2, 8, 1), np.int64), np.full((2, 8), -5, np.int64), np.zeros((0, 0), np.int64))
+    cases = [("attr", a, v) for a in attrs for v in wrong_attrs] + [("field", n, v) for n in fields for v in wrong_fields]
+    for i, (where, name, value) in enumerate(cases):
+        bad = tmp_path / f"bad{i}.h5"
+        bad.write_bytes(good.read_bytes())
+        with h5py.File(bad, "r+") as f:
+            if where == "attr":
+                f.attrs[name] = value
+            else:
+                del f[name]
+                f.create_dataset(name, data=value)
+        try:
+            batch.read(str(bad), vocab_size=100)
+        except TensordiffError as err:
+            assert str(bad) in str(err) and "\n" not in str(err), (where, name, value, str(err))
+        except Exception as err:
+            pytest.fail(f"{where} {name} = {value!r}: {type(err).__name__}: {err}")
