@@ -70,7 +70,8 @@ def capture(model: Any, path: str | None = None, steps: int | None = None, *, op
     stored in full; the rest keep their statistics. Models of 1B parameters or more default to 64 MiB per record.
     ``writer='process'`` (the default) writes the file from a child process: HDF5 never holds the training process's
     GIL, and ``step()`` returns once its step is in the child's hands, so a killed run (SIGKILL included) loses no
-    step whose ``step()`` returned; ``'thread'`` writes from threads of this process (a SIGKILL loses what is queued).
+    step whose ``step()`` returned; ``'thread'`` writes from threads of this process, each step written and flushed
+    before ``step()`` returns.
     ``durable=True`` (or ``TENSORDIFF_DURABLE=1``): ``step()`` returns only once its step is flushed to the file (the
     thread writer is used; the step waits for the write). A SIGTERM or SIGHUP closes the file with every step handed
     over, then does what it would have done without tensordiff.

@@ -55,8 +55,8 @@ class Recorder:
         if writer == "process" and options.background and not options.durable:
             # step() returns once the step is in the child's hands: a SIGKILL of this process after it loses nothing
             self._writer: CaptureWriter = ProcessWriter(path, attrs, durable=True)
-        else:  # durable: the thread writer, which says when a step is on disk
-            self._writer = CaptureWriter(path, attrs, background=options.background, durable=options.durable)
+        else:  # the thread writer (asked for, or durable): step() returns once the step is written and flushed
+            self._writer = CaptureWriter(path, attrs, background=options.background, durable=True)
         _OPEN.add(self)
         self._signals = SignalGuard(self._finish_on_signal)
         self._signals.install()
