@@ -104,7 +104,7 @@ m = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Li
 opt = torch.optim.SGD(m.parameters(), lr=0.01)
 x = torch.randn(128, 256)
 with tensordiff.capture(m, sys.argv[1], steps=40, optimizer=opt, tensors="all", durable=sys.argv[2] == "durable",
-                        writer=None if sys.argv[2] in ("default", "durable") else sys.argv[2]) as cap:
+                        writer=None if sys.argv[2] in ("default", "durable", "fallback") else sys.argv[2]) as cap:
     for i in range(40):
         loss = m(x).pow(2).mean()
         loss.backward()
@@ -115,20 +115,23 @@ with tensordiff.capture(m, sys.argv[1], steps=40, optimizer=opt, tensors="all", 
 """
 
 
-@pytest.mark.parametrize("mode", ["default", "durable"])
+@pytest.mark.parametrize("mode", ["default", "durable", "fallback"])
 def test_a_sigkill_loses_no_step_whose_step_call_returned(tmp_path, mode):
     """Kill loop, fixed seed: SIGKILL at a random moment after step k's ``cap.step()`` returned; the file opens and
-    holds every step 0..k complete, with the default capture (the writer process finishes what it was handed) and
-    with ``durable=True`` (the thread writer flushed it before step() returned)."""
+    holds every step 0..k complete, with the default capture (the writer process finishes what it was handed),
+    with ``durable=True`` (the thread writer flushed it before step() returned), and when the writer process does
+    not answer (``fallback``: the training process writes the file itself, after one warning)."""
     import random
     import signal
     import time
 
     rng = random.Random(15)
-    for trial in range(4):
+    env = dict(os.environ, TENSORDIFF_WRITER_START_TIMEOUT="0.0001" if mode == "fallback" else "60")
+    for trial in range(3):
         path = str(tmp_path / f"killed{trial}.h5")
         target, delay = rng.randrange(2, 30), rng.uniform(0.0, 0.05)
-        proc = subprocess.Popen([sys.executable, "-c", KILLED, path, mode], stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen([sys.executable, "-c", KILLED, path, mode], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=env)
         returned = -1
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -137,8 +140,10 @@ def test_a_sigkill_loses_no_step_whose_step_call_returned(tmp_path, mode):
                 time.sleep(delay)
                 proc.send_signal(signal.SIGKILL)
                 break
-        proc.wait(timeout=120)
+        _, err = proc.communicate(timeout=120)
         assert proc.returncode == -signal.SIGKILL, (trial, proc.returncode)
+        started = f"tensordiff: the writer process for {path} did not start (no answer in 0.0001 s)"
+        assert (started in err) == (mode == "fallback"), err
         deadline = time.time() + 60
         while mode == "default" and _writer_alive(path) and time.time() < deadline:
             time.sleep(0.1)  # the writer process finishes the file on its own, after its parent is gone

@@ -46,9 +46,8 @@ class Recorder:
     framework = ""
 
     def __init__(self, backend: TensorBackend, options: CaptureOptions, path: str, attrs: dict[str, Any],
-                 params: Sequence[tuple[str, str, Any]], classes: dict[str, str], accelerator: bool = False):
+                 params: Sequence[tuple[str, str, Any]], classes: dict[str, str]):
         self._t = backend
-        self._accelerator = accelerator
         self.options = options
         self.path = path
         writer = options.writer or "process"
@@ -394,10 +393,10 @@ class Recorder:
         if self._interrupted:
             attrs["interrupted"] = self._interrupted
         attrs.update(self._step_attrs())
-        # the handover (step() returns once the writer process holds the step) is waited for, except for the full
-        # tensors of an accelerator's model: their copies to the host are still on the way, and waiting for them would
-        # stall the device (docs/reliability.md says what a kill can lose then)
-        self._writer.submit(self._step, rows, data, attrs, wait=self.options.durable or not (self._accelerator and data))
+        # step() returns once the writer holds the step (its process, or its thread's flushed write): a SIGKILL after
+        # it loses nothing (docs/reliability.md); a GPU model's full tensors are waited for too (their copies to the
+        # host, then the handover), which costs the device that one step's copy (benchmarks/capture_overhead.py)
+        self._writer.submit(self._step, rows, data, attrs)
         self._step += 1
         self._in_step = False
         self._reset_step()

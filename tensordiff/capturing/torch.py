@@ -137,8 +137,7 @@ class TorchCapture(Recorder):
             mod, _, pname = full.rpartition(".")
             params.append((mod, pname, p))
         classes = {name: type(m).__name__ for name, m in model.named_modules()}
-        accelerator = any(p.device.type not in ("cpu", "meta") for _, _, p in params)
-        super().__init__(TorchTensors(), options, path, attrs, params, classes, accelerator=accelerator)
+        super().__init__(TorchTensors(), options, path, attrs, params, classes)
         self._grad_snapshots: dict[int, torch.Tensor] = {}
         self._local: LocalGrads | None = None
         self._install()

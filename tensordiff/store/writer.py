@@ -119,12 +119,10 @@ class CaptureWriter:
             self._thread = threading.Thread(target=self._run, name="tensordiff-writer", daemon=True)
             self._thread.start()
 
-    def submit(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any],
-               wait: bool = True) -> None:
+    def submit(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any]) -> None:
         """Hand a step over; ``data`` maps a row to its array, or to a callable with ``nbytes`` giving it (resolved
         on the writer's thread, so a copy still on its way to the host never holds up training). A ``durable``
-        writer returns once the step is written (``ProcessWriter``: handed to its process), unless ``wait`` is
-        False."""
+        writer returns once the step is written (``ProcessWriter``: handed to its process)."""
         if self.error is not None or self._closed:
             return
         nbytes = sum(int(a.nbytes) for a in data.values())
@@ -148,7 +146,7 @@ class CaptureWriter:
             self._submitted += 1
             ticket = self._submitted
             self._cv.notify_all()
-            while self.durable and wait and self.error is None and self._finished < ticket:
+            while self.durable and self.error is None and self._finished < ticket:
                 self._cv.wait()  # the step is flushed when this returns: a SIGKILL after it cannot lose it
         if behind:
             if not self.dropped_steps:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import struct
 import subprocess
@@ -31,6 +32,8 @@ from .._warn import warn as _warn
 from .writer import CaptureWriter
 
 _LEN = struct.Struct("<Q")
+START_ENV = "TENSORDIFF_WRITER_START_TIMEOUT"  # seconds the child has to open the file (default 60)
+_READY = b"ready\n"
 
 
 def _jsonable(value: Any) -> Any:
@@ -55,18 +58,68 @@ class ProcessWriter(CaptureWriter):
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         with open(self.path, "wb"):
             pass
+        self._fallback = False
+        self._attrs = attrs
+        self._waiting = self._start(attrs)  # its answer is read before the first write (training goes on meanwhile)
+
+    def _ready(self) -> None:
+        """Before the first write: wait until the child has opened the file. If it never does, no step may be lost
+        to it: this process writes the file itself."""
+        if self._waiting is None:
+            return
+        why, self._waiting = self._answer(self._waiting), None
+        if why:
+            _warn(f"tensordiff: the writer process for {self.path} did not start ({why}); writing from a thread of "
+                  "the training process instead")
+            self._fallback = True
+            CaptureWriter._open(self, self._attrs)
+
+    def _start(self, attrs: dict[str, Any]) -> str | None:
+        """Start the child and send it the file to open; the reason it could not start, or None."""
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_root,
                                                                          os.environ.get("PYTHONPATH", "")])))
-        self._proc = subprocess.Popen([sys.executable, "-m", "tensordiff.store.writer_process"],
-                                      stdin=subprocess.PIPE, close_fds=True, env=env)
+        try:
+            self._proc = subprocess.Popen([sys.executable, "-m", "tensordiff.store.writer_process"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, env=env)
+        except OSError as err:
+            return f"{sys.executable}: {err.strerror or err}"
         assert self._proc.stdin is not None
         self._pipe: IO[bytes] = self._proc.stdin
-        self._pipe.write(_frame({"t": "open", "path": self.path, "attrs": attrs, "threads": self.threads,
-                                 "compression": self.compression}))
-        self._pipe.flush()
+        try:
+            self._pipe.write(_frame({"t": "open", "path": self.path, "attrs": attrs, "threads": self.threads,
+                                     "compression": self.compression}))
+            self._pipe.flush()
+        except OSError as err:
+            return f"its pipe: {err.strerror or err}"
+        return ""
+
+    def _answer(self, why: str) -> str:
+        """'' once the child says the file is open, else why it did not (within TENSORDIFF_WRITER_START_TIMEOUT)."""
+        if why:
+            return why
+        try:
+            timeout = float(os.environ.get(START_ENV) or 60.0)
+        except ValueError:
+            timeout = 60.0
+        assert self._proc.stdout is not None
+        try:
+            ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+            answer = os.read(self._proc.stdout.fileno(), len(_READY)) if ready else b""
+        except OSError:
+            ready, answer = [True], b""
+        self._proc.stdout.close()
+        if answer == _READY:
+            return ""
+        self._proc.kill()
+        code = self._proc.wait()
+        return f"no answer in {timeout:g} s" if not ready else f"it ended with exit code {code}"
 
     def _close_file(self) -> None:
+        self._ready()
+        if self._fallback:
+            CaptureWriter._close_file(self)
+            return
         try:
             self._pipe.write(_frame({"t": "close"}))
             self._pipe.close()
@@ -82,10 +135,18 @@ class ProcessWriter(CaptureWriter):
                           "it completed are in the file")
 
     def _write_scalars(self, step: int, values: dict[str, float]) -> None:
+        self._ready()
+        if self._fallback:
+            CaptureWriter._write_scalars(self, step, values)
+            return
         self._pipe.write(_frame({"t": "scalars", "step": step, "values": values}))
         self._pipe.flush()
 
     def _write(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any]) -> None:
+        self._ready()
+        if self._fallback:
+            CaptureWriter._write(self, step, rows, data, attrs)
+            return
         arrays = []
         for seq, array in data.items():
             if callable(array):  # a copy still on its way to the host (capturing/recorder.py Deferred)
@@ -141,6 +202,10 @@ def main() -> int:
     # fast as the pipe carries it (its handover is what the training process's step() waits for)
     writer = CaptureWriter(first["path"], first["attrs"], background=True, threads=int(first["threads"]),
                            compression=first["compression"])
+    os.write(sys.stdout.fileno(), _READY)  # the file is open: the training process may go on
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())  # the parent has closed its end: nothing else goes there
+    os.close(null)
     try:
         while True:
             msg = _read_frame(f)
