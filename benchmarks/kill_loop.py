@@ -4,6 +4,7 @@ kills, the steps returned, and the returned steps missing from the file (the gua
 
     python benchmarks/kill_loop.py                     # 20 kills per signal, the default (process) writer
     python benchmarks/kill_loop.py --writer thread --kills 20
+    python benchmarks/kill_loop.py --device cuda --tensors all   # a GPU model, full tensors at every step
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ sys.path.insert(0, ROOT)
 PROGRAM = r"""
 import sys, torch, tensordiff
 torch.manual_seed(0)
-m = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+m = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256)).to(sys.argv[3])
 opt = torch.optim.SGD(m.parameters(), lr=0.01)
-x = torch.randn(128, 256)
+x = torch.randn(128, 256, device=sys.argv[3])
 writer = None if sys.argv[2] == "default" else sys.argv[2]
-with tensordiff.capture(m, sys.argv[1], steps=60, optimizer=opt, writer=writer) as cap:
+with tensordiff.capture(m, sys.argv[1], steps=60, optimizer=opt, writer=writer, tensors=sys.argv[4]) as cap:
     for i in range(60):
         loss = m(x).pow(2).mean()
         loss.backward()
@@ -38,12 +39,13 @@ with tensordiff.capture(m, sys.argv[1], steps=60, optimizer=opt, writer=writer) 
 """
 
 
-def one(path: str, writer: str, signum: int, target: int, delay: float) -> tuple[int, list[int], int, float]:
+def one(path: str, writer: str, signum: int, target: int, delay: float, device: str = "cpu",
+        tensors: str = "first") -> tuple[int, list[int], int, float]:
     """(the last step returned, the steps in the file, the exit status, seconds from the signal to the exit)."""
     from tensordiff.store import CaptureFile
 
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.Popen([sys.executable, "-c", PROGRAM, path, writer], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", PROGRAM, path, writer, device, tensors], stdout=subprocess.PIPE, text=True, env=env)
     returned, sent = -1, 0.0
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -74,22 +76,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kills", type=int, default=20)
     p.add_argument("--writer", default="default", choices=("default", "process", "thread"))
     p.add_argument("--seed", type=int, default=27)
+    p.add_argument("--device", default="cpu", help="where the model runs (cuda: a GPU model)")
+    p.add_argument("--tensors", default="first", choices=("first", "all", "none"))
+    p.add_argument("--signals", default="KILL,TERM,INT", help="which signals (default KILL,TERM,INT)")
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
     bad = 0
     with tempfile.TemporaryDirectory() as folder:
-        for signum in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):
+        for signum in [getattr(signal, f"SIG{name}") for name in args.signals.split(",")]:
             lost_total, returned_total, worst, statuses = 0, 0, 0.0, set()
             for k in range(args.kills):
                 path = os.path.join(folder, f"{signum}-{k}.h5")
-                ret, kept, status, took = one(path, args.writer, signum, rng.randrange(1, 55), rng.uniform(0, 0.03))
+                ret, kept, status, took = one(path, args.writer, signum, rng.randrange(0, 55), rng.uniform(0, 0.03),
+                                             args.device, args.tensors)
                 lost = len(set(range(ret + 1)) - set(kept))
                 lost_total += lost
                 returned_total += ret + 1
                 worst = max(worst, took)
                 statuses.add(status)
                 bad += lost > 0
-            print(f"{signal.Signals(signum).name:8s} writer={args.writer:8s} kills {args.kills}: steps returned "
+            print(f"{signal.Signals(signum).name:8s} {args.device} tensors={args.tensors} writer={args.writer:8s} kills {args.kills}: steps returned "
                   f"{returned_total}, returned steps missing from the file {lost_total}; exit statuses "
                   f"{sorted(statuses)}; longest exit after the signal {worst:.2f} s")
     return 1 if bad else 0

@@ -22,8 +22,9 @@ from .options import report_status
 USAGE = "usage: python -m tensordiff.capturing.auto_main SCRIPT [ARGS...] | -m MODULE [ARGS...]"
 
 
-def main(argv: list[str] | None = None, as_program: bool = False) -> None:
-    """Run ``SCRIPT ARGS`` or ``-m MODULE ARGS`` with autocapture on.
+def main(argv: list[str] | None = None, as_program: bool = False, attach: Any = None) -> None:
+    """Run ``SCRIPT ARGS`` or ``-m MODULE ARGS`` with autocapture on (``attach``: another way to capture, an object
+    with ``install()`` and ``close(finished)``, e.g. ``megatron.MegatronCapture``).
 
     ``as_program``: this process was started to run it (``python -m ...auto_main``): ``sys.path[0]`` becomes
     the script's folder instead of the current one, as under ``python SCRIPT``. Otherwise (called from Python)
@@ -33,8 +34,8 @@ def main(argv: list[str] | None = None, as_program: bool = False) -> None:
     if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
         sys.stderr.write(USAGE + "\n")
         raise SystemExit(2)
-    auto = _auto_capture()
-    if auto is not None and not auto.install():
+    auto = _auto_capture() if attach is None else attach
+    if auto is not None and not auto.install() and attach is None:
         sys.stderr.write("tensordiff: capture is off (no TENSORDIFF_OUTPUT, or TENSORDIFF_DISABLE=1): running without it; "
                          "start it with `tensordiff capture --auto -o FILE -- python SCRIPT ...`\n")
     saved_argv, saved_path = sys.argv, list(sys.path)

@@ -33,6 +33,7 @@ TENSOR_MODES = ("first", "all", "none")
 
 #: The entry point ``tensordiff capture --auto`` runs a PyTorch program through (``capturing/auto_main.py``).
 AUTO_MODULE = "tensordiff.capturing.auto_main"
+MEGATRON_MODULE = "tensordiff.capturing.megatron_main"
 
 
 @dataclass

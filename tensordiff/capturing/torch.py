@@ -156,6 +156,9 @@ class TorchCapture(Recorder):
             for _, _, p in self._params:
                 if p.requires_grad:
                     self._handles.append(p.register_post_accumulate_grad_hook(self._accumulated_hook))
+        self._install_local_grads()
+
+    def _install_local_grads(self) -> None:
         dp = data_parallel_size(self.model)
         if dp > 1:  # the gradients before the data-parallel reduction: kind grad_local (torch_dp.py)
             try:
@@ -205,6 +208,8 @@ class TorchCapture(Recorder):
             for mod, pname, grad in self._local.take():
                 self._record("param_grad", "grad_local", mod, 0, pname, self._classes.get(mod, ""), grad, track=False,
                              full=full)
+            if self._local.sharded:  # after the reduction each rank holds only its shard: the local ones stand
+                return
         super()._param_grads(grads)
 
     def _step_attrs(self) -> dict[str, Any]:

@@ -87,6 +87,10 @@ class LocalGrads:
         self._removed = False
         self._megatron = _megatron_ddp(model)
         self._ddp = _torch_ddp(model) if self._megatron is None else None
+        #: megatron's distributed optimizer reduce-scatters the gradients: after the reduction each rank's
+        #: ``main_grad`` is right only in the shard it owns, so the capture keeps the local gradients alone
+        self.sharded = bool(self._megatron is not None and getattr(getattr(self._megatron, "ddp_config", None),
+                                                                   "use_distributed_optimizer", False))
         try:
             if self._megatron is not None:
                 for group in list(self._megatron.bucket_groups) + list(

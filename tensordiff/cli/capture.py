@@ -14,6 +14,7 @@ from typing import Any
 from .._regex import compile_user
 from ..capturing.options import (
     AUTO_MODULE,
+    MEGATRON_MODULE,
     ENV_DURABLE,
     ENV_OUTPUT,
     ENV_PERTURB,
@@ -43,6 +44,10 @@ def add_parsers(sub: Any) -> None:
     c.add_argument("--auto", action="store_true",
                    help="PyTorch script that does not call tensordiff: run `python SCRIPT ...` / `python -m MODULE ...` "
                         "through tensordiff's entry point; training steps only (evaluation is skipped)")
+    c.add_argument("--megatron", action="store_true",
+                   help="a megatron-core training program that does not call tensordiff (Megatron-LM's "
+                        "pretrain_gpt.py, or any loop on megatron-core's schedule and optimizer): `torchrun [OPTIONS] "
+                        "SCRIPT ...` or `python SCRIPT ...`, every rank captured (docs/megatron-lm.md)")
     c.add_argument("--steps", type=int, default=1, help="training steps to capture (default 1)")
     c.add_argument("--tensors", choices=TENSOR_MODES, default="first",
                    help="store full tensors for the first step (default), all steps, or none")
@@ -79,7 +84,14 @@ def run_capture(args: argparse.Namespace) -> int:
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: capture at least 1 step")
     script = next((part for part in cmd if part.endswith(".py")), cmd[0])
-    if args.auto:
+    if args.auto and args.megatron:
+        raise UsageError("--auto and --megatron: choose one (--megatron for a megatron-core program, --auto for any "
+                         "other PyTorch script)")
+    if args.megatron:
+        cmd = megatron_command(cmd)
+        if _PYTHON.fullmatch(os.path.basename(cmd[0])):
+            _check_auto_importable(cmd[0], MEGATRON_MODULE, "--megatron")
+    elif args.auto:
         cmd = auto_command(cmd)
         _check_auto_importable(cmd[0])
     out = os.path.abspath(args.output)
@@ -108,7 +120,7 @@ def run_capture(args: argparse.Namespace) -> int:
     problems: list[str] = []
     if os.path.exists(status):
         with open(status, encoding="utf-8") as f:
-            problems = [line.strip() for line in f if line.strip()]
+            problems = list(dict.fromkeys(line.strip() for line in f if line.strip()))  # once, not once per rank
         os.remove(status)
     if problems and not os.path.exists(out):
         raise UsageError(f"{script}: {problems[0]}")
@@ -135,12 +147,49 @@ def run_capture(args: argparse.Namespace) -> int:
 _PYTHON = re.compile(r"python[0-9.]*(\.exe)?")
 
 
-def auto_command(cmd: list[str]) -> list[str]:
+#: torchrun's options that take no value (torch.distributed.run); every other option takes one
+_TORCHRUN_FLAGS = {"--standalone", "-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path",
+                   "--virtual-local-rank", "--virtual_local_rank"}
+_LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def megatron_command(cmd: list[str]) -> list[str]:
+    """``torchrun [OPTIONS] SCRIPT ARGS`` (or ``python -m torch.distributed.run ...``) with every worker run through
+    the packaged entry point (``torchrun [OPTIONS] -m tensordiff.capturing.megatron_main SCRIPT ARGS``), or
+    ``python SCRIPT ARGS`` as ``auto_command`` does; anything else is a UsageError."""
+    launcher = 1 if cmd and os.path.basename(cmd[0]) == "torchrun" else 0
+    if not launcher and len(cmd) > 2 and _PYTHON.fullmatch(os.path.basename(cmd[0])) and cmd[1] == "-m" \
+            and cmd[2] in _LAUNCHERS:
+        launcher = 3
+    if not launcher:
+        return auto_command(cmd, MEGATRON_MODULE, "--megatron", launchers=True)
+    i = launcher
+    module = False
+    while i < len(cmd) and cmd[i].startswith("-") and cmd[i] != "--":
+        flag = cmd[i].split("=", 1)[0]
+        if flag in ("--no-python", "--no_python"):
+            raise UsageError("--megatron: torchrun --no-python runs a program that is not Python; run the Python "
+                             "training script under torchrun (`torchrun [OPTIONS] pretrain_gpt.py ARGS`)")
+        module = module or flag in ("-m", "--module")
+        i += 1 if "=" in cmd[i] or flag in _TORCHRUN_FLAGS else 2
+    if cmd[i:i + 1] == ["--"]:
+        i += 1
+    if i >= len(cmd):
+        raise UsageError(f"--megatron: `{shlex.join(cmd)}` names no training script; write the command as "
+                         "`torchrun --nproc-per-node N pretrain_gpt.py ARGS`")
+    options = [a for a in cmd[launcher:i] if a.split("=", 1)[0] not in ("-m", "--module")]
+    script = ["-m", cmd[i]] if module else [cmd[i]]
+    return [*cmd[:launcher], *options, "-m", MEGATRON_MODULE, *script, *cmd[i + 1:]]
+
+
+def auto_command(cmd: list[str], module: str = AUTO_MODULE, flag: str = "--auto",
+                 launchers: bool = False) -> list[str]:
     """``python [OPTIONS] SCRIPT ARGS`` or ``python [OPTIONS] -m MODULE ARGS``, run through the packaged entry point
     (``python [OPTIONS] -m tensordiff.capturing.auto_main SCRIPT ARGS``); anything else is a UsageError."""
     if not cmd or not _PYTHON.fullmatch(os.path.basename(cmd[0])):
-        raise UsageError(f"--auto: {shlex.join(cmd[:1]) or 'nothing'} is not a python command; write the command as "
-                         "`python train.py ARGS` or `python -m package.module ARGS`")
+        also = " or `torchrun [OPTIONS] train.py ARGS`" if launchers else ""
+        raise UsageError(f"{flag}: {shlex.join(cmd[:1]) or 'nothing'} is not a python command; write the command as "
+                         f"`python train.py ARGS` or `python -m package.module ARGS`{also}")
     i = 1
     while i < len(cmd):
         arg = cmd[i]
@@ -148,34 +197,34 @@ def auto_command(cmd: list[str]) -> list[str]:
             break
         if arg.startswith("--"):
             if arg != "--check-hash-based-pycs":
-                raise UsageError(f"--auto: `{shlex.join(cmd[:i + 1])}` runs no script; write the command as "
+                raise UsageError(f"{flag}: `{shlex.join(cmd[:i + 1])}` runs no script; write the command as "
                                  "`python train.py ARGS` or `python -m package.module ARGS`")
             i += 2
             continue
-        for j, flag in enumerate(arg[1:], 2):  # short options, possibly combined (-u, -uB, -Wignore, -mpkg.mod)
-            if flag not in "mcWX":
+        for j, short in enumerate(arg[1:], 2):  # short options, possibly combined (-u, -uB, -Wignore, -mpkg.mod)
+            if short not in "mcWX":
                 continue
             value, used = (arg[j:], 1) if arg[j:] else (cmd[i + 1] if i + 1 < len(cmd) else "", 2)
-            if flag == "c":
-                raise UsageError("--auto: `python -c CODE` has no script to run through the capture; save the code in a "
+            if short == "c":
+                raise UsageError(f"{flag}: `python -c CODE` has no script to run through the capture; save the code in a "
                                  "file and run `python FILE`")
-            if flag == "m":
+            if short == "m":
                 if not value:
-                    raise UsageError("--auto: `python -m` names no module; write `python -m package.module ARGS`")
+                    raise UsageError(f"{flag}: `python -m` names no module; write `python -m package.module ARGS`")
                 options = cmd[1:i] + ([arg[:j - 1]] if j > 2 else [])
-                return [cmd[0], *options, "-m", AUTO_MODULE, "-m", value, *cmd[i + used:]]
+                return [cmd[0], *options, "-m", module, "-m", value, *cmd[i + used:]]
             i += used - 1
             break
         i += 1
     if i >= len(cmd) or cmd[i] == "-":
-        raise UsageError(f"--auto: `{shlex.join(cmd)}` names no script; write the command as `python train.py ARGS` or "
+        raise UsageError(f"{flag}: `{shlex.join(cmd)}` names no script; write the command as `python train.py ARGS` or "
                          "`python -m package.module ARGS`")
-    return [cmd[0], *cmd[1:i], "-m", AUTO_MODULE, *cmd[i:]]
+    return [cmd[0], *cmd[1:i], "-m", module, *cmd[i:]]
 
 
-def _check_auto_importable(python: str) -> None:
+def _check_auto_importable(python: str, module: str = AUTO_MODULE, flag: str = "--auto") -> None:
     """The program's python must import tensordiff (it runs the entry point): one line if it cannot."""
-    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({AUTO_MODULE!r}) is None)"
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
     try:
         code = subprocess.call([python, "-c", probe], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except FileNotFoundError:
@@ -183,7 +232,7 @@ def _check_auto_importable(python: str) -> None:
     except OSError as err:
         raise UsageError(f"cannot run {python!r}: {err.strerror}; check the command after '--'") from None
     if code != 0:
-        raise UsageError(f"--auto: {python} cannot import {AUTO_MODULE}; install this tensordiff into that python's "
+        raise UsageError(f"{flag}: {python} cannot import {module}; install this tensordiff into that python's "
                          f"environment, or start the command with {sys.executable}")
 
 

@@ -222,3 +222,36 @@ def pipeline_cpu() -> Iterator[None]:
             else:
                 torch.Tensor.cuda = own_cuda
             torch.cuda.synchronize = original_sync
+
+
+_CUDA_TYPES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+               "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+@contextlib.contextmanager
+def optimizer_cpu() -> Iterator[None]:
+    """Build and step megatron-core's optimizers (the distributed optimizer too) on the CPU inside the block: shim 3
+    (``pipeline_cpu``), and ``Tensor.type()`` without an argument names a CPU float tensor by its CUDA type
+    (``torch.cuda.FloatTensor``), which the distributed optimizer checks its parameters against. Does nothing when
+    CUDA is available; restores the exact original method on exit."""
+    import torch
+
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.type
+    own = torch.Tensor.__dict__.get("type", _MISSING)
+
+    def cuda_named_type(self: Any, *args: Any, **kwargs: Any) -> Any:
+        name = original(self, *args, **kwargs)
+        return _CUDA_TYPES.get(name, name) if not args and not kwargs else name
+
+    with pipeline_cpu():
+        torch.Tensor.type = cuda_named_type
+        try:
+            yield
+        finally:
+            if own is _MISSING:
+                del torch.Tensor.type
+            else:
+                torch.Tensor.type = own
