@@ -57,7 +57,7 @@ class Recorder:
         else:  # the thread writer (asked for, or durable): step() returns once the step is written and flushed
             self._writer = CaptureWriter(path, attrs, background=options.background, durable=True)
         _OPEN.add(self)
-        self._signals = SignalGuard(self._finish_on_signal)
+        self._signals = SignalGuard(self._finish_on_signal, self._writer.busy, self._writer.defer)
         self._signals.install()
         self._params = list(params)  # (module, attribute, parameter)
         self._classes = classes

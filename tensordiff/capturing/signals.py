@@ -32,8 +32,11 @@ def _timeout() -> float:
 class SignalGuard:
     """Runs ``finish(timeout)`` on SIGTERM / SIGHUP, then the signal's previous disposition."""
 
-    def __init__(self, finish: Callable[[float], None]):
+    def __init__(self, finish: Callable[[float], None], busy: Callable[[], bool] | None = None,
+                 defer: Callable[[Callable[[], None]], None] | None = None):
         self._finish = finish
+        self._busy = busy  # the main thread is inside the writer's queue: the handler waits until it lets go
+        self._defer = defer
         self._previous: dict[int, Any] = {}
 
     def install(self) -> None:
@@ -59,6 +62,9 @@ class SignalGuard:
             del self._previous[signum]
 
     def _handle(self, signum: int, frame: Any) -> None:
+        if self._busy is not None and self._defer is not None and self._busy():
+            self._defer(lambda: self._handle(signum, frame))
+            return
         previous = self._previous.get(signum, signal.SIG_DFL)
         self.remove()
         with contextlib.suppress(BaseException):  # the signal's own action happens whatever the capture did

@@ -114,10 +114,35 @@ class CaptureWriter:
         self._pending_bytes = 0  # full tensors of the steps queued and of the one being written
         self._stop = False
         self._on_wait: Any = None  # called (tests) when submit starts waiting for room
+        # a signal handler that needs the queue (SIGTERM: finish the file) must not run while the main thread holds
+        # it (the writer's thread would wait for it forever): it waits until the main thread lets go (signals.py)
+        self._main_holds = 0
+        self._deferred: list[Any] = []
         self._thread: threading.Thread | None = None
         if background:
             self._thread = threading.Thread(target=self._run, name="tensordiff-writer", daemon=True)
             self._thread.start()
+
+    @contextlib.contextmanager
+    def _holding(self) -> Any:
+        """The queue's condition, held by a training thread; deferred signal handlers run once the main thread lets go."""
+        main = threading.current_thread() is threading.main_thread()
+        with self._cv:
+            self._main_holds += main
+            try:
+                yield
+            finally:
+                self._main_holds -= main
+        while main and self._deferred and not self._main_holds:
+            self._deferred.pop(0)()
+
+    def busy(self) -> bool:
+        """Whether the main thread holds the queue now (a signal handler runs there: it must be deferred)."""
+        return self._main_holds > 0
+
+    def defer(self, handler: Any) -> None:
+        """Run ``handler`` in the main thread as soon as it lets go of the queue."""
+        self._deferred.append(handler)
 
     def submit(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any]) -> None:
         """Hand a step over; ``data`` maps a row to its array, or to a callable with ``nbytes`` giving it (resolved
@@ -130,7 +155,7 @@ class CaptureWriter:
             self._write_guarded((step, rows, data, attrs))
             return
         behind = 0
-        with self._cv:
+        with self._holding():
             if nbytes and self.policy == "drop" and not self._room(nbytes):
                 behind = self._pending_bytes
                 rows, data, attrs = _without_tensors(rows, data, attrs)
@@ -234,7 +259,7 @@ class CaptureWriter:
         if self._thread is None:
             self._write_guarded(("scalars", step, values))
             return
-        with self._cv:
+        with self._holding():
             self._scalar_jobs.append(("scalars", step, values))
             self._cv.notify_all()
 
@@ -249,7 +274,7 @@ class CaptureWriter:
             return True
         interrupted: BaseException | None = None
         if self._thread is not None:
-            with self._cv:
+            with self._holding():
                 self._stop = True
                 self._cv.notify_all()
             try:
