@@ -125,6 +125,14 @@ def test_the_pages_on_make_demos_pair_run_as_written_and_print_what_they_show(de
     assert problems == [], "\n".join(problems)
 
 
+@needs_megatron
+def test_the_megatron_lm_pages_cpu_commands_run_as_written_and_agree_across_tp(tmp_path):
+    os.symlink(os.path.join(ROOT, "examples"), tmp_path / "examples")
+    problems = run_page("docs/megatron-lm.md", str(tmp_path))
+    assert problems == [], "\n".join(problems)
+    assert (tmp_path / "tp2.rank1.h5").exists()
+
+
 @needs_frameworks
 def test_the_recipe_builds_both_models_converts_the_weights_and_loads_them_strictly(tmp_path):
     problems = run_page("docs/mindformers-recipe.md", str(tmp_path))
