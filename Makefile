@@ -39,7 +39,7 @@ wikitext2: setup
 	  code=$$?; test $$code -le 1 && echo "(exit code $$code: 0 = the loss curves agree within 1%, 1 = they do not; plot and report in out/wikitext2/)"
 
 test: setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=15
 
 # ruff (style, imports, bugs) on everything; mypy on the package (configured in pyproject.toml)
 lint: setup
