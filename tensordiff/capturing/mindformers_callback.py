@@ -33,14 +33,9 @@ import numpy as np
 from mindspore.train import Callback
 
 from .._warn import warn as _warn_line
+from .mindformers_register import NAME, REGISTER_DIR, REGISTER_MODULE
 
 __all__ = ["REGISTER_DIR", "REGISTER_MODULE", "TensordiffCapture", "register"]
-
-#: The folder holding ``tensordiff_capture.py``, for MindFormers' ``--register_path`` / ``REGISTER_PATH``.
-REGISTER_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mindformers_register")
-#: What an ``auto_register`` key names (the module file in ``REGISTER_DIR``, then the class).
-REGISTER_MODULE = "tensordiff_capture"
-NAME = "TensordiffCapture"
 
 #: Cells the Trainer wraps the model in (each keeps the wrapped cell as ``.network``), by class name.
 _TOOL_CELLS = ("MFTrainOneStepCell", "MFPipelineWithLossScaleCell", "TrainOneStepCell", "TrainOneStepWithLossScaleCell",

@@ -1,4 +1,4 @@
 """Print the folder to pass as MindFormers' ``--register_path`` (or ``REGISTER_PATH``)."""
-import os
+from . import REGISTER_DIR
 
-print(os.path.dirname(os.path.abspath(__file__)))
+print(REGISTER_DIR)
