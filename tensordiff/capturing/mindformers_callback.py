@@ -55,7 +55,8 @@ def unwrap(train_network: Any) -> tuple[Any, list[str]]:
     """The model inside the Trainer's train network, and the class names of the cells around it, outermost first."""
     cell, around = train_network, []
     while any(c.__name__ in _TOOL_CELLS for c in type(cell).__mro__):
-        inner = getattr(cell, "network", None) or getattr(cell, "_backbone", None)
+        inner = getattr(cell, "network", None)
+        inner = getattr(cell, "_backbone", None) if inner is None else inner  # WithLossCell's
         if inner is None or inner is cell:
             break
         around.append(type(cell).__name__)
@@ -107,7 +108,7 @@ class TensordiffCapture(Callback):
         try:
             self._start(run_context.original_args())
         except Exception as err:
-            self._give_up(err)
+            self._give_up(err, "not started")
 
     def on_train_step_end(self, run_context: Any) -> None:
         cap = self.capture
@@ -163,14 +164,14 @@ class TensordiffCapture(Callback):
             except Exception as err:
                 self._warn(f"closing {getattr(cap, 'path', 'the capture')} failed ({type(err).__name__}: {err})")
 
-    def _give_up(self, err: BaseException) -> None:
+    def _give_up(self, err: BaseException, what: str = "stopped") -> None:
         """Stop capturing for good: one warning line (the recorder's, once it has started), every hook removed."""
         first, self._failed = not self._failed, True
         cap, self.capture = self.capture, None
         with contextlib.suppress(Exception):
             if cap is None:
                 if first:
-                    self._warn(f"capture stopped ({type(err).__name__}: {err})")
+                    self._warn(f"capture {what} ({type(err).__name__}: {err})")
                 return
             cap._fail(err)
             cap.close()
