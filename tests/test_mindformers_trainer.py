@@ -170,7 +170,8 @@ def test_cli_wrote_a_patched_copy_and_left_the_yaml_alone(runs):
     copy = runs["graph"] + ".mindformers.yaml"
     import yaml
 
-    callbacks = yaml.safe_load(open(copy, encoding="utf-8"))["callbacks"]
+    with open(copy, encoding="utf-8") as f:
+        callbacks = yaml.safe_load(f)["callbacks"]
     assert [c["type"] for c in callbacks] == ["MFLossMonitor", "TensordiffCapture"]
     assert callbacks[1]["auto_register"] == f"{REGISTER_DIR}--tensordiff_capture.TensordiffCapture"
     assert "TensordiffCapture" not in (runs["root"] / "graph.yaml").read_text()

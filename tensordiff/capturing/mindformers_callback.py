@@ -14,7 +14,8 @@ entry, with ``--register_path`` / ``REGISTER_PATH`` naming ``REGISTER_DIR``, or 
 TensordiffCapture`` when the register path is another one); ``tensordiff capture --mindformers`` writes that for you.
 
 When training begins (before the first step compiles: GRAPH_MODE probes are compiled in), the callback starts
-``tensordiff.capture`` on the model inside the Trainer's wrapper (``MFTrainOneStepCell.network``, through any tool
+``tensordiff.capture``'s MindSpore capture (``MindSporeGraphCapture`` in GRAPH_MODE, else ``MindSporeCapture``)
+on the model inside the Trainer's wrapper (``MFTrainOneStepCell.network``, through any tool
 cells: gradient accumulation, pipeline, virtual dataset, data order) with the wrapper's optimizer (its gradients
 are the parameter gradients). At each step end it ends the tensordiff step with the loss MFLossMonitor reports
 (from ``cb_params.net_outputs``, read by MindFormers' own parser) and records the step's learning rate, global
@@ -34,6 +35,7 @@ from mindspore.train import Callback
 
 from .._warn import warn as _warn_line
 from .mindformers_register import NAME, REGISTER_DIR, REGISTER_MODULE
+from .options import report_status
 
 __all__ = ["REGISTER_DIR", "REGISTER_MODULE", "TensordiffCapture", "register"]
 
@@ -132,28 +134,29 @@ class TensordiffCapture(Callback):
 
     # capture ---------------------------------------------------------------------------------
     def _start(self, cb: Any) -> None:
-        import tensordiff
+        """``tensordiff.capture``'s MindSpore branch (this stage may not import the package root): options merged with
+        ``tensordiff capture``'s environment, graph probes in GRAPH_MODE, hooks in PyNative."""
+        from .mindspore import MindSporeCapture
+        from .mindspore_graph import MindSporeGraphCapture, graph_mode_wanted
+        from .options import ENV_DISABLE, ENV_OUTPUT, options_from_env
 
-        from .options import ENV_OUTPUT
-        from .recorder import NullCapture
-
-        if not (os.environ.get(ENV_OUTPUT) or self.output):
+        options = options_from_env(self.output, self.steps, self.tensors, tensors_max_mb=self.tensors_max_mb,
+                                   tensors_match=self.tensors_match, writer=self.writer, durable=self.durable)
+        if options is None:
             self._failed = True
-            self._warn(f"no output file: set `output: run.h5` in the callback's YAML entry, or run the training "
-                       f"under `tensordiff capture -o run.h5 --mindformers -- ...` ({ENV_OUTPUT})")
+            if os.environ.get(ENV_DISABLE, "") in ("", "0"):
+                self._warn(f"no output file: set `output: run.h5` in the callback's YAML entry, or run the training "
+                           f"under `tensordiff capture -o run.h5 --mindformers -- ...` ({ENV_OUTPUT})")
             return
         model, around = unwrap(cb.train_network)
         optimizer = cb.optimizer if cb.get("optimizer") is not None else getattr(cb.train_network, "optimizer", None)
         self.model = model
         meta = {"mindformers_trainer": "TensordiffCapture callback",
                 "mindformers_wrapper": " > ".join(around) or type(cb.train_network).__name__}
-        cap = tensordiff.capture(model, self.output, self.steps, optimizer=optimizer, tensors=self.tensors,
-                                 tensors_max_mb=self.tensors_max_mb, tensors_match=self.tensors_match,
-                                 writer=self.writer, durable=self.durable, cells=self.cells, meta=meta)
-        if isinstance(cap, NullCapture):  # tensordiff.capture warned (or capture is off: TENSORDIFF_DISABLE)
-            self._failed = True
-            return
-        self.capture = cap
+        if graph_mode_wanted(None):
+            self.capture = MindSporeGraphCapture(model, options, optimizer=optimizer, meta=meta, cells=self.cells)
+        else:
+            self.capture = MindSporeCapture(model, options, optimizer=optimizer, meta=meta)
 
     def close(self) -> None:
         """Close the capture (every probe and hook removed, the file complete); idempotent, never raises."""
@@ -171,6 +174,7 @@ class TensordiffCapture(Callback):
         with contextlib.suppress(Exception):
             if cap is None:
                 if first:
+                    report_status(f"capture {what}: {type(err).__name__}: {err}")  # tensordiff capture says why
                     self._warn(f"capture {what} ({type(err).__name__}: {err})")
                 return
             cap._fail(err)

@@ -42,9 +42,9 @@ def build_model(config):
 def register_cpu_wrapper():
     """MFTrainOneStepCell checks overflow with NPUGetFloatStatusV2 (GPU: FloatStatus): neither has a CPU kernel. On the
     CPU the same check is an isfinite over the gradients (FP32, no loss scaling: no step is skipped either way)."""
-    from mindspore import ops
     from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
     from mindformers.wrapper.wrapper import MFTrainOneStepCell
+    from mindspore import ops
 
     finite = ops.MultitypeFuncGraph("finite")
 
