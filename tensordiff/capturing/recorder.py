@@ -96,9 +96,12 @@ class Recorder:
     def _remove_framework_hooks(self) -> None:
         """Undo anything beyond the handles (subclasses that need it)."""
 
+    #: the training loop's own number of the step in flight (Megatron's iteration, a Trainer's step), if it has one
+    iteration: int | None = None
+
     def _step_attrs(self) -> dict[str, Any]:
-        """Attributes of the step being written, beyond its wall time and loss (subclasses that have some)."""
-        return {}
+        """Attributes of the step being written, beyond its wall time and loss (subclasses that have more)."""
+        return {} if self.iteration is None else {"iteration": self.iteration}
 
     # public API ---------------------------------------------------------------
     @property

@@ -12,6 +12,7 @@ import tempfile
 from typing import Any
 
 from .._regex import compile_user
+from ..capturing.mindformers_launch import mindformers_command
 from ..capturing.options import (
     AUTO_MODULE,
     MEGATRON_MODULE,
@@ -48,6 +49,9 @@ def add_parsers(sub: Any) -> None:
                    help="a megatron-core training program that does not call tensordiff (Megatron-LM's "
                         "pretrain_gpt.py, or any loop on megatron-core's schedule and optimizer): `torchrun [OPTIONS] "
                         "SCRIPT ...` or `python SCRIPT ...`, every rank captured (docs/megatron-lm.md)")
+    c.add_argument("--mindformers", action="store_true",
+                   help="a MindFormers Trainer command with --config x.yaml (run_mindformer.py, under python or msrun): "
+                        "run on a copy of the YAML with the TensordiffCapture callback added (docs/mindformers-trainer.md)")
     c.add_argument("--steps", type=int, default=1, help="training steps to capture (default 1)")
     c.add_argument("--tensors", choices=TENSOR_MODES, default="first",
                    help="store full tensors for the first step (default), all steps, or none")
@@ -87,7 +91,12 @@ def run_capture(args: argparse.Namespace) -> int:
     if args.auto and args.megatron:
         raise UsageError("--auto and --megatron: choose one (--megatron for a megatron-core program, --auto for any "
                          "other PyTorch script)")
-    if args.megatron:
+    extra_env: dict[str, str] = {}
+    if args.mindformers and (args.auto or args.megatron):
+        raise UsageError("--mindformers runs a MindFormers Trainer command: use it alone, without --auto or --megatron")
+    if args.mindformers:
+        cmd, extra_env = mindformers_command(cmd, os.path.abspath(args.output) + ".mindformers.yaml")
+    elif args.megatron:
         cmd = megatron_command(cmd)
         if _PYTHON.fullmatch(os.path.basename(cmd[0])):
             _check_auto_importable(cmd[0], MEGATRON_MODULE, "--megatron")
@@ -100,7 +109,7 @@ def run_capture(args: argparse.Namespace) -> int:
     status = out + ".status"
     if os.path.exists(status):
         os.remove(status)
-    env = dict(os.environ, **{ENV_OUTPUT: out, ENV_STEPS: str(args.steps), ENV_TENSORS: args.tensors,
+    env = dict(os.environ, **extra_env, **{ENV_OUTPUT: out, ENV_STEPS: str(args.steps), ENV_TENSORS: args.tensors,
                               ENV_STATUS: status})
     if args.tensors_max_mb is not None:
         if not args.tensors_max_mb >= 0:

@@ -40,6 +40,7 @@ FRAMEWORKS = {"torch", "mindspore", "megatron", "mindformers", "transformers"}
 #: Where a framework may be imported.
 FRAMEWORK_HOMES = ("tensordiff.frameworks.", "tensordiff.capturing.torch", "tensordiff.capturing.mindspore",
                    "tensordiff.capturing.auto", "tensordiff.capturing.megatron", "tensordiff.compat.")
+FRAMEWORK_HOMES += ("tensordiff.capturing.mindformers_callback",)  # the MindFormers Trainer's callback (MindSpore)
 #: Other third-party packages and the only places that may import them.
 CONFINED = {"rich": ("tensordiff.report.", "tensordiff.cli."), "matplotlib": ("tensordiff.report.runs_plot",),
             "safetensors": ("tensordiff.ckpt.files",), "regex": ("tensordiff._regex",)}
