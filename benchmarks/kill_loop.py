@@ -45,7 +45,8 @@ def one(path: str, writer: str, signum: int, target: int, delay: float, device: 
     from tensordiff.store import CaptureFile
 
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.Popen([sys.executable, "-c", PROGRAM, path, writer, device, tensors], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, "-c", PROGRAM, path, writer, device, tensors], stdout=subprocess.PIPE,
+                            text=True, env=env)
     returned, sent = -1, 0.0
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -95,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                 worst = max(worst, took)
                 statuses.add(status)
                 bad += lost > 0
-            print(f"{signal.Signals(signum).name:8s} {args.device} tensors={args.tensors} writer={args.writer:8s} kills {args.kills}: steps returned "
+            print(f"{signal.Signals(signum).name:8s} {args.device} tensors={args.tensors} writer={args.writer:8s} "
+                  f"kills {args.kills}: steps returned "
                   f"{returned_total}, returned steps missing from the file {lost_total}; exit statuses "
                   f"{sorted(statuses)}; longest exit after the signal {worst:.2f} s")
     return 1 if bad else 0

@@ -71,19 +71,11 @@ def reported_loss(reported: Any) -> torch.Tensor | None:
 
 
 class MegatronStepCapture(TrainingCapture):
-    """``TrainingCapture`` whose steps are Megatron's iterations: each step keeps the iteration number."""
-
-    iteration: int | None = None
+    """``TrainingCapture`` whose steps are Megatron's iterations (``iteration``: the number its log prints)."""
 
     def _install(self) -> None:
         super()._install()
         self._install_local_grads()  # DP > 1: the gradients before the reduction too (the distributed optimizer's)
-
-    def _step_attrs(self) -> dict[str, Any]:
-        out = super()._step_attrs()
-        if self.iteration is not None:
-            out["iteration"] = self.iteration
-        return out
 
     def restart_step(self) -> None:
         """Forget the step in flight (a re-run pass of the same iteration follows)."""

@@ -213,7 +213,10 @@ class TorchCapture(Recorder):
         super()._param_grads(grads)
 
     def _step_attrs(self) -> dict[str, Any]:
-        return {"grad_reduction": json.dumps(self._local.info(), sort_keys=True)} if self._local is not None else {}
+        out = super()._step_attrs()
+        if self._local is not None:
+            out["grad_reduction"] = json.dumps(self._local.info(), sort_keys=True)
+        return out
 
     def _remove_framework_hooks(self) -> None:
         if self._local is not None:

@@ -15,7 +15,6 @@ from .._regex import compile_user
 from ..capturing.mindformers_launch import mindformers_command
 from ..capturing.options import (
     AUTO_MODULE,
-    MEGATRON_MODULE,
     ENV_DURABLE,
     ENV_OUTPUT,
     ENV_PERTURB,
@@ -24,6 +23,7 @@ from ..capturing.options import (
     ENV_TENSORS,
     ENV_TENSORS_MATCH,
     ENV_TENSORS_MAX_MB,
+    MEGATRON_MODULE,
     TENSOR_MODES,
     rank_files,
 )
