@@ -103,17 +103,19 @@ class ProcessWriter(CaptureWriter):
         except ValueError:
             timeout = 60.0
         assert self._proc.stdout is not None
+        answered = True  # something came (the answer, or the end of the pipe), or reading failed
         try:
             ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+            answered = bool(ready)
             answer = os.read(self._proc.stdout.fileno(), len(_READY)) if ready else b""
         except OSError:
-            ready, answer = [True], b""
+            answer = b""
         self._proc.stdout.close()
         if answer == _READY:
             return ""
         self._proc.kill()
         code = self._proc.wait()
-        return f"no answer in {timeout:g} s" if not ready else f"it ended with exit code {code}"
+        return f"it ended with exit code {code}" if answered else f"no answer in {timeout:g} s"
 
     def _close_file(self) -> None:
         self._ready()
