@@ -37,7 +37,7 @@ from .options import CaptureOptions, options_from_env, report_status
 from .recorder import open_recorders
 from .torch import TorchCapture
 
-__all__ = ["AutoCapture", "TrainingCapture", "training_call"]
+__all__ = ["AutoCapture", "ProgramCapture", "TrainingCapture", "training_call"]
 
 
 def training_call(module: torch.nn.Module) -> bool:
@@ -121,8 +121,52 @@ class TrainingCapture(TorchCapture):
                 self.loss(loss)  # the step's first forward, under gradient accumulation
 
 
-class AutoCapture:
+class ProgramCapture:
+    """What the ways of capturing a program that never calls tensordiff share (``--auto``, ``--megatron``): the
+    options from ``tensordiff capture``'s environment, one warning, and giving up without raising into the program.
+    Subclasses set ``label`` (how warnings name them) and ``removed`` (what giving up took away), and ``close()``."""
+
+    label = ""
+    removed = ""
+    options: CaptureOptions | None = None
+    capture: Any = None
+    _gave_up = False
+
+    def _load_options(self) -> bool:
+        """Capture is on (``tensordiff capture`` set it): the options are loaded. False, said once, otherwise."""
+        try:
+            self.options = options_from_env(None, None, None)
+        except Exception as err:
+            self._warn(f"{self.label} not started ({err})")
+            return False
+        return self.options is not None
+
+    def close(self, finished: bool = False) -> None:
+        raise NotImplementedError
+
+    def _give_up(self, err: BaseException) -> None:
+        """A failure outside the recorder: warn, remove everything, never raise into the program."""
+        self._gave_up = True
+        with contextlib.suppress(Exception):
+            if self.capture is not None:
+                self.capture._fail(err)
+            else:
+                report_status(f"{self.label} stopped: {type(err).__name__}: {err}")
+                self._warn(f"{self.label} stopped ({type(err).__name__}: {err}); {self.removed}")
+        with contextlib.suppress(Exception):
+            self.close()
+
+    @staticmethod
+    def _warn(message: str) -> None:
+        with contextlib.suppress(Exception):
+            _warn_line(f"tensordiff: {message}; training goes on")
+
+
+class AutoCapture(ProgramCapture):
     """Finds the model and the training steps of a PyTorch program through torch's global hooks."""
+
+    label = "autocapture"
+    removed = "hooks removed"
 
     def __init__(self) -> None:
         self.options: CaptureOptions | None = None
@@ -137,12 +181,7 @@ class AutoCapture:
 
     def install(self) -> bool:
         """Register the global hooks when ``tensordiff capture`` turned capture on; False (nothing done) otherwise."""
-        try:
-            self.options = options_from_env(None, None, None)
-        except Exception as err:
-            self._warn(f"autocapture not started ({err})")
-            return False
-        if self.options is None:
+        if not self._load_options():
             return False
         hooks = torch.nn.modules.module
         self._module_handles = [hooks.register_module_forward_pre_hook(self._module_pre),
@@ -248,18 +287,6 @@ class AutoCapture:
                                  f"{type(cap.model).__name__} to {cap.path}; {skipped} evaluation call(s) skipped; "
                                  "hooks removed\n")
 
-    def _give_up(self, err: BaseException) -> None:
-        """A failure outside the recorder: warn, remove every hook, never raise into the program."""
-        self._gave_up = True
-        with contextlib.suppress(Exception):
-            if self.capture is not None:
-                self.capture._fail(err)
-            else:
-                report_status(f"autocapture stopped: {type(err).__name__}: {err}")
-                self._warn(f"autocapture stopped ({type(err).__name__}: {err}); hooks removed")
-        with contextlib.suppress(Exception):
-            self.close()
-
     @staticmethod
     def _remove(handles: list[Any]) -> None:
         for handle in handles:
@@ -267,7 +294,3 @@ class AutoCapture:
                 handle.remove()
         handles.clear()
 
-    @staticmethod
-    def _warn(message: str) -> None:
-        with contextlib.suppress(Exception):
-            _warn_line(f"tensordiff: {message}; training goes on")

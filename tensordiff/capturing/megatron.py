@@ -35,9 +35,8 @@ from typing import Any
 
 import torch
 
-from .._warn import warn as _warn_line
-from .auto import TrainingCapture
-from .options import CaptureOptions, options_from_env, report_status
+from .auto import ProgramCapture, TrainingCapture
+from .options import report_status
 from .recorder import open_recorders
 
 __all__ = ["MegatronCapture", "reported_loss"]
@@ -86,13 +85,14 @@ class MegatronStepCapture(TrainingCapture):
         self._reset_step()
 
 
-class MegatronCapture:
+class MegatronCapture(ProgramCapture):
     """Wraps megatron-core's schedule and optimizer (and Megatron-LM's ``train_step``) while the program runs."""
 
+    label = "--megatron capture"
+    removed = "wrappers removed"
+
     def __init__(self) -> None:
-        self.options: CaptureOptions | None = None
         self.capture: MegatronStepCapture | None = None
-        self.schedule_calls = 0  # training calls of the schedule seen
         self._restore: list[tuple[Any, str, Any]] = []  # (owner, attribute, original)
         self._optimizers: list[Any] = []  # optimizers whose step is wrapped (an instance attribute)
         self._loss: torch.Tensor | None = None  # this rank's loss of the pass that ran last
@@ -105,12 +105,7 @@ class MegatronCapture:
     # installing ---------------------------------------------------------------
     def install(self) -> bool:
         """Wrap megatron-core's entry points when ``tensordiff capture`` turned capture on; False otherwise."""
-        try:
-            self.options = options_from_env(None, None, None)
-        except Exception as err:
-            self._warn(f"--megatron capture not started ({err})")
-            return False
-        if self.options is None:
+        if not self._load_options():
             return False
         try:
             import megatron.core.optimizer as optimizer_mod
@@ -182,7 +177,6 @@ class MegatronCapture:
         return result
 
     def _before_pass(self, model: Any) -> None:
-        self.schedule_calls += 1
         cap = self.capture
         if cap is None:
             if model is None:
@@ -302,22 +296,6 @@ class MegatronCapture:
             with contextlib.suppress(Exception):
                 sys.stderr.write(f"tensordiff: --megatron recorded {cap._step} training step(s) of "
                                  f"{type(cap.model).__name__} to {cap.path}; wrappers removed\n")
-
-    def _give_up(self, err: BaseException) -> None:
-        self._gave_up = True
-        with contextlib.suppress(Exception):
-            if self.capture is not None:
-                self.capture._fail(err)
-            else:
-                report_status(f"--megatron capture stopped: {type(err).__name__}: {err}")
-                self._warn(f"--megatron capture stopped ({type(err).__name__}: {err}); wrappers removed")
-        with contextlib.suppress(Exception):
-            self.close()
-
-    @staticmethod
-    def _warn(message: str) -> None:
-        with contextlib.suppress(Exception):
-            _warn_line(f"tensordiff: {message}; training goes on")
 
 
 def _grad_norm(out: Any) -> Any:
