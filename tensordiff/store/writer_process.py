@@ -137,6 +137,13 @@ class ProcessWriter(CaptureWriter):
                           "it completed are in the file")
 
     def _write_scalars(self, step: int, values: dict[str, float]) -> None:
+        if self._waiting == "":  # started, not answered yet: the pipe keeps them for it (scalars never wait)
+            try:
+                self._pipe.write(_frame({"t": "scalars", "step": step, "values": values}))
+                self._pipe.flush()
+                return
+            except OSError:
+                pass  # it has ended: its answer says so now
         self._ready()
         if self._fallback:
             CaptureWriter._write_scalars(self, step, values)
