@@ -11,7 +11,7 @@ FAULT  ?= none
 WIKITEXT2 ?= $(or $(TENSORDIFF_WIKITEXT2),../shared/data/wikitext-2)
 STEPS  ?= 300
 
-.PHONY: setup demo compare wikitext2 test test-core lint clean
+.PHONY: setup demo compare launchers wikitext2 test test-core lint clean
 
 $(VENV)/.done: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ demo: setup
 compare: setup
 	$(PY) examples/megatron_vs_mindformers/run.py --family $(FAMILY) --fault $(FAULT); \
 	  code=$$?; test $$code -le 1 && echo "(exit code $$code: 0 = the runs agree, 1 = a divergence was found; JSON in out/megatron_vs_mindformers/)"
+
+# Megatron (megatron-core loop, tensordiff capture --megatron) vs the MindFormers Trainer (YAML, --mindformers)
+launchers: setup
+	$(PY) examples/launchers/run.py --fault $(FAULT); \
+	  code=$$?; test $$code -le 1 && echo "(exit code $$code: 0 = the runs agree, 1 = a divergence was found; JSON in out/launchers/)"
 
 wikitext2: setup
 	$(PY) examples/wikitext2/run.py --data $(WIKITEXT2) --steps $(STEPS); \

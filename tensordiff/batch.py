@@ -113,6 +113,17 @@ def save(path: str, batch: Batch) -> None:
             f.create_dataset(name, data=array)
 
 
+def save_mindrecord(path: str, batch: Batch) -> None:
+    """The batch's rows as MindFormers' Trainer reads them: a MindRecord file whose ``input_ids`` column holds each
+    row's ``[S+1]`` stream (the model shifts the labels itself)."""
+    try:
+        ms = frameworks.get("mindspore")
+    except ImportError:
+        raise BatchError(f"{path}: a MindRecord file needs MindSpore, which is not installed here; pip install "
+                         "mindspore, or leave out --mindrecord") from None
+    ms.write_mindrecord(path, {"input_ids": batch.stream()}, shown_as=path)
+
+
 def read(path: str, vocab_size: int | None = None) -> Batch:
     """Read and check a batch file; ``vocab_size`` (the model's) must hold every id."""
     if not os.path.exists(path):

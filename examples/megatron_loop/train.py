@@ -7,6 +7,10 @@ optimizer (``get_megatron_optimizer``), a loss function that reports ``lm loss``
     tensordiff capture --megatron -o run.h5 --steps 2 -- torchrun --standalone --nproc-per-node 2 \\
         examples/megatron_loop/train.py --tp 2                  # every rank captured, no edit to the loop
 
+``--data batch.h5`` trains every iteration on the batch of a ``tensordiff batch`` file (else random ids per
+iteration); ``--save-init FILE`` writes the starting weights (the full TP=1 model, megatron-core names, safetensors)
+for the other framework to convert; ``--optimizer sgd`` steps with megatron-core's SGD (no momentum) instead of Adam.
+
 ``--direct FILE`` captures the same run through ``tensordiff.capture(model, FILE, ...)`` instead (the reference
 the launcher's capture is checked against). ``--microbatches M`` splits each rank's batch into M micro-batches
 (the schedule accumulates their gradients). Runs on the CPU (gloo; the shims of ``tensordiff.compat.megatron_cpu``)
@@ -49,8 +53,13 @@ def forward_step(data_iterator, model):
 
 def micro_batches(args: argparse.Namespace, dp_rank: int, dp: int, step: int) -> list[tuple[torch.Tensor, ...]]:
     """This DP rank's micro-batches of iteration ``step`` (the global batch is the same for every layout)."""
-    g = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, VOCAB, (args.batch, SEQ + 1), generator=g)
+    if args.data:
+        from tensordiff.batch import load
+
+        ids = load(args.data, vocab_size=VOCAB, framework="torch")["stream"]
+    else:
+        g = torch.Generator().manual_seed(1000 + step)
+        ids = torch.randint(0, VOCAB, (args.batch, SEQ + 1), generator=g)
     local = ids.chunk(dp, dim=0)[dp_rank]
     out = []
     for part in local.chunk(args.microbatches, dim=0):
@@ -72,6 +81,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: none)")
     p.add_argument("--eps", type=float, default=1e-6, help="the RMSNorm epsilon (a fault: another value on one side)")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    p.add_argument("--data", metavar="BATCH", help="a tensordiff batch file: every iteration trains on it")
+    p.add_argument("--save-init", metavar="FILE", help="write the starting weights here (safetensors, rank 0)")
     p.add_argument("--no-distributed-optimizer", action="store_true")
     p.add_argument("--direct", metavar="FILE", help="capture through tensordiff.capture(model, FILE, ...) instead")
     p.add_argument("--direct-steps", type=int, default=2)
@@ -106,6 +118,10 @@ def main() -> None:
                 norm.eps = args.eps
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     full = full_weights(args.seed)
+    if args.save_init and dist.get_rank() == 0:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in full.items()}, args.save_init)
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(shard(name, full[name], param, args.tp, tp_rank))
@@ -116,7 +132,8 @@ def main() -> None:
                                                grad_reduce_in_fp32=True)
     model = DistributedDataParallel(model.config, ddp_config, module=model)
     with optimizer_cpu():  # on the CPU: the optimizer allocates on "cuda" and checks for CUDA tensors
-        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.0,
+        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer=args.optimizer, lr=args.lr, weight_decay=0.0,
+                                                           sgd_momentum=0.0,
                                                            use_distributed_optimizer=distributed, clip_grad=args.clip,
                                                            bf16=False, fp16=False), [model])
     model.config.finalize_model_grads_func = finalize_model_grads  # the DDP reduction, as Megatron-LM sets it

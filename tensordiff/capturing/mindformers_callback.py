@@ -14,14 +14,16 @@ entry, with ``--register_path`` / ``REGISTER_PATH`` naming ``REGISTER_DIR``, or 
 TensordiffCapture`` when the register path is another one); ``tensordiff capture --mindformers`` writes that for you.
 
 When training begins (before the first step compiles: GRAPH_MODE probes are compiled in), the callback starts
-``tensordiff.capture``'s MindSpore capture (``MindSporeGraphCapture`` in GRAPH_MODE, else ``MindSporeCapture``)
-on the model inside the Trainer's wrapper (``MFTrainOneStepCell.network``, through any tool
-cells: gradient accumulation, pipeline, virtual dataset, data order) with the wrapper's optimizer (its gradients
-are the parameter gradients). At each step end it ends the tensordiff step with the loss MFLossMonitor reports
-(from ``cb_params.net_outputs``, read by MindFormers' own parser) and records the step's learning rate, global
-norm and loss scale as per-step scalars, at the Trainer's step number (``cb_params.cur_step_num``, from 1; also
-the step attribute ``iteration``). After ``steps`` steps every probe and hook is gone; the scalars go on for the
-whole run and the file is closed when training ends. A failure warns once and training goes on.
+``tensordiff.capture``'s MindSpore capture (``MindSporeGraphCapture`` in GRAPH_MODE, else ``MindSporeCapture``) on the
+model inside the Trainer's wrapper (``MFTrainOneStepCell.network``, through any tool cells: gradient accumulation,
+pipeline, virtual dataset, data order) with the wrapper's optimizer. The parameter gradients are those the wrapper's
+gradient clipping receives when it clips (``use_clip_grad``): after the loss scale and the reduction, before clipping,
+as megatron-core's are recorded; else the optimizer's input. At each step end it ends the tensordiff step with the
+loss MFLossMonitor reports (from ``cb_params.net_outputs``, read by MindFormers' own parser) and records the step's
+learning rate, global norm and loss scale as per-step scalars, at the Trainer's step number
+(``cb_params.cur_step_num``, from 1; also the step attribute ``iteration``). After ``steps`` steps every probe and
+hook is gone; the scalars go on for the whole run and the file is closed when training ends. A failure warns once and
+training goes on.
 """
 
 from __future__ import annotations
@@ -64,6 +66,20 @@ def unwrap(train_network: Any) -> tuple[Any, list[str]]:
         around.append(type(cell).__name__)
         cell = inner
     return cell, around
+
+
+def clipping(train_network: Any) -> Any:
+    """The gradient-clipping cell of the Trainer's wrapper (``MFTrainOneStepCell.clip_grad_norm`` when its
+    ``use_clip_grad`` is on), or None. Its input is the step's gradients after the loss scale and the data-parallel
+    reduction, before clipping: recorded there, they are megatron-core's (which clips inside its optimizer step)."""
+    cell = train_network
+    while cell is not None:
+        clip = getattr(cell, "clip_grad_norm", None)
+        if getattr(cell, "use_clip_grad", False) is True and clip is not None and callable(clip):
+            return clip
+        inner = getattr(cell, "network", None)
+        cell = inner if inner is not cell else None
+    return None
 
 
 def step_outputs(net_outputs: Any) -> tuple[Any, dict[str, float]]:
@@ -151,12 +167,16 @@ class TensordiffCapture(Callback):
         model, around = unwrap(cb.train_network)
         optimizer = cb.optimizer if cb.get("optimizer") is not None else getattr(cb.train_network, "optimizer", None)
         self.model = model
+        clip = clipping(cb.train_network)
         meta = {"mindformers_trainer": "TensordiffCapture callback",
-                "mindformers_wrapper": " > ".join(around) or type(cb.train_network).__name__}
+                "mindformers_wrapper": " > ".join(around) or type(cb.train_network).__name__,
+                "param_grad_at": "before clipping (the wrapper's clip_grad_norm input)" if clip is not None else
+                                 "the optimizer's input"}
         if graph_mode_wanted(None):
-            self.capture = MindSporeGraphCapture(model, options, optimizer=optimizer, meta=meta, cells=self.cells)
+            self.capture = MindSporeGraphCapture(model, options, optimizer=optimizer, meta=meta, cells=self.cells,
+                                                 grads_at=clip)
         else:
-            self.capture = MindSporeCapture(model, options, optimizer=optimizer, meta=meta)
+            self.capture = MindSporeCapture(model, options, optimizer=optimizer, meta=meta, grads_at=clip)
 
     def close(self) -> None:
         """Close the capture (every probe and hook removed, the file complete); idempotent, never raises."""

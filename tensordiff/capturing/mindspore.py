@@ -10,7 +10,9 @@ What is hooked, and why:
   one record per tensor slot, like the PyTorch adapter, and does not insert the
   ``CellBackwardHook`` operation into the graph;
 * the optimizer cell's forward pre-hook (when an optimizer is given): the gradients it
-  receives are the step's parameter gradients; its forward hook ends the step.
+  receives are the step's parameter gradients; its forward hook ends the step. ``grads_at``: another cell
+  whose first argument is the same gradient tuple, earlier (a wrapper's gradient clipping, so that the
+  gradients are recorded before clipping, as megatron-core's are).
   Without an optimizer, pass the gradients from ``value_and_grad`` to ``step(grads=...)``.
 
 Graph mode runs no Python hooks: ``tensordiff.capture`` takes ``mindspore_graph.py``'s probes
@@ -115,10 +117,13 @@ class MindSporeCapture(Recorder):
 
     framework = "mindspore"
 
-    def __init__(self, cell: Any, options: CaptureOptions, optimizer: Any = None, meta: dict | None = None):
+    def __init__(self, cell: Any, options: CaptureOptions, optimizer: Any = None, meta: dict | None = None,
+                 grads_at: Any = None):
         self._check_mode()
         self.cell = cell
         self.optimizer = optimizer
+        #: the cell whose first argument is the step's gradients, in ``optimizer.parameters`` order
+        self.grads_at = grads_at if grads_at is not None and optimizer is not None else optimizer
         rank, world = 0, 1
         try:
             from mindspore.communication import get_group_size, get_rank
@@ -180,7 +185,7 @@ class MindSporeCapture(Recorder):
             else:
                 self._handles.append(cell.register_forward_hook(self._make_post_hook(name)))
         if self.optimizer is not None:
-            self._handles.append(self.optimizer.register_forward_pre_hook(self._optimizer_pre_hook))
+            self._handles.append(self.grads_at.register_forward_pre_hook(self._grads_pre_hook))
             self._handles.append(self.optimizer.register_forward_hook(self._optimizer_post_hook))
 
     def _make_pre_hook(self, name: str) -> Any:
@@ -195,10 +200,10 @@ class MindSporeCapture(Recorder):
 
         return post_hook
 
-    def _optimizer_pre_hook(self, optimizer: Any, args: tuple) -> None:
+    def _grads_pre_hook(self, cell: Any, args: tuple) -> None:
         if self.active and self._in_step and not self._grads_taken and args:
             try:
-                self._param_grads(self._pair_grads(args[0], list(optimizer.parameters)))
+                self._param_grads(self._pair_grads(args[0], list(self.optimizer.parameters)))
             except Exception as err:
                 self._fail(err)
         return None

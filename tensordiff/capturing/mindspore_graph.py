@@ -202,15 +202,17 @@ def _probed_cell_class(cls: Any, tag: str) -> type:
     return Probed
 
 
-def _probed_optimizer_class(cls: Any, tag: str) -> type:
-    class ProbedOptimizer(cls):
+def _probed_grads_class(cls: Any, tag: str) -> type:
+    """The class of the cell that receives the step's gradients as its first argument (the optimizer, or a wrapper's
+    gradient clipping): each gradient recorded on the way in."""
+    class ProbedGrads(cls):
         def construct(self: Any, gradients: Any, *rest: Any) -> Any:
             gradients = record_all(self._td_probes, self._td_cell, gradients)
             return super().construct(gradients, *rest)
 
-    ProbedOptimizer.__name__ = ProbedOptimizer.__qualname__ = f"{cls.__name__}_TdProbe{tag}"
-    ProbedOptimizer.__module__ = cls.__module__
-    return ProbedOptimizer
+    ProbedGrads.__name__ = ProbedGrads.__qualname__ = f"{cls.__name__}_TdProbe{tag}"
+    ProbedGrads.__module__ = cls.__module__
+    return ProbedGrads
 
 
 def _make_probes(on_value: Callable[[int, np.ndarray], None],
@@ -332,7 +334,7 @@ class MindSporeGraphCapture(MindSporeCapture):
     """Records the first ``options.steps`` steps of ``cell`` run in GRAPH_MODE or under ``mindspore.jit``."""
 
     def __init__(self, cell: Any, options: Any, optimizer: Any = None, meta: dict | None = None,
-                 cells: str | None = None):
+                 cells: str | None = None, grads_at: Any = None):
         target = ms.get_context("device_target")
         if target != "CPU":
             raise UsageError(f"graph-mode capture runs on the CPU backend only (its probes are pyfunc ops); this run's "
@@ -346,7 +348,7 @@ class MindSporeGraphCapture(MindSporeCapture):
         meta = {**(meta or {}), "capture_mode": "graph", "not_recorded": ",".join(skipped)}
         if cells:
             meta["cells"] = cells
-        super().__init__(cell, options, optimizer=optimizer, meta=meta)
+        super().__init__(cell, options, optimizer=optimizer, meta=meta, grads_at=grads_at)
         with self._lock:
             self._ensure_step()  # the weights of the first step, read now: never from inside a running graph
 
@@ -371,8 +373,8 @@ class MindSporeGraphCapture(MindSporeCapture):
             self._probed.append((name, names))
         if self.optimizer is not None:
             self._owners = [self._param_ids.get(id(p)) or _split(p.name) for p in self.optimizer.parameters]
-            self._swap(self.optimizer, _probed_optimizer_class(type(self.optimizer), "opt"), probes, ())
-            self._probed.append(("", ()))  # the optimizer's id: its tags are parameter indices
+            self._swap(self.grads_at, _probed_grads_class(type(self.grads_at), "opt"), probes, ())
+            self._probed.append(("", ()))  # the gradients' cell id: its tags are parameter indices
         bump_graph_cache(self.cell)
 
     def _swap(self, c: Any, cls: type, probes: tuple, names: tuple[str, ...]) -> None:

@@ -24,6 +24,9 @@ def add_parsers(sub: Any) -> None:
     b.add_argument("--seed", type=int, default=0, help="seed of the ids or of the text windows (default 0)")
     b.add_argument("--text", help="take windows of this UTF-8 text file, one byte per token (needs --vocab >= 256)")
     b.add_argument("--low", type=int, default=1, help="smallest random id (default 1: id 0 is often padding)")
+    b.add_argument("--mindrecord", metavar="FILE",
+                   help="also write the rows as a MindRecord file (column input_ids, [S+1] ids a row: what MindFormers' "
+                        "Trainer reads through a MindDataset train_dataset); needs MindSpore")
     b.add_argument("--check", metavar="FILE", help="check FILE (against --vocab when given) and print it")
     b.set_defaults(run=run)
 
@@ -42,4 +45,7 @@ def run(args: argparse.Namespace) -> int:
     batches.save(args.output, b)
     print(f"tensordiff: wrote {args.output}: batch {b.batch_size} x seq {b.seq_length}, vocab {args.vocab}, "
           f"{b.attrs['source']}, seed {args.seed}")
+    if args.mindrecord:
+        batches.save_mindrecord(args.mindrecord, b)
+        print(f"tensordiff: wrote {args.mindrecord}: {b.batch_size} rows of input_ids [{b.seq_length + 1}] (MindRecord)")
     return 0

@@ -684,6 +684,37 @@ def init_mindformers_cpu(seed: int = 0, *, use_legacy: bool = False) -> None:
         ctx.set_context(use_legacy=bool(use_legacy))
 
 
+def register_cpu_wrapper() -> None:
+    """Register ``CPUTrainOneStepCell`` as a MindFormers wrapper (YAML ``runner_wrapper: type: CPUTrainOneStepCell``):
+    ``MFTrainOneStepCell`` whose overflow check is an ``isfinite`` over the gradients. MindFormers checks overflow
+    with ``NPUGetFloatStatusV2`` (GPU: ``FloatStatus``), neither of which has a CPU kernel; in FP32 without loss
+    scaling no step is skipped either way, so the update is MFTrainOneStepCell's."""
+    from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
+    from mindformers.wrapper.wrapper import MFTrainOneStepCell
+    from mindspore import ops
+
+    finite = ops.MultitypeFuncGraph("finite")
+
+    @finite.register("Tensor")
+    def _all_finite(grad):
+        return ops.isfinite(grad).all()
+
+    class CPUTrainOneStepCell(MFTrainOneStepCell):
+        def get_overflow_status(self, status, compute_output):
+            return ops.logical_not(ops.stack(self.hyper_map(finite, compute_output)).all())
+
+    MindFormerRegister.register_cls(CPUTrainOneStepCell, module_type=MindFormerModuleType.WRAPPER)
+
+
+def hooks_left(model: Any) -> int:
+    """Forward hooks, tensordiff attributes and tensordiff cell classes left on ``model``'s cells (0 after a capture)."""
+    left = 0
+    for _, cell in model.cells_and_names():
+        left += len(getattr(cell, "_forward_pre_hook", {}) or {}) + len(getattr(cell, "_forward_hook", {}) or {})
+        left += any(k.startswith("_td_") for k in vars(cell)) + type(cell).__module__.startswith("tensordiff")
+    return left
+
+
 # --------------------------------------------------------------------------------------------------
 # graph mode: cell attribute swaps on a built model
 

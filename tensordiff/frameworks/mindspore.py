@@ -87,6 +87,30 @@ def save_checkpoint(tensors: dict[str, np.ndarray], path: str, shown_as: str = "
         raise CheckpointError(f"{where}: MindSpore cannot write it ({first_line(err)})") from None
 
 
+# -------------------------------------------------------------------------------------- datasets
+def write_mindrecord(path: str, columns: dict[str, np.ndarray], shown_as: str = "") -> None:
+    """One MindRecord file (``mindspore.mindrecord.FileWriter``), a row per first-axis entry of each column: what
+    MindFormers' ``MindDataset`` loader reads. Integer columns are written as int32 (its ``input_ids``), one shard."""
+    import os
+
+    from mindspore.mindrecord import FileWriter
+
+    where = shown_as or path
+    for leftover in (path, path + ".db"):  # FileWriter refuses an existing file: the caller asked for this path
+        if os.path.exists(leftover):
+            os.remove(leftover)
+    rows = {k: (v.astype(np.int32) if v.dtype.kind in "iu" else v.astype(np.float32)) for k, v in columns.items()}
+    schema = {k: {"type": "int32" if v.dtype == np.int32 else "float32", "shape": [-1]} for k, v in rows.items()}
+    try:
+        writer = FileWriter(file_name=path, shard_num=1, overwrite=True)
+        writer.add_schema(schema, "tensordiff batch")
+        count = len(next(iter(rows.values())))
+        writer.write_raw_data([{k: v[i].reshape(-1) for k, v in rows.items()} for i in range(count)])
+        writer.commit()
+    except (TypeError, ValueError, RuntimeError, OSError) as err:
+        raise UsageError(f"{where}: MindSpore cannot write the MindRecord file ({first_line(err)})") from None
+
+
 # ----------------------------------------------------------------------------------------- replay
 def replay_call(model: Any, module_name: str, inputs: list[tuple[str, np.ndarray]],
                 weights: dict[str, np.ndarray]) -> np.ndarray:

@@ -25,7 +25,7 @@ from .._regex import BoundedPattern, compile_user
 from ..errors import MappingError
 from ..record import PHASES, Record
 from ..transforms import Op, Split, parse_op, parse_split
-from .names import regex, template
+from .names import regex, template, unwrap
 from .pairfile import PairFile, from_text, load
 
 PARAM_KINDS = ("param", "grad", "grad_local")
@@ -106,8 +106,9 @@ class Ignore:
     slots: frozenset[str] | None = None
 
     def hits(self, rec: Record, module: str | None = None) -> bool:
-        """``module``: the record's module name as the rules see it (B's with the prefixes stripped)."""
-        return (self.module.fullmatch(rec.module if module is None else module) is not None
+        """``module``: the record's module name as the rules see it (B's with the prefixes stripped); a wrapper's prefix
+        (``module.``: DDP, Float16Module) is dropped, as every name comparison does."""
+        return (self.module.fullmatch(unwrap(rec.module if module is None else module)) is not None
                 and (self.kinds is None or rec.kind in self.kinds)
                 and (self.slots is None or rec.slot in self.slots))
 

@@ -39,34 +39,6 @@ def build_model(config):
     return model
 
 
-def register_cpu_wrapper():
-    """MFTrainOneStepCell checks overflow with NPUGetFloatStatusV2 (GPU: FloatStatus): neither has a CPU kernel. On the
-    CPU the same check is an isfinite over the gradients (FP32, no loss scaling: no step is skipped either way)."""
-    from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
-    from mindformers.wrapper.wrapper import MFTrainOneStepCell
-    from mindspore import ops
-
-    finite = ops.MultitypeFuncGraph("finite")
-
-    @finite.register("Tensor")
-    def _all_finite(grad):
-        return ops.isfinite(grad).all()
-
-    class CPUTrainOneStepCell(MFTrainOneStepCell):
-        def get_overflow_status(self, status, compute_output):
-            return ops.logical_not(ops.stack(self.hyper_map(finite, compute_output)).all())
-
-    MindFormerRegister.register_cls(CPUTrainOneStepCell, module_type=MindFormerModuleType.WRAPPER)
-
-
-def hooks_left(model):
-    left = 0
-    for _, cell in model.cells_and_names():
-        left += len(getattr(cell, "_forward_pre_hook", {}) or {}) + len(getattr(cell, "_forward_hook", {}) or {})
-        left += any(k.startswith("_td_") for k in vars(cell)) + type(cell).__module__.startswith("tensordiff")
-    return left
-
-
 def hand_loop(model, path, steps):
     import mindspore as ms
 
@@ -95,6 +67,8 @@ def main():
     import mindspore.dataset as ds
     from mindformers import MindFormerConfig, Trainer
     from mindformers.core.context import build_context
+
+    from tensordiff.compat.mindformers_cpu import hooks_left, register_cpu_wrapper
 
     config = MindFormerConfig(os.path.abspath(args.config))
     build_context(config)

@@ -1,0 +1,119 @@
+"""Megatron and MindFormers, each captured through its own launcher, from one checkpoint and one batch, diffed.
+
+    python examples/launchers/run.py                       # agree: exit 0
+    python examples/launchers/run.py --fault norm-eps      # MindFormers' YAML with another RMSNorm epsilon: exit 1
+    python examples/launchers/run.py --tp 2 --graph        # Megatron at TP=2 under torchrun, MindFormers in GRAPH_MODE
+
+The Megatron side is ``examples/megatron_loop/train.py``, a loop built as Megatron-LM's is (megatron-core's schedule,
+its DDP and distributed optimizer, Adam, clipping at 1.0), captured by ``tensordiff capture --megatron``; it never
+imports tensordiff's capture. The MindFormers side is MindFormers' own Trainer run from ``llama_tiny.yaml`` (the same
+model and training: AdamW, clipping at 1.0) by ``run_mindformer.py`` (a stand-in for MindFormers' script of that name),
+captured by ``tensordiff capture --mindformers``, which adds the ``TensordiffCapture`` callback to a copy of the YAML.
+Between them: ``tensordiff batch`` (the batch for Megatron and, as a MindRecord file, for the Trainer's dataset) and
+``tensordiff ckpt convert`` (Megatron's starting weights into the ``load_checkpoint`` of the YAML).
+
+It prints every command it runs (the workflow to copy for your own runs) and exits with ``tensordiff diff``'s code:
+0 agree, 1 a divergence, 2 an error, 3 inconclusive. Files go to --out (default out/launchers/[FAULT][-tpN][-graph]).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+#: one mistake in the MindFormers YAML: (what it is, the line as written, the line with the fault)
+FAULTS = {
+    "none": ("no fault", "", ""),
+    "norm-eps": ("RMSNorm epsilon 1e-2 instead of 1e-6", "rms_norm_eps: 1.0e-6", "rms_norm_eps: 1.0e-2"),
+    "rope-base": ("RoPE base 500000 instead of 10000", "theta: 10000.0", "theta: 500000.0"),
+}
+#: the model's sizes, as llama_tiny.yaml and examples/distributed/mcore_train.py have them
+VOCAB, SEQ, BATCH, HEADS, GROUPS = 128, 16, 2, 4, 2
+
+
+def _shown(cmd: list[str]) -> str:
+    return " ".join(shlex.quote(os.path.relpath(c, ROOT) if os.path.isabs(c) and c.startswith(ROOT) else c)
+                    for c in cmd)
+
+
+def _run(cmd: list[str], cwd: str, verbose: bool) -> int:
+    print(f"$ {_shown(cmd)}", flush=True)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if verbose:
+        return subprocess.call(cmd, env=env, cwd=cwd)
+    proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout.splitlines():  # the frameworks' chatter stays out; what tensordiff says is shown
+        if line.startswith("tensordiff") or " iteration " in line or "{ Epoch:" in line:
+            print("  " + (line[line.index("{ Epoch:"):] if "{ Epoch:" in line else line.strip()), flush=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-6000:], file=sys.stderr)
+    return proc.returncode
+
+
+def write_config(path: str, fault: str, graph: bool) -> None:
+    """llama_tiny.yaml with the fault's line changed, and ``mode: 0`` for GRAPH_MODE."""
+    with open(os.path.join(HERE, "llama_tiny.yaml"), encoding="utf-8") as f:
+        text = f.read()
+    _, line, faulty = FAULTS[fault]
+    if line:
+        assert line in text, f"llama_tiny.yaml has no `{line}`"
+        text = text.replace(line, faulty)
+    if graph:
+        text = text.replace("  mode: 1 ", "  mode: 0 ")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fault", choices=sorted(FAULTS), default="none", help="one mistake in the MindFormers YAML")
+    p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="Megatron's tensor parallelism (2: torchrun)")
+    p.add_argument("--graph", action="store_true", help="the MindFormers Trainer in GRAPH_MODE (else PyNative)")
+    p.add_argument("--steps", type=int, default=2, help="iterations captured (default 2; 3 are trained)")
+    p.add_argument("--out", help="output folder")
+    p.add_argument("--reuse", action="store_true", help="keep the batch, Megatron's capture and the converted checkpoint "
+                                                        "already in --out: only the MindFormers side and the diff run "
+                                                        "(to try a change of the YAML quickly)")
+    p.add_argument("--verbose", action="store_true", help="show the frameworks' own output")
+    args = p.parse_args(argv)
+    name = "-".join([args.fault] + ([f"tp{args.tp}"] if args.tp > 1 else []) + (["graph"] if args.graph else []))
+    out = os.path.abspath(args.out or os.path.join(ROOT, "out", "launchers", name))
+    os.makedirs(out, exist_ok=True)
+    py, td = sys.executable, [sys.executable, "-m", "tensordiff"]
+    write_config(os.path.join(out, "llama_tiny.yaml"), args.fault, args.graph)
+    launcher = [py] if args.tp == 1 else [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                          str(args.tp)]
+    megatron = "megatron.h5" if args.tp == 1 else "megatron.rank*.h5"
+    steps = [
+        td + ["batch", "-o", "batch.h5", "--vocab", str(VOCAB), "--seq", str(SEQ), "--batch", str(BATCH), "--seed", "0",
+              "--mindrecord", "batch.mindrecord"],
+        td + ["capture", "--megatron", "-o", "megatron.h5", "--steps", str(args.steps), "--"] + launcher +
+        [os.path.join(ROOT, "examples", "megatron_loop", "train.py"), "--tp", str(args.tp), "--data", "batch.h5",
+         "--save-init", "init.safetensors", "--batch", str(BATCH), "--steps", str(args.steps + 1)],
+        td + ["ckpt", "convert", "init.safetensors", "init.ckpt", "--mapping", "mcore-mindformers-llama", "--to",
+              "mindformers", "--var", f"heads={HEADS}", "--var", f"groups={GROUPS}"],
+        td + ["capture", "--mindformers", "-o", "mindformers.h5", "--steps", str(args.steps), "--", py,
+              os.path.join(HERE, "run_mindformer.py"), "--config", os.path.join(out, "llama_tiny.yaml")],
+    ]
+    kept = ["batch.h5", "batch.mindrecord", "init.ckpt", "megatron.h5" if args.tp == 1 else "megatron.rank0.h5"]
+    if args.reuse and all(os.path.exists(os.path.join(out, f)) for f in kept):
+        print(f"run.py: --reuse: {', '.join(kept)} kept from the earlier run in {out}", flush=True)
+        steps = steps[3:]
+    for cmd in steps:
+        code = _run(cmd, out, args.verbose)
+        if code != 0:
+            print(f"run.py: the step above failed with exit code {code}", file=sys.stderr)
+            return 2
+    cmd = td + ["diff", megatron, "mindformers.h5", "--first-divergence", "--json", "report.json"]
+    print(f"$ {_shown(cmd)}", flush=True)
+    return subprocess.call(cmd, cwd=out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
