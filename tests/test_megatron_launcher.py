@@ -57,6 +57,8 @@ def runs(tmp_path_factory):
         "eps": ("launcher", [sys.executable], ["--eps", "1e-2"]),
         "tp2": ("launcher", TORCHRUN, ["--tp", "2"]),
         "tp2_direct": ("direct", TORCHRUN, ["--tp", "2"]),
+        "dp2": ("launcher", TORCHRUN, []),  # DP=2 with the distributed optimizer: each rank owns a shard
+        "dp2_sum": ("launcher", TORCHRUN, ["--dp-sum"]),
     }
     out = {}
     started = []
@@ -118,6 +120,30 @@ def test_under_torchrun_every_rank_is_captured_and_agrees_with_the_direct_captur
         proc = _td("diff", ref, runs["tp2"]["path"])
         assert proc.returncode == 0, (ref, proc.stdout[-3000:])
         assert "No divergence" in proc.stdout
+
+
+def test_dp2_with_the_distributed_optimizer_agrees_with_tp1_its_gradient_shards_joined(runs, tmp_path):
+    with CaptureFile(runs["dp2"]["files"][0]) as cap:  # this rank's part of each reduced gradient
+        shards = json.loads(cap.step_attrs(0)["grad_shards"])
+        assert len(shards) == 15 and any(lo == hi for lo, hi, _ in shards.values())
+    report = tmp_path / "dp2.json"
+    proc = _td("diff", runs["tp1"]["path"], runs["dp2"]["path"], "--json", str(report))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    data = json.loads(report.read_text())
+    assert data["summary"]["diverged"] == 0 and data["summary"]["only_a"] == data["summary"]["only_b"] == 0
+    grads = [r for r in data["rows"] if r["phase"] == "param_grad" and r["kind"] == "grad" and not r["stand_in"]]
+    assert len(grads) == 30 and all(r["verdict"] == "ok" for r in grads)  # 15 parameters, 2 steps, all compared
+
+
+def test_a_dp_reduction_that_sums_is_found_in_the_reduction_with_its_factor(runs, tmp_path):
+    report = tmp_path / "sum.json"
+    proc = _td("diff", runs["tp1"]["path"], runs["dp2_sum"]["path"], "--first-divergence", "--json", str(report))
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    data = json.loads(report.read_text())
+    first = data["first_divergence"]
+    assert (first["step"], first["phase"], first["kind"]) == (0, "param_grad", "grad")
+    assert "introduced in the data-parallel gradient reduction" in " ".join(proc.stdout.split())
+    assert data["hints"][0]["cause"] == "factor" and "B sums the gradients" in data["hints"][0]["title"]
 
 
 def test_a_norm_epsilon_on_one_side_is_found_at_the_first_norm(runs):

@@ -85,6 +85,7 @@ def main() -> None:
     p.add_argument("--data", metavar="BATCH", help="a tensordiff batch file: every iteration trains on it")
     p.add_argument("--save-init", metavar="FILE", help="write the starting weights here (safetensors, rank 0)")
     p.add_argument("--no-distributed-optimizer", action="store_true")
+    p.add_argument("--dp-sum", action="store_true", help="a fault: the DP reduction sums the gradients (no 1/DP)")
     p.add_argument("--direct", metavar="FILE", help="capture through tensordiff.capture(model, FILE, ...) instead")
     p.add_argument("--direct-steps", type=int, default=2)
     args = p.parse_args()
@@ -131,6 +132,10 @@ def main() -> None:
     ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=distributed,
                                                grad_reduce_in_fp32=True)
     model = DistributedDataParallel(model.config, ddp_config, module=model)
+    if args.dp_sum:  # megatron scales each bucket by 1/DP before it reduces with SUM: without it, a sum
+        for group in model.bucket_groups:
+            for bucket in group.buckets:
+                bucket.gradient_scaling_factor = 1.0
     with optimizer_cpu():  # on the CPU: the optimizer allocates on "cuda" and checks for CUDA tensors
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer=args.optimizer, lr=args.lr, weight_decay=0.0,
                                                            sgd_momentum=0.0,

@@ -140,6 +140,7 @@ class TorchCapture(Recorder):
         super().__init__(TorchTensors(), options, path, attrs, params, classes)
         self._grad_snapshots: dict[int, torch.Tensor] = {}
         self._local: LocalGrads | None = None
+        self._grad_shards: dict[str, list[Any]] = {}  # the step's parameter -> [start, end, shape] (_sharded_grads)
         self._install()
 
     # hooks --------------------------------------------------------------------
@@ -196,6 +197,7 @@ class TorchCapture(Recorder):
     def _reset_step(self) -> None:
         super()._reset_step()
         self._grad_snapshots = {}
+        self._grad_shards = {}
         local = getattr(self, "_local", None)
         if local is not None:
             local.forget()
@@ -208,14 +210,35 @@ class TorchCapture(Recorder):
             for mod, pname, grad in self._local.take():
                 self._record("param_grad", "grad_local", mod, 0, pname, self._classes.get(mod, ""), grad, track=False,
                              full=full)
-            if self._local.sharded:  # after the reduction each rank holds only its shard: the local ones stand
+            if self._local.sharded:  # after the reduction each rank holds only its shard of each: that part
+                self._sharded_grads(grads)
                 return
         super()._param_grads(grads)
+
+    def _sharded_grads(self, grads: Sequence[tuple[str, str, Any]]) -> None:
+        """Megatron's distributed optimizer: each parameter's reduced gradient as far as this rank holds it, a 1-D
+        record of the flattened elements [start, end) it owns (empty where it owns none), kind ``grad``; the step
+        attribute ``grad_shards`` says which part and the parameter's shape, and the merge of the DP ranks' files
+        puts the parts together (store/merged.py)."""
+        assert self._local is not None
+        self._grads_taken = True
+        ids = {(mod, pname): id(p) for mod, pname, p in self._params}
+        shards: dict[str, list[Any]] = {}
+        for mod, pname, grad in grads:
+            if grad is None:
+                continue
+            lo, hi = self._local.owned.get(ids.get((mod, pname), -1), (0, 0))
+            shards[f"{mod}.{pname}" if mod else pname] = [lo, hi, list(grad.shape)]
+            self._record("param_grad", "grad", mod, 0, pname, self._classes.get(mod, ""),
+                         grad.detach().reshape(-1)[lo:hi], track=False)
+        self._grad_shards = shards
 
     def _step_attrs(self) -> dict[str, Any]:
         out = super()._step_attrs()
         if self._local is not None:
             out["grad_reduction"] = json.dumps(self._local.info(), sort_keys=True)
+            if self._local.sharded and self._grad_shards:
+                out["grad_shards"] = json.dumps(self._grad_shards, sort_keys=True)
         return out
 
     def _remove_framework_hooks(self) -> None:

@@ -58,6 +58,31 @@ def _torch_ddp(model: Any) -> Any:
     return None
 
 
+def _owned_ranges(group: Any) -> dict[int, tuple[int, int]]:
+    """For megatron's distributed optimizer: each parameter of a bucket group -> the (start, end) of its flattened
+    elements that fall in this rank's shard of the bucket (the part the reduce-scatter writes here; (0, 0): none).
+    The shards are megatron's: each bucket's ``grad_data`` cut into equal parts, one per rank of the group. Where a
+    parameter lies in its bucket is read from memory (``main_grad`` is a view of the bucket's buffer), so megatron's
+    padding between parameters needs no knowledge of its index maps."""
+    size = int(group.intra_distributed_optimizer_instance_size)
+    rank = int(group.intra_distributed_optimizer_instance_rank)
+    out: dict[int, tuple[int, int]] = {}
+    for bucket in group.buckets:
+        data = bucket.grad_data
+        shard = data.numel() // size
+        own_lo, own_hi = rank * shard, (rank + 1) * shard
+        for p in getattr(bucket, "params_list", None) or list(bucket.params):
+            grad = getattr(p, "main_grad", None)
+            if grad is None:
+                continue
+            start = (grad.data_ptr() - data.data_ptr()) // data.element_size()
+            if not 0 <= start <= data.numel() - grad.numel():
+                raise ValueError("a main_grad outside its bucket's buffer")
+            lo, hi = max(start, own_lo), min(start + grad.numel(), own_hi)
+            out[id(p)] = (lo - start, hi - start) if lo < hi else (0, 0)
+    return out
+
+
 def data_parallel_size(model: Any) -> int:
     """DP of this run: a torch DDP's process group, else megatron's ``parallel_state``, else the world size."""
     try:
@@ -88,14 +113,18 @@ class LocalGrads:
         self._megatron = _megatron_ddp(model)
         self._ddp = _torch_ddp(model) if self._megatron is None else None
         #: megatron's distributed optimizer reduce-scatters the gradients: after the reduction each rank's
-        #: ``main_grad`` is right only in the shard it owns, so the capture keeps the local gradients alone
+        #: ``main_grad`` is right only in the shard it owns; ``owned`` says which part of each parameter that is
         self.sharded = bool(self._megatron is not None and getattr(getattr(self._megatron, "ddp_config", None),
                                                                    "use_distributed_optimizer", False))
+        #: id(param) -> (start, end): the elements of the flattened parameter whose reduced gradient this rank holds
+        self.owned: dict[int, tuple[int, int]] = {}
         try:
             if self._megatron is not None:
                 for group in list(self._megatron.bucket_groups) + list(
                         getattr(self._megatron, "expert_parallel_bucket_groups", None) or []):
                     self._wrap_bucket_group(group)
+                    if self.sharded:
+                        self.owned.update(_owned_ranges(group))
             else:
                 for _, _, p in params:
                     if p.requires_grad:

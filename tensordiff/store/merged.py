@@ -118,6 +118,10 @@ class _Spec:
     dp_mean: bool = False
     swap01: bool = False
     tp_sum: bool = False
+    #: a reduced gradient that each DP rank holds a part of (megatron's distributed optimizer): the parts joined,
+    #: (start, end) per DP rank and the parameter's shape on one TP rank
+    dp_shards: tuple[tuple[int, int], ...] | None = None
+    shard_shape: tuple[int, ...] = ()
 
 
 class MergedCapture(CaptureFile):
@@ -234,6 +238,8 @@ class MergedCapture(CaptureFile):
         if spec is None or shards is None:
             return None
         key = record.key
+        if spec.dp_shards is not None:
+            return self._sharded_array(spec, shards, key)
         pieces = []
         for d in range(self.dp if spec.dp_dim is not None or spec.dp_mean else 1):
             piece = self._dp_piece(spec, shards, d, key)
@@ -293,6 +299,22 @@ class MergedCapture(CaptureFile):
             out.append(piece)
         return out
 
+    def _sharded_array(self, spec: _Spec, shards: list[dict[tuple, Record]], key: tuple) -> np.ndarray | None:
+        """A reduced gradient held in parts by the DP ranks: on each TP rank the parts in order, then TP-joined."""
+        assert spec.dp_shards is not None
+        per_tp = []
+        order = sorted(range(self.dp), key=lambda d: spec.dp_shards[d])  # type: ignore[index]
+        for t in range(self.tp if spec.tp_dim is not None else 1):
+            parts = []
+            for d in order:
+                rec = shards[d * self.tp + t].get(key)
+                x = self._grid[d][t].array(rec) if rec is not None else None
+                if x is None:
+                    return None
+                parts.append(x.reshape(-1))
+            per_tp.append(np.concatenate(parts).reshape(spec.shard_shape))
+        return _join_tp(per_tp, spec.tp_dim, spec.tp_stride) if spec.tp_dim is not None else per_tp[0]
+
     def _dp_piece(self, spec: _Spec, shards: list[dict[tuple, Record]], d: int, key: tuple) -> np.ndarray | None:
         """Data-parallel rank d's tensor of a record: its TP shards joined (or summed), or rank 0's copy."""
         parts = []
@@ -326,7 +348,7 @@ class MergedCapture(CaptureFile):
             groups: list[tuple[str, list[int]]] = []
             if spec.tp_dim is None and not spec.tp_sum and self.tp > 1:
                 groups += [("TP", [d * self.tp + t for t in range(self.tp)]) for d in range(self.dp)]
-            if spec.dp_dim is None and not spec.dp_mean and self.dp > 1:
+            if spec.dp_dim is None and not spec.dp_mean and spec.dp_shards is None and self.dp > 1:
                 groups += [("DP", [d * self.tp + t for d in range(self.dp)]) for t in range(self.tp)]
             for name, members in groups:
                 stats = [shards[i][key] for i in members]
@@ -365,14 +387,66 @@ class MergedCapture(CaptureFile):
         local_tokens = _local_tokens(base)
         held = _parameters_held(base)
         tokens = _tokens_shape(base)
+        sharded = self._grad_shards(step)
         out = []
         for rec in base:
             spec = self._spec(held.get(rec.seq, rec), local_batch, local_tokens, tokens)
+            if sharded and rec.kind == "grad" and rec.phase == "param_grad":
+                spec = self._shard_spec(rec, spec, sharded)
             self._specs[(step, rec.seq)] = spec
             parts = [s[rec.key] for s in shards]
             out.append(self._local_grad(rec, parts, spec) if rec.kind == "grad_local" else
                        _merged_record(rec, parts, spec, self.tp, self.dp))
         return out
+
+    def _grad_shards(self, step: int) -> list[dict[str, Any]]:
+        """Per file (grid order) its step's ``grad_shards`` (megatron's distributed optimizer; capturing/torch.py):
+        parameter -> [start, end, shape]; [] where the run has none."""
+        out = []
+        for d in range(self.dp):
+            for t in range(self.tp):
+                cap = self._grid[d][t]
+                raw = cap.step_attrs(step).get("grad_shards")
+                try:
+                    table = json.loads(str(raw)) if raw else {}
+                except ValueError:
+                    table = None
+                if not isinstance(table, dict):
+                    raise CaptureFileError(f"{cap.path}: step {step}'s grad_shards attribute is not a JSON table of "
+                                           "parameter -> [start, end, shape]; re-run the capture")
+                out.append(table)
+        return out if any(out) else []
+
+    def _shard_spec(self, rec: Record, spec: _Spec, sharded: list[dict[str, Any]]) -> _Spec:
+        """The spec of a reduced gradient the DP ranks hold in parts: the parts must tile the parameter exactly."""
+        name = f"{rec.module}.{rec.slot}" if rec.module else rec.slot
+        entries = [table.get(name) for table in sharded]
+        if all(e is None for e in entries):
+            return spec
+        where = self._grid[0][0].path
+        try:
+            ranges = [[(int(e[0]), int(e[1])) for e in entries[d * self.tp:(d + 1) * self.tp]] for d in range(self.dp)]
+            shape = tuple(int(n) for n in entries[0][2])
+        except (TypeError, ValueError, IndexError):
+            raise CaptureFileError(f"{where}: step {rec.step}: the gradient shards of {name} are missing on some rank "
+                                   "files or malformed; pass the rank files of one run") from None
+        numel = math.prod(shape)
+        for t in range(self.tp):  # each TP rank's DP parts: contiguous, no gap, no overlap, the whole parameter
+            parts = sorted((ranges[d][t] for d in range(self.dp)), key=lambda r: r)
+            edge = 0
+            for lo, hi in parts:
+                if lo == hi:
+                    continue
+                if lo != edge:
+                    raise CaptureFileError(f"{where}: step {rec.step}: the DP ranks' parts of {name}'s gradient do not "
+                                           f"tile it (elements {edge}..{lo} held by none, or held twice); pass the "
+                                           "rank files of one run")
+                edge = hi
+            if edge != numel:
+                raise CaptureFileError(f"{where}: step {rec.step}: the DP ranks' parts of {name}'s gradient cover "
+                                       f"{edge} of its {numel} elements; pass every rank file of the run")
+        owned = tuple(r if r[0] < r[1] else (numel, numel) for r in (ranges[d][0] for d in range(self.dp)))
+        return _Spec(tp_dim=spec.tp_dim, tp_stride=spec.tp_stride, dp_shards=owned, shard_shape=shape)
 
     def _local_grad(self, rec: Record, parts: list[Record], spec: _Spec) -> Record:
         """A parameter's gradient before the data-parallel reduction (kind ``grad_local``) of the merged run: the mean
@@ -528,6 +602,18 @@ def _join_tp(parts: list[np.ndarray], dim: int, stride: int) -> np.ndarray:
 
 def _merged_record(rec: Record, parts: list[Record], spec: _Spec, tp: int, dp: int) -> Record:
     """``rec`` with the merged shape and statistics (exact from each shard's numel, min, max, mean and L2)."""
+    if spec.dp_shards is not None:  # DP parts of one gradient (on each TP rank): every part is a piece of it
+        used = [p for p in parts if p.numel > 0] if spec.tp_dim is not None else \
+            [parts[d * tp] for d in range(dp) if parts[d * tp].numel > 0]
+        shape = list(spec.shard_shape)
+        if spec.tp_dim is not None and shape:
+            shape[spec.tp_dim % len(shape)] *= tp
+        numel = sum(p.numel for p in used)
+        return replace(rec, shape=tuple(shape), numel=numel,
+                       mean=sum(p.mean * p.numel for p in used) / numel if numel else 0.0,
+                       min=min((p.min for p in used), default=0.0), max=max((p.max for p in used), default=0.0),
+                       l2=math.sqrt(sum(p.l2 ** 2 for p in used)), nan=sum(p.nan for p in used),
+                       inf=sum(p.inf for p in used), has_data=all(p.has_data for p in used))
     if spec.tp_dim is None and spec.dp_dim is None and not spec.dp_mean and spec.scale == 1.0 and not spec.swap01:
         return rec
     grid = [[parts[d * tp + t] for t in range(tp)] for d in range(dp)]
