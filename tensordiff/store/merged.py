@@ -420,7 +420,7 @@ class MergedCapture(CaptureFile):
     def _shard_spec(self, rec: Record, spec: _Spec, sharded: list[dict[str, Any]]) -> _Spec:
         """The spec of a reduced gradient the DP ranks hold in parts: the parts must tile the parameter exactly."""
         name = f"{rec.module}.{rec.slot}" if rec.module else rec.slot
-        entries = [table.get(name) for table in sharded]
+        entries: list[Any] = [table.get(name) for table in sharded]
         if all(e is None for e in entries):
             return spec
         where = self._grid[0][0].path
