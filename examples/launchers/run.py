@@ -3,6 +3,7 @@
     python examples/launchers/run.py                       # agree: exit 0
     python examples/launchers/run.py --fault norm-eps      # MindFormers' YAML with another RMSNorm epsilon: exit 1
     python examples/launchers/run.py --tp 2 --graph        # Megatron at TP=2 under torchrun, MindFormers in GRAPH_MODE
+    python examples/launchers/run.py --mf-dp 2             # the Trainer data-parallel over 2 msrun workers
 
 The Megatron side is ``examples/megatron_loop/train.py``, a loop built as Megatron-LM's is (megatron-core's schedule,
 its DDP and distributed optimizer, Adam, clipping at 1.0), captured by ``tensordiff capture --megatron``; it never
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -44,7 +46,8 @@ def _shown(cmd: list[str]) -> str:
 
 def _run(cmd: list[str], cwd: str, verbose: bool) -> int:
     print(f"$ {_shown(cmd)}", flush=True)
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))  # msrun's workers
     if verbose:
         return subprocess.call(cmd, env=env, cwd=cwd)
     proc = subprocess.run(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -56,8 +59,9 @@ def _run(cmd: list[str], cwd: str, verbose: bool) -> int:
     return proc.returncode
 
 
-def write_config(path: str, fault: str, graph: bool) -> None:
-    """llama_tiny.yaml with the fault's line changed, and ``mode: 0`` for GRAPH_MODE."""
+def write_config(path: str, fault: str, graph: bool, dp: int = 1) -> None:
+    """llama_tiny.yaml with the fault's line changed, ``mode: 0`` for GRAPH_MODE, and for data parallelism over ``dp``
+    msrun workers the Trainer's parallel settings (each rank a 1/dp share of the batch, the gradients averaged)."""
     with open(os.path.join(HERE, "llama_tiny.yaml"), encoding="utf-8") as f:
         text = f.read()
     _, line, faulty = FAULTS[fault]
@@ -66,8 +70,28 @@ def write_config(path: str, fault: str, graph: bool) -> None:
         text = text.replace(line, faulty)
     if graph:
         text = text.replace("  mode: 1 ", "  mode: 0 ")
+    if dp > 1:
+        import yaml
+
+        config = yaml.safe_load(text)
+        config["use_parallel"] = True
+        config["parallel"] = {"parallel_mode": 0, "gradients_mean": True, "full_batch": False,
+                              "enable_parallel_optimizer": False}
+        config["parallel_config"] = {"data_parallel": dp, "model_parallel": 1, "pipeline_stage": 1,
+                                     "micro_batch_num": 1}
+        for section in (config["model"]["model_config"], config["train_dataset"], config["runner_config"]):
+            section["batch_size"] = BATCH // dp
+        text = yaml.safe_dump(config, sort_keys=False)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fault", choices=sorted(FAULTS), default="none", help="one mistake in the MindFormers YAML")
     p.add_argument("--tp", type=int, default=1, choices=(1, 2), help="Megatron's tensor parallelism (2: torchrun)")
     p.add_argument("--graph", action="store_true", help="the MindFormers Trainer in GRAPH_MODE (else PyNative)")
+    p.add_argument("--mf-dp", type=int, default=1, choices=(1, 2),
+                   help="the MindFormers Trainer data-parallel over this many msrun workers (2: msrun)")
     p.add_argument("--steps", type=int, default=2, help="iterations captured (default 2; 3 are trained)")
     p.add_argument("--out", help="output folder")
     p.add_argument("--reuse", action="store_true", help="keep the batch, Megatron's capture and the converted checkpoint "
@@ -82,14 +108,20 @@ def main(argv: list[str] | None = None) -> int:
                                                         "(to try a change of the YAML quickly)")
     p.add_argument("--verbose", action="store_true", help="show the frameworks' own output")
     args = p.parse_args(argv)
-    name = "-".join([args.fault] + ([f"tp{args.tp}"] if args.tp > 1 else []) + (["graph"] if args.graph else []))
+    name = "-".join([args.fault] + ([f"tp{args.tp}"] if args.tp > 1 else []) + (["graph"] if args.graph else [])
+                    + ([f"mfdp{args.mf_dp}"] if args.mf_dp > 1 else []))
     out = os.path.abspath(args.out or os.path.join(ROOT, "out", "launchers", name))
     os.makedirs(out, exist_ok=True)
     py, td = sys.executable, [sys.executable, "-m", "tensordiff"]
-    write_config(os.path.join(out, "llama_tiny.yaml"), args.fault, args.graph)
+    write_config(os.path.join(out, "llama_tiny.yaml"), args.fault, args.graph, args.mf_dp)
     launcher = [py] if args.tp == 1 else [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                                           str(args.tp)]
+    msrun = shutil.which("msrun", path=os.path.dirname(py)) or shutil.which("msrun") or "msrun"
+    mf_launcher = [py] if args.mf_dp == 1 else [msrun, "--worker_num", str(args.mf_dp), "--local_worker_num",
+                                                 str(args.mf_dp), "--master_port", str(_free_port()), "--join",
+                                                 "True", "--log_dir", "msrun_logs"]
     megatron = "megatron.h5" if args.tp == 1 else "megatron.rank*.h5"
+    mindformers = "mindformers.h5" if args.mf_dp == 1 else "mindformers.rank*.h5"
     steps = [
         td + ["batch", "-o", "batch.h5", "--vocab", str(VOCAB), "--seq", str(SEQ), "--batch", str(BATCH), "--seed", "0",
               "--mindrecord", "batch.mindrecord"],
@@ -98,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
          "--save-init", "init.safetensors", "--batch", str(BATCH), "--steps", str(args.steps + 1)],
         td + ["ckpt", "convert", "init.safetensors", "init.ckpt", "--mapping", "mcore-mindformers-llama", "--to",
               "mindformers", "--var", f"heads={HEADS}", "--var", f"groups={GROUPS}"],
-        td + ["capture", "--mindformers", "-o", "mindformers.h5", "--steps", str(args.steps), "--", py,
+        td + ["capture", "--mindformers", "-o", "mindformers.h5", "--steps", str(args.steps), "--", *mf_launcher,
               os.path.join(HERE, "run_mindformer.py"), "--config", os.path.join(out, "llama_tiny.yaml")],
     ]
     kept = ["batch.h5", "batch.mindrecord", "init.ckpt", "megatron.h5" if args.tp == 1 else "megatron.rank0.h5"]
@@ -110,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         if code != 0:
             print(f"run.py: the step above failed with exit code {code}", file=sys.stderr)
             return 2
-    cmd = td + ["diff", megatron, "mindformers.h5", "--first-divergence", "--json", "report.json"]
+    cmd = td + ["diff", megatron, mindformers, "--first-divergence", "--json", "report.json"]
     print(f"$ {_shown(cmd)}", flush=True)
     return subprocess.call(cmd, cwd=out)
 

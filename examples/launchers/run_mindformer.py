@@ -6,9 +6,9 @@ What run_mindformer.py does for ``run_mode: train``: the YAML (a relative ``--co
 folder, as there) read into a ``MindFormerConfig``, ``--register_path``
 made importable (``REGISTER_PATH``, ``sys.path``) for the YAML's ``auto_register`` entries, ``build_context``, then
 MindFormers' own ``Trainer(config).train()``: the network, the dataset, the wrapper, the optimizer, the learning rate,
-the checkpoint to load and the callbacks all come from the YAML. One addition for the CPU: the wrapper
-``CPUTrainOneStepCell`` is registered (``tensordiff.compat.mindformers_cpu.register_cpu_wrapper``) with the kernels
-MindFormers lacks there. It prints ``hooks left: N`` after training (forward hooks and tensordiff cells over the model).
+the checkpoint to load and the callbacks all come from the YAML. Additions for the CPU
+(``tensordiff.compat.mindformers_cpu.trainer_on_cpu``): the wrapper ``CPUTrainOneStepCell`` (MindFormers' overflow
+check has no CPU kernel) and, under msrun, a Barrier made of an AllReduce (the Barrier op has no CPU kernel either).
 """
 
 import argparse
@@ -31,13 +31,13 @@ def main() -> None:
     from mindformers import MindFormerConfig, Trainer
     from mindformers.core.context import build_context
 
-    from tensordiff.compat.mindformers_cpu import register_cpu_wrapper
+    from tensordiff.compat.mindformers_cpu import trainer_on_cpu
 
     if not os.path.isabs(args.config):  # as run_mindformer.py does: relative to the script's own folder
         args.config = os.path.join(os.path.dirname(os.path.abspath(__file__)), args.config)
     config = MindFormerConfig(args.config)
     build_context(config)
-    register_cpu_wrapper()
+    trainer_on_cpu()
     Trainer(args=config).train()
 
 

@@ -706,6 +706,24 @@ def register_cpu_wrapper() -> None:
     MindFormerRegister.register_cls(CPUTrainOneStepCell, module_type=MindFormerModuleType.WRAPPER)
 
 
+def _barrier_call(self: Any) -> Any:
+    """``Barrier()`` as an all-reduce of one element over its group (the CPU has no Barrier kernel; AllReduce has)."""
+    ms = _ms()
+    return ms.ops.AllReduce(group=getattr(self, "group", None) or "hccl_world_group")(ms.Tensor([0.0], ms.float32))
+
+
+def trainer_on_cpu() -> None:
+    """What MindFormers' Trainer needs on the CPU beyond ``enable()``: the ``CPUTrainOneStepCell`` wrapper
+    (``register_cpu_wrapper``) and, for a data-parallel run under msrun (``use_parallel: True``), a ``Barrier`` made
+    of an AllReduce: the Trainer calls ``mindspore.communication.comm_func.barrier()`` while it loads a checkpoint
+    and saves, and the Barrier primitive has no CPU kernel ("Unsupported op [Barrier] on CPU"). For a process that runs
+    the Trainer (examples/launchers/run_mindformer.py); the swap lasts as long as the process."""
+    register_cpu_wrapper()
+    from mindspore.ops.operations import comm_ops
+
+    comm_ops.Barrier.__call__ = _barrier_call
+
+
 def hooks_left(model: Any) -> int:
     """Forward hooks, tensordiff attributes and tensordiff cell classes left on ``model``'s cells (0 after a capture)."""
     left = 0

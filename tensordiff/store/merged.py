@@ -477,7 +477,7 @@ class MergedCapture(CaptureFile):
         return replace(rec, shape=tuple(shape), numel=int(mean.size), mean=total / mean.size if mean.size else 0.0,
                        min=mn, max=mx, l2=l2, nan=int(nan), inf=int(inf), has_data=True)
 
-    def _spec(self, rec: Record, local_batch: int | None, local_tokens: int | None = None,
+    def _spec(self, rec: Record, local_batch: int | None, local_tokens: frozenset[int] = frozenset(),
               tokens: tuple[int, int] | None = None) -> _Spec:
         """How ``rec`` is laid out across the ranks; ``tokens``: the model's token ids' shape [B, S] on one rank."""
         tp_dim: int | None = None
@@ -521,7 +521,7 @@ class MergedCapture(CaptureFile):
             else:  # no rule table: the batch is dim 0 ([B, S, ...]) or dim 1 (Megatron-style [S, B, ...]), or
                 # dim 0 holds the tokens flattened batch first ([B*S, V] logits of a loss)
                 fits = [d for d in (0, 1) if d < len(rec.shape) and rec.shape[d] == local_batch]
-                if not fits and local_tokens and rec.shape[0] == local_tokens:
+                if not fits and rec.shape[0] in local_tokens:
                     fits = [0]
                 dp_dim = fits[0] if fits else None
         if (dp_dim is None and self.dp > 1 and rec.numel == 1 and rec.phase in ("forward", "backward")
@@ -578,12 +578,20 @@ def _local_batch(records: list[Record]) -> int | None:
     return None
 
 
-def _local_tokens(records: list[Record]) -> int | None:
-    """The local number of tokens, B x S, from the model's first argument [B, S]."""
+def _local_tokens(records: list[Record]) -> frozenset[int]:
+    """The local numbers of tokens, B x S: from the model's first argument [B, S], and from the activations
+    [B, S', ...] of its layers (a model that takes [B, S+1] ids and shifts them itself computes on S' = S)."""
+    batch = _local_batch(records)
+    if batch is None:
+        return frozenset()
+    out = set()
     for r in records:
-        if r.phase == "forward" and r.module == "" and r.kind == "input" and r.shape:
-            return int(r.shape[0] * r.shape[1]) if len(r.shape) == 2 else None
-    return None
+        if r.phase == "forward" and r.module == "" and r.kind == "input" and len(r.shape) == 2:
+            out.add(int(r.shape[0] * r.shape[1]))
+            break
+    out.update(batch * int(r.shape[1]) for r in records
+               if r.phase == "forward" and len(r.shape) >= 3 and r.shape[0] == batch and r.module)
+    return frozenset(out)
 
 
 def _sum(parts: list[np.ndarray]) -> np.ndarray:
