@@ -59,6 +59,7 @@ def runs(tmp_path_factory):
         "tp2_direct": ("direct", TORCHRUN, ["--tp", "2"]),
         "dp2": ("launcher", TORCHRUN, []),  # DP=2 with the distributed optimizer: each rank owns a shard
         "dp2_sum": ("launcher", TORCHRUN, ["--dp-sum"]),
+        "pp2": ("launcher", TORCHRUN, ["--pp", "2"]),  # two pipeline stages, megatron's pipeline schedule
     }
     out = {}
     started = []
@@ -133,6 +134,18 @@ def test_dp2_with_the_distributed_optimizer_agrees_with_tp1_its_gradient_shards_
     assert data["summary"]["diverged"] == 0 and data["summary"]["only_a"] == data["summary"]["only_b"] == 0
     grads = [r for r in data["rows"] if r["phase"] == "param_grad" and r["kind"] == "grad" and not r["stand_in"]]
     assert len(grads) == 30 and all(r["verdict"] == "ok" for r in grads)  # 15 parameters, 2 steps, all compared
+
+
+def test_pp2_every_stage_captured_through_the_pipeline_schedule_agrees_with_tp1(runs, tmp_path):
+    assert len(runs["pp2"]["files"]) == 2 and "2 rank file(s)" in runs["pp2"]["stdout"]
+    with CaptureFile(runs["pp2"]["files"][1]) as last:  # the last stage holds the output layer and the loss
+        assert any(r.module == "module.output_layer" for r in last.records(0))
+        assert [last.step_attrs(s)["iteration"] for s in last.steps] == [1, 2]
+    report = tmp_path / "pp2.json"
+    proc = _td("diff", runs["tp1"]["path"], runs["pp2"]["path"], "--json", str(report))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    summary = json.loads(report.read_text())["summary"]
+    assert summary["diverged"] == 0 and summary["ok"] == 352 and summary["only_a"] == summary["only_b"] == 0
 
 
 def test_a_dp_reduction_that_sums_is_found_in_the_reduction_with_its_factor(runs, tmp_path):

@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a file: make the repository root importa
 import torch
 import torch.distributed as dist
 
-from examples.distributed.mcore_train import SEQ, VOCAB, build, full_weights, shard
+from examples.distributed.mcore_train import SEQ, VOCAB, build, full_weights, shard, stage_layer_names
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -74,6 +74,7 @@ def micro_batches(args: argparse.Namespace, dp_rank: int, dp: int, step: int) ->
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages (each builds its share of the layers)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--batch", type=int, default=4, help="global batch (sequences), split over DP")
     p.add_argument("--microbatches", type=int, default=1)
@@ -109,10 +110,13 @@ def main() -> None:
         dist.init_process_group(backend)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
+                                             pipeline_model_parallel_size=args.pp)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed, inference_rng_tracker=cpu, force_reset_rng=True)
 
-    model = build(args.tp, args.seed)
+    with optimizer_cpu():  # a pipeline stage's embedding setup moves weights with .cuda() (CPU: left where they are)
+        model = build(args.tp, args.seed, pp=args.pp)
+    names = stage_layer_names(model)  # this stage's layers under their global numbers
     for layer in list(model.decoder.layers) + [model.decoder]:
         for norm in layer.modules():
             if hasattr(norm, "eps"):
@@ -125,7 +129,7 @@ def main() -> None:
         save_file({k: v.contiguous() for k, v in full.items()}, args.save_init)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(shard(name, full[name], param, args.tp, tp_rank))
+            param.copy_(shard(names[name], full[names[name]], param, args.tp, tp_rank))
     if not cpu:
         model.cuda()
     distributed = not args.no_distributed_optimizer
@@ -160,11 +164,15 @@ def main() -> None:
                                 num_microbatches=args.microbatches, seq_length=SEQ,
                                 micro_batch_size=data[0][0].shape[0], forward_only=False)
             _, grad_norm, _ = optimizer.step()
-        total = torch.stack([r["lm loss"] for r in reported]).sum(dim=0)
-        loss = total[0] / total[1]  # this rank's micro-batches (Megatron-LM also averages over DP for its log)
+        last = parallel_state.is_pipeline_last_stage()
+        if last:  # the loss is known on the last pipeline stage
+            total = torch.stack([r["lm loss"] for r in reported]).sum(dim=0)
+            loss = total[0] / total[1]  # this rank's micro-batches (Megatron-LM also averages over DP for its log)
+        else:
+            loss = None
         if cap is not None:
             cap.step(loss, grad_norm=grad_norm, lr=optimizer.param_groups[0]["lr"])
-        if dist.get_rank() == 0:
+        if last and dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
             print(f" iteration {step + 1:8d}/{args.steps:8d} | lm loss: {loss.item():.6E} | grad norm: "
                   f"{grad_norm:.3f} |", flush=True)
     if cap is not None:
