@@ -259,18 +259,71 @@ def test_diff_flags_a_layout_variable_that_does_not_match(mcore, mf, workdir, ca
     assert td("diff", "mcore.pt", "stacked.ckpt", "--var", "fc1_layout=stacked") == 0
 
 
+def leave_mark(path):
+    """What a pickled object of the test below would call if anything of the file were run."""
+    with open(path, "w") as f:
+        f.write("ran")
+
+
 class NotATensor:
-    pass
+    def __init__(self, mark):
+        self.mark = mark
+
+    def __reduce__(self):  # rebuilt by calling leave_mark(path): a name the safe reader must keep inert
+        return (leave_mark, (self.mark,))
 
 
-def test_pickled_objects_are_refused_not_unpickled(mcore, workdir, capsys):
-    _, _tensors = mcore
-    torch.save({"embedding.word_embeddings.weight": torch.ones(2), "config": NotATensor()}, workdir / "pickle.pt")
-    with pytest.raises(CheckpointError, match=r"weights_only=True.*NotATensor"):
-        ckpt_files.load(str(workdir / "pickle.pt"))
-    assert td("convert", "pickle.pt", "x.ckpt", "--mapping", "mcore-mindformers") == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+def test_other_pickled_objects_are_read_as_inert_stand_ins_never_run(mcore, workdir, capsys):
+    mark = workdir / "ran"
+    torch.save({"embedding.word_embeddings.weight": torch.ones(2), "config": NotATensor(str(mark))},
+               workdir / "pickle.pt")
+    tensors, skipped = ckpt_files.load_with_skipped(str(workdir / "pickle.pt"))
+    assert list(tensors) == ["embedding.word_embeddings.weight"] and skipped == {"config": "leave_mark"}
+    from tensordiff.frameworks import torch_safe
+
+    inert = torch_safe.load(str(workdir / "pickle.pt"))["config"]
+    assert isinstance(inert, torch_safe.Opaque) and inert.opaque_name == "test_ckpt.leave_mark"
+    assert inert.args == (str(mark),) and not mark.exists()  # named, kept, never called
+
+
+def test_a_megatron_lm_model_optim_rng_file_is_read_safely(workdir):
+    """What Megatron-LM's --save writes per rank (--ckpt-format torch): the model, the run's args (a Namespace with
+    torch dtypes and megatron enums), the optimizer's and scheduler's state, Python's, numpy's and torch's RNG states."""
+    import argparse
+    import random
+
+    from megatron.core.transformer.enums import AttnBackend
+
+    from tensordiff.frameworks import torch_safe
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    args = argparse.Namespace(lr=1e-3, params_dtype=torch.bfloat16, attention_backend=AttnBackend.flash,
+                              num_layers=2, data_path=None, adam_beta1=0.9)
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 1500,
+                "model": {"layer.weight": model.weight.detach(), "layer.bias": model.bias.detach(),
+                          "layer._extra_state": None},
+                "optimizer": {"optimizer": opt.state_dict(), "fp32_from_fp16_params": []},
+                "opt_param_scheduler": {"max_lr": 1e-3, "num_steps": 3000},
+                "rng_state": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+                               "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}],
+                "num_floating_point_operations_so_far": 12345}, workdir / "model_optim_rng.pt")
+    tensors, skipped = ckpt_files.load_with_skipped(str(workdir / "model_optim_rng.pt"))
+    assert sorted(tensors) == ["layer.bias", "layer.weight"] and skipped == {"layer._extra_state": "NoneType"}
+    assert np.array_equal(tensors["layer.weight"], model.weight.detach().numpy())
+    whole = torch_safe.load(str(workdir / "model_optim_rng.pt"))
+    assert whole["iteration"] == 1500 and whole["args"].params_dtype is torch.bfloat16
+    # megatron's enum: itself where megatron-core allow-lists it (importing it does), else an inert stand-in
+    backend = whole["args"].attention_backend
+    assert isinstance(whole["args"], argparse.Namespace) and (backend is AttnBackend.flash or (
+        isinstance(backend, torch_safe.Opaque) and backend.args == (1,)))
+    state = whole["optimizer"]["optimizer"]["state"][0]
+    assert torch.equal(state["exp_avg"], opt.state_dict()["state"][0]["exp_avg"]) and float(state["step"]) == 1.0
+    np_state = whole["rng_state"][0]["np_rng_state"]
+    assert np_state[0] == "MT19937" and np.array_equal(np_state[1], np.random.get_state()[1])
+    assert whole["rng_state"][0]["random_rng_state"][0] == 3
 
 
 @pytest.mark.parametrize("name,content,expected", [

@@ -1,8 +1,8 @@
 """PyTorch: tensors <-> numpy, ``.pt`` checkpoints, and one module called on captured inputs.
 
 BF16 and FP8 cross as their raw bits (``ml_dtypes`` arrays on the numpy side), never upcast.
-A ``.pt`` file is only ever unpickled with ``weights_only=True``: a file that pickles other
-objects is refused, not executed.
+A ``.pt`` file is only ever read by torch's safe loader (``weights_only=True``, ``torch_safe.py``): plain data
+is read, other named objects become inert stand-ins, and a file that names code is refused, never executed.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from .._text import first_line, listing
 from ..errors import CheckpointError
 from ..record import flatten
+from . import torch_safe
 
 #: torch dtype <-> (torch dtype of the same width to view the bits as, numpy dtype)
 NARROW = {
@@ -72,15 +73,14 @@ _UNPICKLER_ERROR = re.compile(r"WeightsUnpickler error: \s*(.+?)\s*(?:\n|$)")
 def load_checkpoint(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """(tensors, skipped non-tensor entries: name -> type) of a ``.pt`` state dict (flat, or Megatron's ``{'model': ...}``)."""
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch_safe.load(path)  # torch's safe loader; names beyond plain data become inert stand-ins
     except pickle.UnpicklingError as err:
         found = _UNSUPPORTED_GLOBAL.search(str(err))
         if found:
             raise CheckpointError(
-                f"{path}: torch refuses to load it with weights_only=True: besides tensors it pickles {found.group(1)}, "
-                "and tensordiff never unpickles other objects; fix: if you trust the file, save its "
-                "state dict alone, e.g. python -c \"import torch; c = torch.load('IN', weights_only=False); "
-                "torch.save(c['model'], 'model.pt')\"") from None
+                f"{path}: torch's safe loader (weights_only=True) met {found.group(1)}, which tensordiff's scan of the "
+                "file did not find; tensordiff never unpickles outside that loader; fix: save the tensors alone "
+                "(torch.save(state_dict)) or as .safetensors") from None
         blocked = _BLOCKED_GLOBAL.search(str(err))
         if blocked:  # a pickle that would run code when loaded: refused, never run
             raise CheckpointError(
