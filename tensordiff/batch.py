@@ -16,6 +16,11 @@ Fields (``[B, S]`` unless noted):
 
 The ids come from a seeded generator or from a text file tokenised as UTF-8 bytes; the
 seed, the source and its SHA-256 are stored as attributes. Nothing is pickled.
+
+Or they come from a captured run (``from_calls``; ``tensordiff batch --from-capture run.h5``): the token ids,
+labels and loss mask its model was called with, step after step, read back from the capture's records of the
+model's inputs (stored in full with ``--tensors all``). A run that draws its own data (Megatron-LM's
+``--mock-data``, its indexed datasets) hands the other framework the very batches it trained on.
 """
 
 from __future__ import annotations
@@ -101,6 +106,78 @@ def make(vocab_size: int, seq_length: int, batch_size: int, seed: int = 0, text:
         position_ids=np.broadcast_to(np.arange(seq_length, dtype=np.int64), (batch_size, seq_length)).copy(),
         attrs=attrs,
     )
+
+
+#: the model's input slots ``from_calls`` reads: megatron-core's GPTModel is called as
+#: ``model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)``; HF-style models name them
+TOKEN_SLOTS = ("0", "input_ids")
+POSITION_SLOTS = ("1", "position_ids")
+
+
+@dataclass
+class ModelCall:
+    """One call of a captured model (a micro-batch): its tensor inputs by slot (``"0"``, ``"labels"``, ...), each
+    array or None where the capture kept statistics only; ``where`` names it in messages."""
+
+    where: str
+    inputs: dict[str, np.ndarray | None]
+
+
+def from_calls(calls: list[ModelCall], attrs: dict[str, Any] | None = None, vocab_size: int | None = None) -> Batch:
+    """The rows a captured run's model was called with, the calls in order (``tensordiff batch --from-capture``
+    reads them out of a capture: every complete step, every call of the model in a step). Each call must pass token
+    ids ``[B, S]`` (first argument or ``input_ids``) and ``labels=`` (the next tokens: ``labels[:, :-1] ==
+    tokens[:, 1:]``), stored in full (capture with ``--tensors all``); ``loss_mask=`` and integer position ids (second
+    argument or ``position_ids``) are taken when recorded, else all ones and ``0..S-1``. The attention mask is the
+    causal one of ``make``."""
+    if not calls:
+        raise BatchError("no call of the model to take rows from")
+    tokens: list[np.ndarray] = []
+    labels: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    positions: list[np.ndarray] = []
+    for call in calls:
+        slots, where = call.inputs, call.where
+        tok_slot = next((s for s in TOKEN_SLOTS if s in slots), None)
+        if tok_slot is None or "labels" not in slots:
+            raise BatchError(f"{where}: the model was called without token ids and labels (inputs: "
+                             f"{', '.join(sorted(slots))}); --from-capture reads a call like megatron-core's "
+                             "model(tokens, position_ids, attention_mask, labels=labels)")
+        t, lb = slots[tok_slot], slots["labels"]
+        if t is None or lb is None:
+            raise BatchError(f"{where}: the model's inputs are stored as statistics only; capture again with "
+                             "--tensors all (full tensors of every step)")
+        if t.ndim != 2 or t.dtype.kind not in "iu" or lb.shape != t.shape or lb.dtype.kind not in "iu":
+            raise BatchError(f"{where}: token ids {t.dtype} {t.shape} and labels {lb.dtype} {lb.shape}: expected "
+                             "integer tables [batch, seq] of one shape")
+        if tokens and t.shape[1] != tokens[0].shape[1]:
+            raise BatchError(f"{where}: sequence length {t.shape[1]}, earlier calls {tokens[0].shape[1]}; one "
+                             "batch file holds one sequence length")
+        if not np.array_equal(t[:, 1:], lb[:, :-1]):
+            raise BatchError(f"{where}: the labels are not the token ids shifted by one (labels[:, :-1] != "
+                             "tokens[:, 1:]), so the rows cannot be written as [S+1] streams")
+        m = slots.get("loss_mask")
+        masks.append(np.ones(t.shape, np.float32) if m is None or m.shape != t.shape else m.astype(np.float32))
+        p = next((slots[s] for s in POSITION_SLOTS if s in slots), None)
+        if p is None or p.dtype.kind not in "iu" or p.shape not in ((t.shape[1],), (1, t.shape[1]), t.shape):
+            p = np.arange(t.shape[1], dtype=np.int64)
+        tokens.append(t.astype(np.int64))
+        labels.append(lb.astype(np.int64))
+        positions.append(np.broadcast_to(p.astype(np.int64), t.shape))
+    tok_all, lab_all = np.concatenate(tokens), np.concatenate(labels)
+    low, top = int(min(tok_all.min(), lab_all.min())), int(max(tok_all.max(), lab_all.max()))
+    if low < 0 or (vocab_size is not None and top >= vocab_size):
+        raise BatchError(f"{calls[0].where.split(':')[0]}: token id {low if low < 0 else top} does not fit "
+                         + (f"the model's vocabulary of {vocab_size}" if vocab_size is not None else "a vocabulary")
+                         + " (ids must be 0..V-1)")
+    b, s = tok_all.shape
+    causal = np.triu(np.ones((s, s), dtype=bool), 1)
+    out_attrs: dict[str, Any] = dict(attrs or {}, calls=len(calls))
+    if vocab_size is not None:
+        out_attrs["vocab_size"] = vocab_size
+    return Batch(tokens=tok_all, labels=lab_all, loss_mask=np.concatenate(masks),
+                 attention_mask=np.broadcast_to(causal, (b, 1, s, s)).copy(),
+                 position_ids=np.concatenate(positions), attrs=out_attrs)
 
 
 def save(path: str, batch: Batch) -> None:

@@ -95,3 +95,96 @@ def test_training_script_refuses_a_batch_for_another_vocabulary(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.startswith("tensordiff: error:")]
     assert len(lines) == 1 and "vocabulary of 128" in lines[0] and "batch was written for vocab 1000" in lines[0]
     assert "Traceback" not in proc.stderr
+
+
+def _captured_run(tmp_path, name="run.h5", tensors="all", steps=2, labels=True, shift=True):
+    """A tiny torch model called as megatron-core's GPTModel is (tokens, position_ids, attention_mask, labels=,
+    loss_mask=), captured for ``steps`` steps; returns the path and the [S+1] rows it trained on, step by step."""
+    torch = pytest.importorskip("torch")
+    import tensordiff
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(32, 4)
+            self.out = torch.nn.Linear(4, 32)
+
+        def forward(self, tokens, position_ids, attention_mask, labels=None, loss_mask=None):
+            logits = self.out(self.emb(tokens))
+            if labels is None:
+                return logits.mean()
+            losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+            return (losses * loss_mask).sum() / loss_mask.sum()
+
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = str(tmp_path / name)
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    with tensordiff.capture(model, path, steps=steps, tensors=tensors, optimizer=opt) as cap:
+        for _ in range(steps + 1):
+            stream = torch.randint(0, 32, (2, 9), generator=g)
+            rows.append(stream)
+            tokens, lab = stream[:, :-1], stream[:, 1:] if shift else torch.randint(0, 32, (2, 8), generator=g)
+            mask = torch.ones(2, 8)
+            mask[1, -1] = 0.0  # one label left out, as Megatron leaves out pad (and, with --eod-mask-loss, eod) labels
+            pos = torch.arange(8).expand(2, 8)
+            causal = torch.triu(torch.ones(8, 8, dtype=torch.bool), 1)[None, None]
+            loss = model(tokens, pos, causal, labels=lab, loss_mask=mask) if labels else model(tokens, pos, causal)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            cap.step(loss)
+    return path, torch.cat(rows[:steps]).numpy()
+
+
+def test_batch_from_a_capture_is_what_the_run_trained_on(tmp_path, capsys):
+    cap, rows = _captured_run(tmp_path)
+    out = str(tmp_path / "b.h5")
+    assert main(["batch", "--from-capture", cap, "-o", out, "--vocab", "32"]) == 0
+    said = capsys.readouterr().out
+    assert f"wrote {out}: 4 rows x seq 8 from the model's inputs of step(s) 0,1 of {cap}" in said
+    assert "its loss mask counts 30 of 32 labels" in said
+    b = batches.read(out, vocab_size=32)
+    np.testing.assert_array_equal(b.stream(), rows)  # both captured steps, in order; the third step is not in it
+    np.testing.assert_array_equal(b.loss_mask[:, -1], [1, 0, 1, 0])
+    np.testing.assert_array_equal(b.position_ids[3], np.arange(8))
+    assert b.attrs["source"] == "capture:run.h5" and b.attrs["steps"] == "0,1" and b.attrs["calls"] == 2
+    assert b.attention_mask[0, 0, 0, 1] and not b.attention_mask[0, 0, 1, 0]
+
+
+def test_batch_from_a_capture_as_mindrecord_rows(tmp_path, capsys):
+    ds = pytest.importorskip("mindspore.dataset")
+    cap, rows = _captured_run(tmp_path)
+    out, mr = str(tmp_path / "b.h5"), str(tmp_path / "b.mindrecord")
+    assert main(["batch", "--from-capture", cap, "-o", out, "--mindrecord", mr]) == 0
+    said = capsys.readouterr().out
+    assert "4 rows of input_ids [9] (MindRecord), 2 a step" in said and "leaves out 2 label(s)" in said
+    assert ("id 0 occurs" in said) == bool((rows[:, :-1] == 0).any())
+    read = np.stack([r["input_ids"] for r in ds.MindDataset(mr, shuffle=False).create_dict_iterator(output_numpy=True)])
+    np.testing.assert_array_equal(read, rows)
+
+
+def test_batch_from_a_capture_bad_input(tmp_path, capsys):
+    first, _ = _captured_run(tmp_path, "first.h5", tensors="first")  # step 1 holds statistics only
+    _one_line(capsys, ["batch", "--from-capture", first, "-o", str(tmp_path / "x.h5")], "step 1",
+              "statistics only", "--tensors all")
+    nolabels, _ = _captured_run(tmp_path, "nolabels.h5", labels=False)
+    _one_line(capsys, ["batch", "--from-capture", nolabels, "-o", str(tmp_path / "x.h5")],
+              "without token ids and labels", "inputs: 0, 1, 2")
+    unshifted, _ = _captured_run(tmp_path, "unshifted.h5", shift=False)
+    _one_line(capsys, ["batch", "--from-capture", unshifted, "-o", str(tmp_path / "x.h5")],
+              "not the token ids shifted by one")
+    good, _ = _captured_run(tmp_path, "good.h5")
+    _one_line(capsys, ["batch", "--from-capture", good], "needs -o FILE")
+    _one_line(capsys, ["batch", "--from-capture", good, "-o", str(tmp_path / "x.h5"), "--vocab", "8"],
+              "does not fit the model's vocabulary of 8")
+    _one_line(capsys, ["batch", "--from-capture", str(tmp_path / "run.rank*.h5"), "-o", str(tmp_path / "x.h5")],
+              "one capture file, not a pattern")
+    _one_line(capsys, ["batch", "--from-capture", str(tmp_path / "none.h5"), "-o", str(tmp_path / "x.h5")],
+              "no such file")
+    junk = tmp_path / "junk.h5"
+    junk.write_bytes(b"not hdf5")
+    _one_line(capsys, ["batch", "--from-capture", str(junk), "-o", str(tmp_path / "x.h5")], str(junk))
+    assert not os.path.exists(tmp_path / "x.h5")
