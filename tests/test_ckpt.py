@@ -286,15 +286,14 @@ def test_other_pickled_objects_are_read_as_inert_stand_ins_never_run(mcore, work
     assert inert.args == (str(mark),) and not mark.exists()  # named, kept, never called
 
 
-def test_a_megatron_lm_model_optim_rng_file_is_read_safely(workdir):
+def _megatron_lm_file(path, iteration=1500):
     """What Megatron-LM's --save writes per rank (--ckpt-format torch): the model, the run's args (a Namespace with
-    torch dtypes and megatron enums), the optimizer's and scheduler's state, Python's, numpy's and torch's RNG states."""
+    torch dtypes and megatron enums), the optimizer's and scheduler's state, Python's, numpy's and torch's RNG states.
+    Returns (model, optimizer)."""
     import argparse
     import random
 
     from megatron.core.transformer.enums import AttnBackend
-
-    from tensordiff.frameworks import torch_safe
 
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -302,14 +301,25 @@ def test_a_megatron_lm_model_optim_rng_file_is_read_safely(workdir):
     opt.step()
     args = argparse.Namespace(lr=1e-3, params_dtype=torch.bfloat16, attention_backend=AttnBackend.flash,
                               num_layers=2, data_path=None, adam_beta1=0.9)
-    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 1500,
+    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
                 "model": {"layer.weight": model.weight.detach(), "layer.bias": model.bias.detach(),
                           "layer._extra_state": None},
                 "optimizer": {"optimizer": opt.state_dict(), "fp32_from_fp16_params": []},
                 "opt_param_scheduler": {"max_lr": 1e-3, "num_steps": 3000},
                 "rng_state": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
                                "torch_rng_state": torch.get_rng_state(), "rng_tracker_states": {}}],
-                "num_floating_point_operations_so_far": 12345}, workdir / "model_optim_rng.pt")
+                "num_floating_point_operations_so_far": 12345}, path)
+    return model, opt
+
+
+def test_a_megatron_lm_model_optim_rng_file_is_read_safely(workdir):
+    import argparse
+
+    from megatron.core.transformer.enums import AttnBackend
+
+    from tensordiff.frameworks import torch_safe
+
+    model, opt = _megatron_lm_file(workdir / "model_optim_rng.pt")
     tensors, skipped = ckpt_files.load_with_skipped(str(workdir / "model_optim_rng.pt"))
     assert sorted(tensors) == ["layer.bias", "layer.weight"] and skipped == {"layer._extra_state": "NoneType"}
     assert np.array_equal(tensors["layer.weight"], model.weight.detach().numpy())
@@ -371,3 +381,44 @@ def test_report_renders_without_colour_at_80_columns(mcore):
     text = buf.getvalue()
     assert "\x1b[" not in text and max(len(line) for line in text.splitlines()) <= 80
     assert "f32/f16" in text and " ok" in text
+
+
+def test_a_megatron_lm_save_folder_reads_the_iteration_its_tracker_names(workdir, capsys):
+    save = workdir / "save"
+    for it in (1000, 1500):
+        (save / f"iter_{it:07d}" / "mp_rank_00").mkdir(parents=True)
+        _megatron_lm_file(save / f"iter_{it:07d}" / "mp_rank_00" / "model_optim_rng.pt", it)
+    (save / "latest_checkpointed_iteration.txt").write_text("1500")
+    picked = ckpt_files.megatron_dir_file(str(save))
+    assert picked == str(save / "iter_0001500" / "mp_rank_00" / "model_optim_rng.pt")
+    assert ckpt_files.megatron_dir_file(str(save / "iter_0001000")).endswith("iter_0001000/mp_rank_00/model_optim_rng.pt")
+    assert sorted(ckpt_files.load(str(save))) == ["layer.bias", "layer.weight"]
+    assert td("diff", str(save), picked) == 0
+
+
+@pytest.mark.parametrize("layout, says", [
+    ({"latest_checkpointed_iteration.txt": "200"}, "names 200, but"),
+    ({"latest_checkpointed_iteration.txt": "best"}, "not an iteration number or 'release'"),
+    ({"iter_0000002/mp_rank_00/model_optim_rng.pt": None, "iter_0000002/mp_rank_01/model_optim_rng.pt": None,
+      "latest_checkpointed_iteration.txt": "2"}, "2 model-parallel rank folders (mp_rank_00, mp_rank_01)"),
+    ({"iter_0000002/.metadata": "", "iter_0000002/__0_0.distcp": "", "latest_checkpointed_iteration.txt": "2"},
+     "a torch_dist (distributed checkpoint) iteration"),
+    ({"iter_0000002/mp_rank_00/other.pt": None, "latest_checkpointed_iteration.txt": "2"},
+     "no model_optim_rng.pt (holds other.pt)"),
+    ({"iter_0000002/mp_rank_00/model_optim_rng.pt": None}, "pass one of its iteration folders (iter_0000002)"),
+])
+def test_a_bad_or_partial_save_folder_is_one_line_naming_what_is_missing(workdir, capsys, layout, says):
+    save = workdir / "bad_save"
+    if save.exists():
+        import shutil
+
+        shutil.rmtree(save)
+    for name, text in layout.items():
+        (save / name).parent.mkdir(parents=True, exist_ok=True)
+        if text is None:
+            _megatron_lm_file(save / name)
+        else:
+            (save / name).write_text(text)
+    assert td("diff", str(save), str(save)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0] and "Traceback" not in err[0], err
