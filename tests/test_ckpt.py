@@ -76,15 +76,17 @@ def mf(workdir):
     ms.set_context(mode=ms.PYNATIVE_MODE)
     ms.set_device("CPU")
     from mindformers import LlamaConfig, LlamaForCausalLM
+    from mindformers.core.context.build_context import MFContextOperator, build_mf_context
 
+    ctx = MFContextOperator.get_mf_ctx_instance()
+    if ctx is not None:  # made by a test module run before in this process (pytest -n): the legacy model's flag back
+        ctx.set_context(use_legacy=True)
     llama = LlamaForCausalLM(LlamaConfig(batch_size=1, seq_length=16, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=HEADS,
                                          n_kv_heads=GROUPS, vocab_size=VOCAB, intermediate_size=FFN, use_flash_attention=False,
                                          fused_rms_norm=False, use_rope_slice=True, compute_dtype="float32",
                                          layernorm_compute_type="float32", softmax_compute_type="float32",
                                          rotary_dtype="float32", param_init_type="float32"))
-    from mindformers.core.context.build_context import build_mf_context
-
-    build_mf_context({"use_legacy": False})
+    build_mf_context({"use_legacy": False}).set_context(use_legacy=False)  # an earlier context keeps its values
     from mindformers.parallel_core.training_graph.base_models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from mindformers.parallel_core.training_graph.base_models.gpt.gpt_model import GPTModel
     from mindformers.parallel_core.transformer_config import TransformerConfig

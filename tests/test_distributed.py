@@ -16,6 +16,7 @@ from tensordiff.store import CaptureFile
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 SCRIPT = os.path.join(ROOT, "examples", "distributed", "mcore_train.py")
+MANY = os.path.join(TESTS, "scripts", "dist_runs.py")  # several runs of SCRIPT in one launch
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
 
 
@@ -72,20 +73,29 @@ def _torchrun(folder, name, nproc, *args):
     return str(out)
 
 
+def _torchrun_many(folder, runs):
+    """Several 2-rank runs of the script in one torchrun launch (tests/scripts/dist_runs.py: the same two processes,
+    megatron's parallel state set up anew for each run): {name: its rank files' pattern}."""
+    options = [" ".join([*args, "--capture", str(folder / f"{name}.h5")]) for name, args in runs.items()]
+    proc = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node", "2", MANY, *options], capture_output=True,
+                          text=True, env=_env(), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {name: str(folder / f"{name}.rank*.h5") for name in runs}
+
+
 @pytest.fixture(scope="module")
 def runs(tp2):
     """TP=1 reference, and the layouts and faults of the issue: each captured by the script itself, one file per rank."""
     folder = tp2[0].parent
     return {"ref": _torchrun(folder, "ref", 1),
             "tp2": str(folder / "tp2.rank*.h5"),
-            "dp2": _torchrun(folder, "dp2", 2, "--dp", "2").replace(".h5", ".rank*.h5"),
             "tp2dp2": _torchrun(folder, "tp2dp2", 4, "--tp", "2", "--dp", "2").replace(".h5", ".rank*.h5"),
-            "sp2": _torchrun(folder, "sp2", 2, "--tp", "2", "--sp").replace(".h5", ".rank*.h5"),
-            "qkv": _torchrun(folder, "qkv", 2, "--tp", "2", "--fault", "qkv-split").replace(".h5", ".rank*.h5"),
-            "fc1": _torchrun(folder, "fc1", 2, "--tp", "2", "--fault", "fc1-split").replace(".h5", ".rank*.h5"),
-            "spnr": _torchrun(folder, "spnr", 2, "--tp", "2", "--sp", "--fault", "sp-noreduce").replace(".h5", ".rank*.h5"),
-            "dpsum": _torchrun(folder, "dpsum", 2, "--dp", "2", "--fault", "dp-sum").replace(".h5", ".rank*.h5"),
-            "nored": _torchrun(folder, "nored", 2, "--dp", "2", "--fault", "dp-noreduce").replace(".h5", ".rank*.h5")}
+            **_torchrun_many(folder, {"dp2": ["--dp", "2"], "sp2": ["--tp", "2", "--sp"],
+                                      "qkv": ["--tp", "2", "--fault", "qkv-split"],
+                                      "fc1": ["--tp", "2", "--fault", "fc1-split"],
+                                      "spnr": ["--tp", "2", "--sp", "--fault", "sp-noreduce"],
+                                      "dpsum": ["--dp", "2", "--fault", "dp-sum"],
+                                      "nored": ["--dp", "2", "--fault", "dp-noreduce"]})}
 
 
 def _diff(runs, b, tmp_path, *extra):
@@ -112,10 +122,8 @@ def bias_runs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bias")
     arch = ("--bias", "--pos", "learned")
     return {"ref": _torchrun(folder, "ref", 1, *arch),
-            "tp2": _torchrun(folder, "tp2", 2, "--tp", "2", *arch).replace(".h5", ".rank*.h5"),
-            "sp2": _torchrun(folder, "sp2", 2, "--tp", "2", "--sp", *arch).replace(".h5", ".rank*.h5"),
-            "dp2": _torchrun(folder, "dp2", 2, "--dp", "2", *arch).replace(".h5", ".rank*.h5"),
-            "pp2": _torchrun(folder, "pp2", 2, "--pp", "2", *arch).replace(".h5", ".rank*.h5")}
+            **_torchrun_many(folder, {"tp2": ["--tp", "2", *arch], "sp2": ["--tp", "2", "--sp", *arch],
+                                      "dp2": ["--dp", "2", *arch], "pp2": ["--pp", "2", *arch]})}
 
 
 @pytest.mark.parametrize("layout", ["tp2", "sp2", "dp2", "pp2"])
@@ -225,11 +233,9 @@ def pp_runs(tp2):
     folder = tp2[0].parent
     ref = str(folder / "ref.h5") if (folder / "ref.h5").exists() else _torchrun(folder, "ref", 1)
 
-    def pp(name, *args):
-        return _torchrun(folder, name, 2, "--pp", "2", *args).replace(".h5", ".rank*.h5")
-
-    return {"ref": ref, "pp2": pp("pp2"), "ppbf": pp("ppbf", "--fault", "pp-batch-first"),
-            "ppoff": pp("ppoff", "--fault", "pp-layer-offset")}
+    return {"ref": ref, **_torchrun_many(folder, {"pp2": ["--pp", "2"],
+                                                  "ppbf": ["--pp", "2", "--fault", "pp-batch-first"],
+                                                  "ppoff": ["--pp", "2", "--fault", "pp-layer-offset"]})}
 
 
 def test_pipeline_stage_files_hold_their_stage_its_layer_offset_and_the_loss(pp_runs, capsys):
@@ -299,15 +305,13 @@ def dp_runs(tp2):
     folder = tp2[0].parent
     ref = str(folder / "ref.h5") if (folder / "ref.h5").exists() else _torchrun(folder, "ref", 1)
 
-    def dp(name, nproc, *args):
-        return _torchrun(folder, name, nproc, *args).replace(".h5", ".rank*.h5")
-
     return {"ref": ref,
-            "dp2-megatron": dp("dp2meg", 2, "--dp", "2", "--ddp", "megatron"),
-            "dp2-torch": dp("dp2torch", 2, "--dp", "2", "--ddp", "torch"),
-            **{f"bf16-{ddp}": dp(f"bf16{ddp}", 2, "--dp", "2", "--ddp", ddp, "--fault", "bf16-allreduce")
-               for ddp in ("manual", "megatron", "torch")},
-            "tp2dp2sum": dp("tp2dp2sum", 4, "--tp", "2", "--dp", "2", "--fault", "dp-sum")}
+            **_torchrun_many(folder, {"dp2-megatron": ["--dp", "2", "--ddp", "megatron"],
+                                      "dp2-torch": ["--dp", "2", "--ddp", "torch"],
+                                      **{f"bf16-{ddp}": ["--dp", "2", "--ddp", ddp, "--fault", "bf16-allreduce"]
+                                         for ddp in ("manual", "megatron", "torch")}}),
+            "tp2dp2sum": _torchrun(folder, "tp2dp2sum", 4, "--tp", "2", "--dp", "2", "--fault",
+                                   "dp-sum").replace(".h5", ".rank*.h5")}
 
 
 @pytest.mark.parametrize("ddp", ["megatron", "torch"])

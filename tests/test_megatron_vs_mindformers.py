@@ -21,13 +21,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = os.path.join(ROOT, "examples", "megatron_vs_mindformers", "run.py")
 
 
+#: family -> the output folder of this module's first run of it: the Megatron side (which does not depend on the
+#: MindSpore side's fault or mode) is made once per family and reused by the later runs (run.py --reuse-megatron)
+MEGATRON_SIDE: dict[str, str] = {}
+
+
 def _run(tmp_path, family, fault="none", graph=False, jit=False):
     out = tmp_path / f"{family}-{fault}{'-graph' if graph else ''}{'-jit' if jit else ''}"
+    reuse = ["--reuse-megatron", MEGATRON_SIDE[family]] if family in MEGATRON_SIDE else []
     proc = subprocess.run([sys.executable, RUN, "--family", family, "--fault", fault, "--out", str(out)]
-                          + (["--graph"] if graph else []) + (["--jit"] if jit else []),
+                          + (["--graph"] if graph else []) + (["--jit"] if jit else []) + reuse,
                           capture_output=True, text=True, timeout=900)
     report = out / "report.json"
     assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    if not reuse and (out / "run.json").exists():
+        MEGATRON_SIDE[family] = str(out)
     with open(report) as f:
         return proc.returncode, json.load(f), proc.stdout
 
@@ -158,3 +166,17 @@ def _assert_graph_verdict(code, report, out, expected):
     assert code == 1, out[-3000:]
     first = report["first_divergence"]
     assert (first["step"], first["phase"], first["module_a"], first["kind"], first["location"]) == expected
+
+
+def test_reuse_megatron_refuses_a_folder_of_another_family_or_none(tmp_path):
+    """run.py --reuse-megatron (how the tests above make each family's Megatron side once) takes an earlier run's
+    Megatron files only when that run was of the same family and steps (its run.json)."""
+    other = tmp_path / "gpt2"
+    other.mkdir()
+    (other / "run.json").write_text(json.dumps({"family": "gpt2", "steps": 2}))
+    for folder, words in ((other, "made for {'family': 'gpt2', 'steps': 2}, this run is {'family': 'llama', 'steps': 2}"),
+                          (tmp_path, "no run.json of an earlier run.py there")):
+        proc = subprocess.run([sys.executable, RUN, "--family", "llama", "--out", str(tmp_path / "out"),
+                               "--reuse-megatron", str(folder)], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-2000:]
+        assert not (tmp_path / "out" / "megatron.h5").exists()

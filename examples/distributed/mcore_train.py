@@ -288,8 +288,7 @@ def train_pipeline(args: argparse.Namespace) -> None:
                 print(f"mcore tp={args.tp} dp={args.dp} pp={args.pp} step {step}: loss {loss.item():.6f}", flush=True)
 
 
-def main() -> None:
-    global GROUPS
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--dp", type=int, default=1)
@@ -308,32 +307,41 @@ def main() -> None:
     p.add_argument("--ddp", choices=("manual", "megatron", "torch"), default="manual",
                    help="data-parallel gradient reduction: by hand (manual), megatron-core's DistributedDataParallel "
                         "or torch's DistributedDataParallel over megatron's DP group")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if HEADS % args.groups or args.groups % args.tp:
         raise SystemExit(f"--groups {args.groups}: must divide the {HEADS} heads and be a multiple of --tp {args.tp}")
-    GROUPS = args.groups
-    ARCH.update(bias=args.bias, pos=args.pos)
     if args.ddp != "manual" and args.pp > 1:
         raise SystemExit("--ddp megatron | torch: not with --pp (the pipeline path reduces by hand)")
     if args.fault.startswith("pp-") and args.pp == 1:
         raise SystemExit(f"--fault {args.fault} is a pipeline fault: use it with --pp 2 or more")
-    torch.set_num_threads(1)
-    enable()
+    return args
+
+
+def run(args: argparse.Namespace) -> None:
+    """One run in this process's (gloo) process group: megatron's parallel state set up for ``args``, the model built,
+    trained and captured, the parallel state torn down (so that another run may follow in the same processes)."""
+    global GROUPS
+    GROUPS = args.groups
+    ARCH.update(bias=args.bias, pos=args.pos)
     from megatron.core import parallel_state, tensor_parallel
 
-    if "RANK" in os.environ:
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if dist.get_world_size() != args.tp * args.dp * args.pp:
         raise SystemExit(f"world size {dist.get_world_size()} is not --tp {args.tp} x --dp {args.dp} x --pp {args.pp}")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp,
                                              pipeline_model_parallel_size=args.pp)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed, inference_rng_tracker=True, force_reset_rng=True)
-    if args.pp > 1:
-        train_pipeline(args)
-        dist.destroy_process_group()
-        return
+    try:
+        if args.pp > 1:
+            train_pipeline(args)
+        else:
+            train(args)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def train(args: argparse.Namespace) -> None:
+    from megatron.core import parallel_state
+
     model = build(args.tp, args.seed, sp=args.sp)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     full = full_weights(args.seed)
@@ -354,6 +362,22 @@ def main() -> None:
             cap.step(loss)
             if dist.get_rank() == 0:
                 print(f"mcore tp={args.tp} dp={args.dp} step {step}: loss {loss.item():.6f}", flush=True)
+
+
+def init_process_group() -> None:
+    """gloo, under torchrun (its environment) or alone (one process, an in-memory store)."""
+    torch.set_num_threads(1)
+    enable()
+    if "RANK" in os.environ:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    init_process_group()
+    run(args)
     dist.destroy_process_group()
 
 

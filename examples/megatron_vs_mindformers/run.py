@@ -5,16 +5,24 @@
     python examples/megatron_vs_mindformers/run.py --family gpt2 --fault gelu-approx
     python examples/megatron_vs_mindformers/run.py --family llama --graph     # the MindSpore side in GRAPH_MODE
     python examples/megatron_vs_mindformers/run.py --family llama --jit       # PyNative, its train step mindspore.jit
+    python examples/megatron_vs_mindformers/run.py --family llama --fault split-with-size \
+        --reuse-megatron out/megatron_vs_mindformers/llama    # the MindSpore side again, against that Megatron run
 
 Prints every command it runs (the workflow to copy for your own models) and exits with
 ``tensordiff diff``'s code: 0 no divergence, 1 divergence, 2 error. Files go to --out.
+
+The Megatron side (the batch, its capture, the checkpoint and its conversion) depends on ``--family`` and ``--steps``
+only: ``--reuse-megatron DIR`` takes those four files from an earlier run's output folder of the same family and steps
+(``run.json`` there says which) and runs only the MindSpore side and the diff.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 
@@ -61,10 +69,14 @@ def main(argv: list[str] | None = None) -> int:
                                                         "compiled into the graph)")
     p.add_argument("--jit", action="store_true", help="the MindSpore side in PyNative with its train step a "
                                                       "mindspore.jit function (captured through the same probes)")
+    p.add_argument("--reuse-megatron", metavar="DIR",
+                   help="take the batch, the Megatron capture and the checkpoints from DIR, an earlier run's --out of "
+                        "the same --family and --steps, instead of making them again")
     p.add_argument("--verbose", action="store_true", help="show the frameworks' own output")
     args = p.parse_args(argv)
     if args.graph and args.jit:
         p.error("--graph and --jit: one or the other")
+    side_a = {"family": args.family, "steps": args.steps}  # what the Megatron side's files depend on
     spec = FAMILIES[args.family]
     table, table_vars, mapping, mapping_vars = SETUP[args.family]
     name = args.family + ("" if args.fault == "none" else f"-{args.fault}") + ("-graph" if args.graph else "") \
@@ -91,11 +103,28 @@ def main(argv: list[str] | None = None) -> int:
               "--family", args.family, "--batch", f["batch"], "--load-ckpt", f["ms_ckpt"], "--fault", args.fault,
               "--train-steps", str(args.steps)] + (["--graph"] if args.graph else []) + (["--jit"] if args.jit else []),
     ]
+    if args.reuse_megatron:
+        src = os.path.abspath(args.reuse_megatron)
+        try:
+            with open(os.path.join(src, "run.json"), encoding="utf-8") as fh:
+                made = json.load(fh)
+        except (OSError, ValueError) as err:
+            print(f"run.py: --reuse-megatron {src}: no run.json of an earlier run.py there ({err})", file=sys.stderr)
+            return 2
+        if made != side_a:
+            print(f"run.py: --reuse-megatron {src}: made for {made}, this run is {side_a}", file=sys.stderr)
+            return 2
+        for key in ("batch", "ckpt", "ms_ckpt", "a"):
+            shutil.copyfile(os.path.join(src, os.path.basename(f[key])), f[key])
+        print(f"run.py: the batch, the Megatron capture and the checkpoints from {src}", flush=True)
+        steps = steps[3:]  # the MindSpore side only
     for cmd in steps:
         code = _run(cmd, quiet=not args.verbose, cwd=out)  # MindFormers writes ./output/log: keep it in --out
         if code != 0:
             print(f"run.py: the step above failed with exit code {code}", file=sys.stderr)
             return 2
+    with open(os.path.join(out, "run.json"), "w", encoding="utf-8") as fh:
+        json.dump(side_a, fh)
     return _run(td + ["diff", f["a"], f["b"]] + (["--mapping", mapping] if mapping else []) + mapping_args +
                 ["--first-divergence", "--json", f["json"]], quiet=False, cwd=out)
 

@@ -11,11 +11,13 @@ Frames on the pipe: 8 bytes of length, then JSON; a step's frame is followed by 
 order it lists them. Nothing is pickled. The child ignores SIGINT, SIGTERM and SIGHUP and writes until the pipe
 closes: when the training process dies, even by SIGKILL, the child still completes and closes the steps it has
 received. ``step()`` waits until its step is in the pipe (the handover), so every step whose ``step()`` returned
-is written whatever happens to the training process after it.
+is written whatever happens to the training process after it. Per-step scalars are handed over the same way, by the
+calling thread itself: ``submit_scalars`` returns once they are in the pipe.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -23,6 +25,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 from typing import IO, Any, BinaryIO
 
 import numpy as np
@@ -60,19 +63,28 @@ class ProcessWriter(CaptureWriter):
             pass
         self._fallback = False
         self._attrs = attrs
+        # one frame at a time in the pipe: steps from the writer's thread, scalars from the threads that log them
+        self._pipe_lock = threading.Lock()
+        self._early: list[tuple[int, dict[str, float]]] = []  # scalars sent before the child answered
         self._waiting = self._start(attrs)  # its answer is read before the first write (training goes on meanwhile)
 
     def _ready(self) -> None:
         """Before the first write: wait until the child has opened the file. If it never does, no step may be lost
-        to it: this process writes the file itself."""
+        to it: this process writes the file itself, starting with the scalars sent into the pipe meanwhile."""
         if self._waiting is None:
             return
-        why, self._waiting = self._answer(self._waiting), None
-        if why:
+        why = self._answer(self._waiting)  # not under the lock: scalars go on into the pipe while the child starts
+        with self._pipe_lock:
+            self._waiting = None
+            early, self._early = self._early, []
+            if not why:
+                return
             _warn(f"tensordiff: the writer process for {self.path} did not start ({why}); writing from a thread of "
                   "the training process instead")
             self._fallback = True
             CaptureWriter._open(self, self._attrs)
+            for step, values in early:
+                CaptureWriter._write_scalars(self, step, values)
 
     def _start(self, attrs: dict[str, Any]) -> str | None:
         """Start the child and send it the file to open; the reason it could not start, or None."""
@@ -122,11 +134,12 @@ class ProcessWriter(CaptureWriter):
         if self._fallback:
             CaptureWriter._close_file(self)
             return
-        try:
-            self._pipe.write(_frame({"t": "close"}))
-            self._pipe.close()
-        except OSError:
-            pass
+        with self._pipe_lock:
+            try:
+                self._pipe.write(_frame({"t": "close"}))
+                self._pipe.close()
+            except OSError:
+                pass
         try:
             code = self._proc.wait(60.0)  # the child finishes what it received, even after this process is gone
         except subprocess.TimeoutExpired:
@@ -136,19 +149,38 @@ class ProcessWriter(CaptureWriter):
             _warn(f"tensordiff: the writer process of {self.path} ended with exit code {code}; the steps "
                           "it completed are in the file")
 
-    def _write_scalars(self, step: int, values: dict[str, float]) -> None:
-        if self._waiting == "":  # started, not answered yet: the pipe keeps them for it (scalars never wait)
-            try:
-                self._pipe.write(_frame({"t": "scalars", "step": step, "values": values}))
-                self._pipe.flush()
+    def submit_scalars(self, step: int, values: dict[str, float]) -> None:
+        """Hand per-step scalars over as a step is: the calling thread writes them into the pipe and returns once
+        they are there, so a SIGKILL after it loses none. They never wait for the child to start (the pipe holds them
+        until it reads; a child that never answers is replaced by a thread writer, which writes them). A step being
+        streamed to the child is finished first (one frame at a time)."""
+        if self.error is not None or self._closed:
+            return
+        # a SIGTERM arriving meanwhile waits until the frame is whole (signals.py)
+        with self._holding(), self._pipe_lock:
+            if not self._fallback:
+                self._write_guarded(("scalars", step, values))  # errors: as a step's (one warning, capture stops)
                 return
-            except OSError:
-                pass  # it has ended: its answer says so now
-        self._ready()
-        if self._fallback:
+        CaptureWriter.submit_scalars(self, step, values)  # the thread writer that replaced the child: its queue
+
+    def _write_scalars(self, step: int, values: dict[str, float]) -> None:
+        if self._fallback:  # from the queue of the thread writer that replaced the child, on its thread
             CaptureWriter._write_scalars(self, step, values)
             return
-        self._pipe.write(_frame({"t": "scalars", "step": step, "values": values}))
+        # the calling thread, holding the pipe's lock
+        if self._waiting is not None:  # the child has not answered: kept until it has, for the writer replacing it
+            self._early.append((step, values))
+            if self._waiting:  # it never started: nothing to send them to
+                return
+            with contextlib.suppress(OSError):  # it has ended: its answer says so, and the writer replacing it writes them
+                self._send(_frame({"t": "scalars", "step": step, "values": values}))
+            return
+        if self._pipe.closed:  # logged from another thread while the file was closed
+            return
+        self._send(_frame({"t": "scalars", "step": step, "values": values}))
+
+    def _send(self, frame: bytes) -> None:
+        self._pipe.write(frame)
         self._pipe.flush()
 
     def _write(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any]) -> None:
@@ -164,11 +196,12 @@ class ProcessWriter(CaptureWriter):
             arrays.append((seq, raw))
         head = {"t": "step", "step": step, "rows": rows, "attrs": attrs,
                 "arrays": [[seq, raw.dtype.str, list(raw.shape)] for seq, raw in arrays]}
-        self._pipe.write(_frame(head))
-        for _, raw in arrays:
-            if raw.nbytes:
-                self._pipe.write(raw.reshape(-1).view(np.uint8).data)  # released GIL while the pipe takes it
-        self._pipe.flush()
+        with self._pipe_lock:
+            self._pipe.write(_frame(head))
+            for _, raw in arrays:
+                if raw.nbytes:
+                    self._pipe.write(raw.reshape(-1).view(np.uint8).data)  # released GIL while the pipe takes it
+            self._pipe.flush()
         if self._proc.poll() is not None:
             raise OSError(f"the writer process ended (exit code {self._proc.returncode})")
 
