@@ -43,8 +43,12 @@ wikitext2: setup
 	$(PY) examples/wikitext2/run.py --data $(WIKITEXT2) --steps $(STEPS); \
 	  code=$$?; test $$code -le 1 && echo "(exit code $$code: 0 = the loss curves agree within 1%, 1 = they do not; plot and report in out/wikitext2/)"
 
+# two pytest workers (the CI machine has 2 cores; most tests use one): each test file runs whole on one worker (its
+# module fixtures made once), the slowest files handed out first (tests/conftest.py SLOW_FIRST). TEST_JOBS=0: one
+# process, in file order
+TEST_JOBS ?= 2
 test: setup
-	$(PY) -m pytest -q --durations=15
+	$(PY) -m pytest -q --durations=15 $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder)
 
 # ruff (style, imports, bugs) on everything; mypy on the package (configured in pyproject.toml)
 lint: setup
