@@ -21,11 +21,12 @@ def gpt(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hints-gpt")
     made = {}
 
-    def get(fault):
-        if fault not in made:
-            made[fault] = str(folder / f"{fault}.h5")
-            train.main(["--capture", made[fault], "--train-steps", "1", "--capture-steps", "1", "--fault", fault])
-        return made[fault]
+    def get(fault, steps=1):
+        if (fault, steps) not in made:
+            made[fault, steps] = str(folder / f"{fault}-{steps}.h5")
+            train.main(["--capture", made[fault, steps], "--train-steps", str(steps), "--capture-steps", str(steps),
+                        "--fault", fault, "--capture-tensors", "all"])
+        return made[fault, steps]
 
     return get
 
@@ -86,6 +87,33 @@ def test_scaled_checkpoint_names_the_parameter(gpt):
     assert [h.cause for h in result.hints] == ["factor", "checkpoint"]
     assert result.hints[1].details["parameters"] == ["decoder.layers.0.self_attention.linear_qkv.weight"]
     assert result.hints[0].details["factor"] == pytest.approx(1.01, rel=1e-6)
+
+
+def test_learning_rate_is_an_optimizer_step_factor(gpt):
+    result = diff(gpt("none", 2), gpt("optimizer-lr", 2))
+    assert (result.first.step, result.first.phase) == (1, "weights")
+    top = _top(result)
+    assert top.cause == "optimizer-step" and top.details["fit"] == "lr"
+    assert top.details["factor"] == pytest.approx(0.9, rel=1e-4) and top.details["step"] == 0
+    assert top.explained > 0.99
+
+
+def test_weight_decay_on_norms_is_an_optimizer_step(gpt):
+    result = diff(gpt("none", 2), gpt("optimizer-wd", 2))
+    assert (result.first.step, result.first.phase) == (1, "weights")
+    top = _top(result)
+    assert top.cause == "optimizer-step" and top.details["fit"] == "weight-decay"
+    assert "B also decays the 1-D parameters" in top.title
+    assert top.details["decay"] == pytest.approx(1e-3 * 0.1, rel=1e-3)  # lr · wd
+    assert all(name.endswith(("bias", "weight")) for name in top.details["parameters"])
+    assert top.explained > 0.99
+
+
+def test_no_optimizer_hint_where_the_forward_differs(gpt):
+    result = diff(gpt("none", 2), gpt("ln-eps", 2))
+    assert (result.first.step, result.first.phase) == (0, "forward")
+    assert [h.cause for h in result.hints] == ["norm-epsilon"]
+    assert {c.cause: c for c in result.checks}["optimizer step"].ran  # ruled out: the weights of step 0 agree
 
 
 def test_rope_interleaved_pairs(llama):

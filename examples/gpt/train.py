@@ -33,6 +33,7 @@ FAULTS: dict[str, str] = {
     "ckpt": "checkpoint: decoder.layers.0.self_attention.linear_qkv.weight is scaled by 1.01 after loading",
     "grad-scale": "parameter gradient: decoder.layers.1.mlp.linear_fc2.weight's gradient is halved (a missing average)",
     "optimizer-wd": "optimizer: weight decay also applied to biases and LayerNorm weights",
+    "optimizer-lr": "optimizer: the learning rate is 0.9x (a schedule or a scaling that differs)",
     "split-qkv": "equivalent rewrite, not a fault: q, k, v projections as three matmuls instead of one",
 }
 
@@ -96,7 +97,7 @@ def optimizer_for(model: torch.nn.Module, fault: str, lr: float) -> torch.optim.
     for _, p in model.named_parameters():
         (no_decay if p.ndim == 1 and fault != "optimizer-wd" else decay).append(p)
     groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr * (0.9 if fault == "optimizer-lr" else 1.0))
 
 
 def main(argv: list[str] | None = None) -> list[float]:
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     p.add_argument("--load-ckpt", help="start from these weights (safetensors)")
     p.add_argument("--capture", help="capture file (tensordiff capture -o sets it instead)")
     p.add_argument("--capture-steps", type=int, default=2)
+    p.add_argument("--capture-tensors", choices=("first", "all", "none"), default="first",
+                   help="full tensors of the first captured step (default), of every step, or none")
     args = p.parse_args(argv)
     if args.fault != "none" and args.framework != "mcore":
         p.error("--fault applies to --framework mcore")
@@ -119,7 +122,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     model, loss_fn = build(args, spec)
     opt = optimizer_for(model, args.fault, args.lr)
     losses = []
-    with tensordiff.capture(model, args.capture, steps=args.capture_steps, optimizer=opt) as cap:
+    with tensordiff.capture(model, args.capture, steps=args.capture_steps, optimizer=opt,
+                           tensors=args.capture_tensors) as cap:
         for step in range(args.train_steps):
             tokens, labels, _ = make_batch(spec, seed=step)
             loss = loss_fn(model, tokens, labels)

@@ -12,7 +12,7 @@ RoPE, no stored input, no bias) raises ``NotApplicable(reason)``, and ``run_chec
 ``CheckStatus`` per cause: tested, or not and why. Hints are ranked by ``explained``; only those that
 explain at least half of the gap are reported. One module per cause, one page each in
 docs/hints/: ``activation``, ``norm``, ``rope``, ``dtype``, ``layout``, ``factor``,
-``checkpoint``; ``base`` holds the site, the fit they share and ``NotApplicable``. Framework-free: numpy on
+``checkpoint``, ``update`` (the optimizer step); ``base`` holds the site, the fit they share and ``NotApplicable``. Framework-free: numpy on
 captured arrays.
 """
 
@@ -34,6 +34,7 @@ from .norm import check_norm_epsilon
 from .parallel import check_partial_sum
 from .pipeline import check_pipeline
 from .rope import check_rope
+from .update import check_update
 
 __all__ = ["CHECKED", "CHECKS", "MIN_EXPLAINED", "CheckStatus", "Hint", "NotApplicable", "find_hints",
            "hints_for_row", "run_checks"]
@@ -48,7 +49,8 @@ CHECKS: tuple[tuple[str, Callable[[Site], Iterator[Hint]]], ...] = (
 )
 #: Every cause tested, in words, in the order reports name them; ``check_checkpoint`` (it needs the whole diff
 #: result) runs first.
-CHECKED = ("activation", "norm epsilon", "RoPE", "dtype", "layout", "bias", "constant factor", "checkpoint")
+CHECKED = ("activation", "norm epsilon", "RoPE", "dtype", "layout", "bias", "constant factor", "checkpoint",
+           "optimizer step")
 
 
 def _none_ran(reason: str) -> list[CheckStatus]:
@@ -90,8 +92,10 @@ def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
         causes.insert(causes.index("checkpoint"), "pipeline stages")
     if result is not None:
         checks.append(("checkpoint", lambda s: check_checkpoint(s, result)))  # ties: the specific cause (layout) first
+        checks.append(("optimizer step", lambda s: check_update(s, result)))
     else:
-        status["checkpoint"] = CheckStatus("checkpoint", False, "needs the whole diff")
+        for cause in ("checkpoint", "optimizer step"):
+            status[cause] = CheckStatus(cause, False, "needs the whole diff")
     for cause, check in checks:
         try:
             found.extend(h for h in list(check(site)) if h.explained >= MIN_EXPLAINED)
