@@ -1,0 +1,131 @@
+"""``tensordiff locate``: where the curves part, the checkpoint both runs resume from, the two commands, and (after
+``--run``) the resumed iterations side by side with the first divergence as ``diff`` prints it."""
+
+from __future__ import annotations
+
+import shlex
+from collections import defaultdict
+from typing import Any
+
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.table import Table
+from rich.text import Text
+
+from ..runs.compare import pct
+from ..runs.locate import LocatePlan
+from .diff import DiffReport
+
+
+class LocateReport:
+    def __init__(self, plan: LocatePlan, result: Any = None):
+        self.plan = plan
+        self.result = result
+
+    def drift(self) -> tuple[int, int, float, str] | None:
+        """Own mode: (parameters that differ, compared, worst rel L2, its name) at the first resumed iteration."""
+        if self.result is None or not self.result.steps:
+            return None
+        first = self.result.steps[0]
+        rows = [r for r in self.result.rows if r.step == first and r.phase == "weights" and r.metrics is not None]
+        if not rows:
+            return None
+        worst = max(rows, key=lambda r: r.err)
+        return (sum(r.verdict == "diverged" for r in rows), len(rows), worst.err,
+                worst.pair.a.label if worst.pair.a is not None else "?")
+
+    def iterations(self) -> list[dict[str, Any]]:
+        """Per resumed iteration: compared rows, diverged rows, the first diverged record."""
+        if self.result is None:
+            return []
+        by_step: dict[int, list] = defaultdict(list)
+        for r in self.result.rows:
+            by_step[r.step].append(r)
+        out = []
+        for step in self.result.steps:
+            rows = by_step.get(step, [])
+            diverged = [r for r in rows if r.verdict == "diverged"]
+            first = min(diverged, key=lambda r: r.pair.a.seq if r.pair.a is not None else 1 << 60) if diverged else None
+            out.append({"iteration": self.plan.iteration_of(step), "capture_step": step,
+                        "compared": sum(r.metrics is not None for r in rows), "diverged": len(diverged),
+                        "first_diverged": None if first is None or first.pair.a is None else
+                        f"{first.phase} {first.pair.a.label}"})
+        return out
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        plan, res = self.plan, self.result
+        cmp = plan.comparison
+        yield Text(f"A {cmp.a.describe()}")
+        yield Text(f"B {cmp.b.describe()}")
+        if cmp.first_over == plan.step:
+            la, lb = cmp.a.loss.get(plan.step), cmp.b.loss.get(plan.step)
+            yield Text(f"The loss curves part at iteration {plan.step}: relative loss error {pct(cmp.rel_loss[plan.step])}"
+                       f" > {pct(cmp.threshold)} (A {la:.6g}, B {lb:.6g}).", style="tensordiff.diverged")
+        else:
+            yield Text(f"Looking at iteration {plan.step} (asked for).")
+        saved = "; ".join(f"{side} saved {_steps(steps)}" for side, steps in plan.saved.items() if steps)
+        if plan.resume:
+            how = ("each run from its own checkpoint" if plan.mode == "own" else "both runs from A's checkpoint "
+                   "(shared state: weights and optimizer)")
+            yield Text(f"Checkpoints: {saved}. Resuming {how} of iteration {plan.resume}, capturing iterations "
+                       f"{plan.resume + 1}..{plan.step + 1}.")
+        else:
+            yield Text(f"Checkpoints: {saved or 'none'}. None before iteration {plan.step}: both runs start from their "
+                       f"beginning, capturing iterations 1..{plan.step + 1}.")
+        table = Table(title="resume commands", title_justify="left", show_lines=True)
+        for col in ("side", "loads", "command (run under capture)"):
+            table.add_column(col, overflow="fold")
+        for side in (plan.a, plan.b):
+            table.add_row(side.name, f"{side.loads or '(its start)'}" + (f" @ {side.iteration}" if side.iteration else ""),
+                          shlex.join(side.capture_command))
+        yield table
+        if res is None:
+            yield Text("Run both (in any order, on their own machines if need be), then: tensordiff diff "
+                       f"{plan.a.capture} {plan.b.capture} --first-divergence; or pass --run.")
+            return
+        table = Table(title="resumed iterations", title_justify="left")
+        for col in ("iteration", "compared", "diverged", "first diverged record"):
+            table.add_column(col, justify="right" if col in ("iteration", "compared", "diverged") else "left")
+        for it in self.iterations():
+            table.add_row(str(it["iteration"]), str(it["compared"]), str(it["diverged"]), it["first_diverged"] or "-",
+                          style="tensordiff.diverged" if it["diverged"] else None)
+        yield table
+        drift = self.drift()
+        if plan.mode == "own" and drift is not None:
+            n, total, worst, name = drift
+            if n:
+                yield Text(f"Own state: at iteration {plan.resume} the weights had already drifted apart: {n} of "
+                           f"{total} parameters differ, worst {name} (relative L2 {worst:.2e}). The first divergence "
+                           "below is this drift; --mode shared resumes both from A's state to find the first "
+                           "thing B computes differently.", style="tensordiff.diverged")
+            else:
+                yield Text(f"Own state: at iteration {plan.resume} the weights of both runs still agree ({total} "
+                           "parameters compared).")
+        yield DiffReport(res, first_only=True)
+        first = res.first
+        if first is not None:
+            top = f"; likely cause: {res.hints[0].title}" if getattr(res, "hints", None) else ""
+            yield Text(f"First divergence: iteration {plan.iteration_of(first.step)} (capture step {first.step}), "
+                       f"{first.phase}, {first.module_a}{top}.", style="tensordiff.diverged")
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"tensordiff_locate": 1, **self.plan.as_dict(),
+                               "runs": self.plan.comparison.as_dict()}
+        if self.result is not None:
+            diff = DiffReport(self.result).to_dict()
+            first = self.result.first
+            out["iterations"] = self.iterations()
+            out["first_divergence"] = None if first is None else {
+                **first.as_dict(), "iteration": self.plan.iteration_of(first.step)}
+            out["hints"] = diff.get("hints", [])
+            out["outcome"] = self.result.outcome
+            drift = self.drift()
+            if drift is not None:
+                out["weights_at_resume"] = {"differ": drift[0], "compared": drift[1], "worst_rel_l2": drift[2],
+                                            "worst": drift[3]}
+        return out
+
+
+def _steps(steps: list[int]) -> str:
+    if len(steps) <= 6:
+        return ", ".join(map(str, steps))
+    return f"{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-2:]))} ({len(steps)})"
