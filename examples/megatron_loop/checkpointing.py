@@ -53,6 +53,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a fault: weight decay on the 1-D parameters (norms, biases) too, which megatron-core exempts")
 
 
+def megatron_lm_args(args: argparse.Namespace) -> None:
+    """The model's and the run's settings under Megatron-LM's argument names, saved with each checkpoint as
+    Megatron-LM saves its ``args`` (what a reader of the checkpoint needs to join shards and name parameters)."""
+    from examples.distributed.mcore_train import FFN, GROUPS, HEADS, HIDDEN, LAYERS, SEQ, VOCAB
+
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = args.tp, args.pp
+    args.num_layers, args.hidden_size, args.ffn_hidden_size = LAYERS, HIDDEN, FFN
+    args.num_attention_heads, args.num_query_groups, args.group_query_attention = HEADS, GROUPS, GROUPS != HEADS
+    args.seq_length, args.padded_vocab_size, args.global_batch_size = SEQ, VOCAB, args.batch
+    args.swiglu, args.normalization, args.position_embedding_type = True, "RMSNorm", "rope"
+    args.transformer_impl = "local"  # megatron-core's local layer spec (no Transformer Engine)
+    args.use_distributed_optimizer = not args.no_distributed_optimizer
+    args.train_iters, args.weight_decay_incr_style = args.steps, "constant"
+
+
 def scheduler(args: argparse.Namespace, optimizer):
     """megatron-core's ``OptimizerParamScheduler`` as Megatron-LM builds it: steps counted in samples (each iteration
     adds the global batch), the warm-up from 0, the decay over ``--lr-decay-iters`` (default ``--train-iters``)."""

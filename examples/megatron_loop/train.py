@@ -105,6 +105,7 @@ def main() -> None:
     p.add_argument("--direct-steps", type=int, default=2)
     checkpointing.add_arguments(p)
     args = p.parse_args()
+    checkpointing.megatron_lm_args(args)
 
     cpu = not torch.cuda.is_available()
     if cpu:
