@@ -392,19 +392,23 @@ def test_a_megatron_lm_save_folder_reads_the_iteration_its_tracker_names(workdir
         _megatron_lm_file(save / f"iter_{it:07d}" / "mp_rank_00" / "model_optim_rng.pt", it)
     (save / "latest_checkpointed_iteration.txt").write_text("1500")
     picked = ckpt_files.megatron_dir_file(str(save))
-    assert picked == str(save / "iter_0001500" / "mp_rank_00" / "model_optim_rng.pt")
-    assert ckpt_files.megatron_dir_file(str(save / "iter_0001000")).endswith("iter_0001000/mp_rank_00/model_optim_rng.pt")
-    assert sorted(ckpt_files.load(str(save))) == ["layer.bias", "layer.weight"]
-    assert td("diff", str(save), picked) == 0
+    assert picked == str(save / "iter_0001500")
+    assert ckpt_files.megatron_dir_file(str(save / "iter_0001000")) == str(save / "iter_0001000")
+    # the model, and Adam's moments per parameter (one param group: the model's order)
+    loaded = ckpt_files.load(str(save))
+    assert sorted(loaded) == ["layer.bias", "layer.weight", "optimizer.exp_avg.layer.bias",
+                              "optimizer.exp_avg.layer.weight", "optimizer.exp_avg_sq.layer.bias",
+                              "optimizer.exp_avg_sq.layer.weight"]
+    assert td("diff", str(save), str(save / "iter_0001500")) == 0
 
 
 @pytest.mark.parametrize("layout, says", [
     ({"latest_checkpointed_iteration.txt": "200"}, "names 200, but"),
     ({"latest_checkpointed_iteration.txt": "best"}, "not an iteration number or 'release'"),
-    ({"iter_0000002/mp_rank_00/model_optim_rng.pt": None, "iter_0000002/mp_rank_01/model_optim_rng.pt": None,
-      "latest_checkpointed_iteration.txt": "2"}, "2 model-parallel rank folders (mp_rank_00, mp_rank_01)"),
+    ({"iter_0000002/mp_rank_00/model_optim_rng.pt": None, "iter_0000002/mp_rank_02/model_optim_rng.pt": None,
+      "latest_checkpointed_iteration.txt": "2"}, "mp_rank_01 missing of the 3 x 1 (TP x PP) rank folders"),
     ({"iter_0000002/.metadata": "", "iter_0000002/__0_0.distcp": "", "latest_checkpointed_iteration.txt": "2"},
-     "a torch_dist (distributed checkpoint) iteration"),
+     "no common.pt"),
     ({"iter_0000002/mp_rank_00/other.pt": None, "latest_checkpointed_iteration.txt": "2"},
      "no model_optim_rng.pt (holds other.pt)"),
     ({"iter_0000002/mp_rank_00/model_optim_rng.pt": None}, "pass one of its iteration folders (iter_0000002)"),

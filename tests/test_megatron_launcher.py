@@ -40,7 +40,7 @@ def _td(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
 def _iterations(text: str) -> dict[int, float]:
     """The loop's Megatron-LM-style log lines: iteration -> lm loss."""
     return {int(m.group(1)): float(m.group(2))
-            for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \| lm loss: ([0-9.E+-]+)", text)}
+            for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+)", text)}
 
 
 @pytest.fixture(scope="module")

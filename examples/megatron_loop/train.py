@@ -14,8 +14,20 @@ for the other framework to convert; ``--optimizer sgd`` steps with megatron-core
 ``--direct FILE`` captures the same run through ``tensordiff.capture(model, FILE, ...)`` instead (the reference
 the launcher's capture is checked against). ``--microbatches M`` splits each rank's batch into M micro-batches
 (the schedule accumulates their gradients). Runs on the CPU (gloo; the shims of ``tensordiff.compat.megatron_cpu``)
-and on GPUs as it is. It prints each iteration as Megatron-LM's log does (``iteration N/T | lm loss: ... | grad
-norm: ...``).
+and on GPUs as it is. It prints each iteration as Megatron-LM's log does (``iteration N/T | learning rate: ... |
+lm loss: ... | grad norm: ...``).
+
+Checkpoints and the learning-rate schedule take Megatron-LM's flags (``checkpointing.py``)::
+
+    python examples/megatron_loop/train.py --train-iters 6 --save ckpt --save-interval 3   # torch_dist (default)
+    python examples/megatron_loop/train.py --train-iters 6 --load ckpt --ckpt-step 3       # iterations 4..6 again
+    ... --ckpt-format torch | --exit-interval N | --no-load-optim | --no-load-rng | --finetune
+    ... --lr-decay-style {constant,linear,cosine} --lr-warmup-iters N --lr-decay-iters N --min-lr X --weight-decay X
+    ... --decay-norms      # a fault: weight decay on the norms and biases too (megatron-core exempts them)
+
+The learning rate follows megatron-core's ``OptimizerParamScheduler`` (counted in samples, as Megatron-LM does); the
+log shows the rate after the iteration's scheduler step, as Megatron-LM's does. A run resumed from iteration J prints
+iterations J+1.. exactly as the uninterrupted run did (model, Adam's moments and step, scheduler, RNG restored).
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from examples.distributed.mcore_train import SEQ, VOCAB, build, full_weights, shard, stage_layer_names
+from examples.megatron_loop import checkpointing
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -75,7 +88,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (each builds its share of the layers)")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", "--train-iters", dest="steps", type=int, default=3,
+                   help="iterations to train (Megatron-LM's --train-iters); a resumed run continues up to it")
     p.add_argument("--batch", type=int, default=4, help="global batch (sequences), split over DP")
     p.add_argument("--microbatches", type=int, default=1)
     p.add_argument("--seed", type=int, default=1234)
@@ -89,7 +103,9 @@ def main() -> None:
     p.add_argument("--dp-sum", action="store_true", help="a fault: the DP reduction sums the gradients (no 1/DP)")
     p.add_argument("--direct", metavar="FILE", help="capture through tensordiff.capture(model, FILE, ...) instead")
     p.add_argument("--direct-steps", type=int, default=2)
+    checkpointing.add_arguments(p)
     args = p.parse_args()
+    checkpointing.megatron_lm_args(args)
 
     cpu = not torch.cuda.is_available()
     if cpu:
@@ -141,10 +157,16 @@ def main() -> None:
             for bucket in group.buckets:
                 bucket.gradient_scaling_factor = 1.0
     with optimizer_cpu():  # on the CPU: the optimizer allocates on "cuda" and checks for CUDA tensors
-        optimizer = get_megatron_optimizer(OptimizerConfig(optimizer=args.optimizer, lr=args.lr, weight_decay=0.0,
-                                                           sgd_momentum=0.0,
-                                                           use_distributed_optimizer=distributed, clip_grad=args.clip,
-                                                           bf16=False, fp16=False), [model])
+        config = OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+                                 weight_decay=args.weight_decay, sgd_momentum=0.0,
+                                 use_distributed_optimizer=distributed, clip_grad=args.clip, bf16=False, fp16=False)
+        # megatron-core exempts 1-D parameters and biases from weight decay; --decay-norms (a fault): no exemption
+        optimizer = get_megatron_optimizer(config, [model], config_overrides={} if args.decay_norms else None)
+    sched = checkpointing.scheduler(args, optimizer)
+    start = 0
+    if args.load:
+        with optimizer_cpu():  # on the CPU: the optimizer's state exchange moves tensors with .cuda()
+            start = checkpointing.load(args, model, optimizer, sched)
     model.config.finalize_model_grads_func = finalize_model_grads  # the DDP reduction, as Megatron-LM sets it
     schedule = get_forward_backward_func()
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
@@ -155,7 +177,9 @@ def main() -> None:
         import tensordiff
 
         cap = tensordiff.capture(model, args.direct, steps=args.direct_steps)
-    for step in range(args.steps):
+    saved = None
+    for step in range(start, args.steps):
+        iteration = step + 1
         model.zero_grad_buffer()
         optimizer.zero_grad()
         data = [tuple(t.to(device) for t in mb) for mb in micro_batches(args, dp_rank, dp, step)]
@@ -164,6 +188,9 @@ def main() -> None:
                                 num_microbatches=args.microbatches, seq_length=SEQ,
                                 micro_batch_size=data[0][0].shape[0], forward_only=False)
             _, grad_norm, _ = optimizer.step()
+        used_lr = optimizer.param_groups[0]["lr"]
+        sched.step(increment=args.batch)  # Megatron-LM counts the schedule in samples: the global batch
+        lr = optimizer.param_groups[0]["lr"]  # the rate after the scheduler's step, as Megatron-LM logs it
         last = parallel_state.is_pipeline_last_stage()
         if last:  # the loss is known on the last pipeline stage
             total = torch.stack([r["lm loss"] for r in reported]).sum(dim=0)
@@ -171,10 +198,21 @@ def main() -> None:
         else:
             loss = None
         if cap is not None:
-            cap.step(loss, grad_norm=grad_norm, lr=optimizer.param_groups[0]["lr"])
+            cap.step(loss, grad_norm=grad_norm, lr=used_lr)
         if last and dp_rank == 0 and parallel_state.get_tensor_model_parallel_rank() == 0:
-            print(f" iteration {step + 1:8d}/{args.steps:8d} | lm loss: {loss.item():.6E} | grad norm: "
-                  f"{grad_norm:.3f} |", flush=True)
+            print(f" iteration {iteration:8d}/{args.steps:8d} | learning rate: {lr:.6E} | lm loss: {loss.item():.6E} "
+                  f"| grad norm: {grad_norm:.3f} |", flush=True)
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            with optimizer_cpu():
+                checkpointing.save(args, iteration, model, optimizer, sched)
+            saved = iteration
+        if args.exit_interval and iteration % args.exit_interval == 0:
+            break
+    else:
+        iteration = max(start, args.steps)
+    if args.save and saved != iteration and iteration > start:  # Megatron-LM saves the last iteration too
+        with optimizer_cpu():
+            checkpointing.save(args, iteration, model, optimizer, sched)
     if cap is not None:
         cap.close()
     dist.destroy_process_group()

@@ -5,8 +5,9 @@
 | ``.safetensors`` | the ``safetensors`` package (torch- and MindSpore-written files alike) | safetensors |
 | ``.pt``, ``.pth`` | ``torch.load(..., weights_only=True)`` / ``torch.save`` | torch |
 | ``.ckpt`` | ``mindspore.load_checkpoint`` / ``mindspore.save_checkpoint`` | mindspore |
-| a folder | Megatron-LM's ``--save`` (``--ckpt-format torch``, TP=PP=1): the ``model_optim_rng.pt`` of the iteration its
-  ``latest_checkpointed_iteration.txt`` names, or of the ``iter_NNNNNNN`` folder given | torch |
+| a folder | Megatron-LM's ``--save`` (``--ckpt-format torch_dist`` or ``torch``, any TP/PP): the iteration its
+  ``latest_checkpointed_iteration.txt`` names, or the ``iter_NNNNNNN`` folder given, joined into the full model with
+  the optimizer's moments (``megatron_dir.py``) | torch |
 
 Frameworks are imported only when a file of theirs is read or written, through
 ``tensordiff.frameworks`` (which also refuses any pickle beyond tensors). Nothing is upcast:
@@ -28,6 +29,7 @@ from .. import dtypes, frameworks
 from .._text import first_line, listing, plural
 from ..errors import CheckpointError
 from ..transforms import contiguous
+from . import megatron_dir
 from .plan import Checkpoint
 
 FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".ckpt": "mindspore"}
@@ -61,7 +63,8 @@ def load(path: str) -> Checkpoint:
 def load_with_skipped(path: str) -> tuple[Checkpoint, dict[str, str]]:
     """(tensors, skipped entries: name -> type) of a checkpoint file."""
     if os.path.isdir(path):
-        path = megatron_dir_file(path)
+        tensors, skipped, _ = megatron_dir.load_dir(path)
+        return tensors, skipped
     kind = format_of(path)
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such file")
@@ -75,51 +78,10 @@ def load_with_skipped(path: str) -> tuple[Checkpoint, dict[str, str]]:
 
 
 def megatron_dir_file(path: str) -> str:
-    """The one file of a Megatron-LM ``--save`` directory (``--ckpt-format torch``) to read: the iteration named by
-    ``latest_checkpointed_iteration.txt`` (or the ``iter_NNNNNNN`` / ``release`` folder given), its single
-    ``mp_rank_00[_000]/model_optim_rng.pt``. A ``CheckpointError`` names what is missing or not readable yet."""
-    tracker = os.path.join(path, "latest_checkpointed_iteration.txt")
-    folder = path
-    if os.path.exists(tracker):
-        try:
-            with open(tracker, encoding="utf-8") as fh:
-                text = fh.read().strip()
-        except (OSError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"{tracker}: cannot read it ({err}); it names the iteration to load") from None
-        if text != "release" and not text.isdigit():
-            raise CheckpointError(f"{tracker}: holds {text[:40]!r}, not an iteration number or 'release'; pass the "
-                                  "iter_NNNNNNN folder itself")
-        folder = os.path.join(path, "release" if text == "release" else f"iter_{int(text):07d}")
-        if not os.path.isdir(folder):
-            raise CheckpointError(f"{path}: latest_checkpointed_iteration.txt names {text}, but {folder} is missing; "
-                                  "pass an iter_NNNNNNN folder that exists")
-    elif not re.fullmatch(r"iter_\d{7}|release", os.path.basename(os.path.normpath(path))):
-        iters = sorted(d for d in os.listdir(path) if re.fullmatch(r"iter_\d{7}", d))
-        if os.path.exists(os.path.join(path, ".metadata")) or any(n.endswith(".distcp") for n in os.listdir(path)):
-            raise CheckpointError(f"{path}: a torch_dist (distributed checkpoint) folder, which tensordiff does not "
-                                  "read yet; save with --ckpt-format torch, or convert it with Megatron-LM's "
-                                  "tools/checkpoint")
-        raise CheckpointError(f"{path}: a folder without latest_checkpointed_iteration.txt"
-                              + (f"; pass one of its iteration folders ({listing(iters)})" if iters else
-                                 f" or iter_NNNNNNN folders: not a Megatron-LM --save folder; tensordiff reads one "
-                                 f"file: {SUPPORTED}"))
-    if os.path.exists(os.path.join(folder, ".metadata")) or os.path.exists(os.path.join(folder, "common.pt")):
-        raise CheckpointError(f"{folder}: a torch_dist (distributed checkpoint) iteration, which tensordiff does not "
-                              "read yet; save with --ckpt-format torch, or convert it with Megatron-LM's "
-                              "tools/checkpoint")
-    ranks = sorted(d for d in os.listdir(folder) if re.fullmatch(r"mp_rank_\d{2}(_\d{3})?", d))
-    if not ranks:
-        raise CheckpointError(f"{folder}: holds no mp_rank_NN folder; a Megatron-LM --ckpt-format torch iteration "
-                              "keeps its model in mp_rank_00/model_optim_rng.pt")
-    if len(ranks) > 1:
-        raise CheckpointError(f"{folder}: {len(ranks)} model-parallel rank folders ({listing(ranks)}); joining TP/PP "
-                              "shards of a checkpoint is not done yet: pass one rank's model_optim_rng.pt, or save "
-                              "the run at TP=1, PP=1")
-    file = os.path.join(folder, ranks[0], "model_optim_rng.pt")
-    if not os.path.exists(file):
-        found = listing(sorted(os.listdir(os.path.join(folder, ranks[0])))) or "nothing"
-        raise CheckpointError(f"{os.path.dirname(file)}: no model_optim_rng.pt (holds {found})")
-    return file
+    """The folder of the iteration a Megatron-LM ``--save`` directory names (its ``latest_checkpointed_iteration.txt``),
+    or the ``iter_NNNNNNN`` / ``release`` folder given; a ``CheckpointError`` names what is missing. Kept for callers
+    that want the iteration folder; ``load_with_skipped`` reads it through ``megatron_dir.load_dir``."""
+    return megatron_dir.iteration_folder(path)
 
 
 def save(tensors: Checkpoint, path: str) -> int:

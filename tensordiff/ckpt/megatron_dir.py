@@ -1,0 +1,572 @@
+"""Megatron-LM ``--save`` folders read as one full (TP=1, PP=1) model, with the optimizer's state.
+
+    DIR/latest_checkpointed_iteration.txt     the last iteration saved ("release" also read)
+    DIR/iter_{J:07d}/                         --ckpt-format torch_dist: a PyTorch distributed checkpoint
+        .metadata, __R_K.distcp, common.pt, metadata.json
+    DIR/iter_{J:07d}/mp_rank_{tp:02d}[_{pp:03d}]/   --ckpt-format torch: one folder per model-parallel rank
+        model_optim_rng.pt [, distrib_optim.pt]
+
+``iterations(path)`` lists the saved iterations; ``load_dir(path, iteration=None)`` returns ``(tensors, skipped,
+info)``: the model under megatron-core's parameter names (``decoder.layers.0.self_attention.linear_qkv.weight``),
+the optimizer's moments as ``optimizer.exp_avg.<name>`` / ``optimizer.exp_avg_sq.<name>`` (full, the parameter's
+shape) and ``optimizer.fp32_param.<name>`` where the main parameters are kept in another dtype than the model's; and
+``info``: iteration, format, tp, pp, the optimizer's step, the scheduler's state, whether RNG states are saved, the
+saved ``args`` as plain values.
+
+Nothing is unpickled: ``.metadata`` goes through torch's weights-only unpickler allowing only torch.distributed.
+checkpoint's metadata classes, each tensor item of a ``.distcp`` file is read from its byte range with
+``torch.load(weights_only=True)``, ``common.pt`` and the ``.pt`` files through ``frameworks/torch_safe.py``. Torch is
+imported only when a folder is read. A folder that cannot be read, or not joined unambiguously, is one line naming
+what is missing or why.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from .._text import listing
+from ..errors import CheckpointError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_ITER = re.compile(r"iter_(\d{7})")
+_RANK = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
+
+#: tensor-parallel layout of megatron-core's GPT parameters (by the name's ending): column-parallel ones are cut
+#: along dim 0 (their biases too), row-parallel weights along dim 1 (their biases replicated); the rest replicated
+_COLUMN = ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias", "mlp.linear_fc1.weight",
+           "mlp.linear_fc1.bias", "embedding.word_embeddings.weight", "output_layer.weight", "output_layer.bias")
+_ROW = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
+#: megatron-core's sharded-state-dict keys of the local layer spec's norms (stored under Transformer Engine's names)
+_TE_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+             "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+             "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+             "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+_STATES = ("exp_avg", "exp_avg_sq")
+
+
+# ------------------------------------------------------------------------------------------------- folders
+def iterations(path: str) -> dict[int, str]:
+    """The checkpointed iterations of a ``--save`` folder: iteration -> its ``iter_NNNNNNN`` folder (sorted)."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: no such folder; pass a Megatron-LM --save folder")
+    found = {int(m.group(1)): os.path.join(path, d) for d in os.listdir(path)
+             if (m := _ITER.fullmatch(d)) and os.path.isdir(os.path.join(path, d))}
+    return dict(sorted(found.items()))
+
+
+def _tracker(path: str) -> str | None:
+    tracker = os.path.join(path, TRACKER)
+    if not os.path.exists(tracker):
+        return None
+    try:
+        with open(tracker, encoding="utf-8") as fh:
+            text = fh.read().strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{tracker}: cannot read it ({err}); it names the iteration to load") from None
+    if text != "release" and not text.isdigit():
+        raise CheckpointError(f"{tracker}: holds {text[:40]!r}, not an iteration number or 'release'; pass the "
+                              "iter_NNNNNNN folder itself")
+    return text
+
+
+def iteration_folder(path: str, iteration: int | None = None) -> str:
+    """The ``iter_NNNNNNN`` (or ``release``) folder to read: ``iteration``'s, else the tracker's; ``path`` may be that
+    folder itself."""
+    base = os.path.basename(os.path.normpath(path))
+    if iteration is None and (_ITER.fullmatch(base) or base == "release"):
+        return path
+    if iteration is not None:
+        folder = os.path.join(path, f"iter_{iteration:07d}")
+        if not os.path.isdir(folder):
+            saved = listing(str(i) for i in iterations(path)) or "none"
+            raise CheckpointError(f"{path}: no iteration {iteration} (iter_{iteration:07d} is missing; saved: {saved})")
+        return folder
+    text = _tracker(path)
+    if text is not None:
+        folder = os.path.join(path, "release" if text == "release" else f"iter_{int(text):07d}")
+        if not os.path.isdir(folder):
+            raise CheckpointError(f"{path}: {TRACKER} names {text}, but {folder} is missing; pass an iter_NNNNNNN "
+                                  "folder that exists")
+        return folder
+    iters = [os.path.basename(f) for f in iterations(path).values()]
+    raise CheckpointError(f"{path}: a folder without {TRACKER}"
+                          + (f"; pass one of its iteration folders ({listing(iters)})" if iters else
+                             " or iter_NNNNNNN folders: not a Megatron-LM --save folder"))
+
+
+def format_of(folder: str) -> str:
+    """'torch_dist' or 'torch' for an iteration folder."""
+    names = os.listdir(folder)
+    if ".metadata" in names or "common.pt" in names or any(n.endswith(".distcp") for n in names):
+        return "torch_dist"
+    if any(_RANK.fullmatch(n) for n in names):
+        return "torch"
+    raise CheckpointError(f"{folder}: holds neither a distributed checkpoint (.metadata, *.distcp, common.pt) nor "
+                          f"mp_rank_NN folders (holds {listing(sorted(names)) or 'nothing'}); not a Megatron-LM "
+                          "checkpoint iteration")
+
+
+def load_dir(path: str, iteration: int | None = None) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, Any]]:
+    """(tensors, skipped entries: name -> what, info) of a Megatron-LM ``--save`` folder (or one iteration folder)."""
+    folder = iteration_folder(path, iteration)
+    fmt = format_of(folder)
+    tensors, skipped, info = _load_dist(folder) if fmt == "torch_dist" else _load_torch(folder)
+    info = {"iteration": info.pop("iteration", None), "format": fmt, **info, "folder": folder}
+    return tensors, skipped, info
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _plain(value: Any, depth: int = 0) -> Any:
+    """A saved value as plain data (numbers, strings, bools, None; lists of them); anything else as its repr."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)) and depth < 2 and all(v is None or isinstance(v, (bool, int, float, str))
+                                                            for v in value):
+        return list(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    return repr(value)
+
+
+def _args_dict(args: Any) -> dict[str, Any]:
+    if args is None:
+        return {}
+    items = vars(args) if hasattr(args, "__dict__") and not isinstance(args, dict) else args
+    if not isinstance(items, dict):
+        return {"repr": repr(args)}
+    return {str(k): _plain(v) for k, v in sorted(items.items()) if not str(k).startswith("_")}
+
+
+def _scheduler(state: Any) -> dict[str, Any]:
+    if not isinstance(state, dict):
+        return {}
+    return {str(k): _plain(v) for k, v in state.items()}
+
+
+def _step(optimizer: Any) -> int | None:
+    """Adam's step count from a saved optimizer state dict (its param groups', or its per-parameter states')."""
+    if not isinstance(optimizer, dict):
+        return None
+    inner = optimizer.get("optimizer", optimizer)
+    steps = set()
+    for group in inner.get("param_groups", []) if isinstance(inner, dict) else []:
+        if isinstance(group, dict) and group.get("step") is not None:
+            steps.add(float(group["step"]))
+    for state in (inner.get("state", {}) or {}).values() if isinstance(inner, dict) else []:
+        if isinstance(state, dict) and "step" in state:
+            steps.add(float(np.asarray(_np(state["step"]))))
+    return int(max(steps)) if steps else None
+
+
+def _np(value: Any) -> Any:
+    from ..frameworks import torch as ftorch
+
+    return ftorch.to_numpy(value) if hasattr(value, "detach") else value
+
+
+def _is_tensor(value: Any) -> bool:
+    return type(value).__name__ in ("Tensor", "Parameter") and hasattr(value, "detach")
+
+
+def _local_names(tensors: dict[str, np.ndarray], args: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Transformer Engine's fused-norm names back to the local spec's when the run says it used the local spec."""
+    if args.get("transformer_impl") != "local":
+        return tensors
+    out = {}
+    for name, value in tensors.items():
+        for te, local in _TE_NORMS.items():
+            if name.endswith(te):
+                name = name[: -len(te)] + local
+                break
+        out[name] = value
+    return out
+
+
+# ----------------------------------------------------------------------------------------------- torch_dist
+def _load_dist(folder: str) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, Any]]:
+    from ..frameworks import torch_safe
+
+    meta_path = os.path.join(folder, ".metadata")
+    if not os.path.exists(meta_path):
+        raise CheckpointError(f"{folder}: no .metadata file (a torch_dist checkpoint keeps its index there); the save "
+                              "did not finish, or the folder was copied in part")
+    common_path = os.path.join(folder, "common.pt")
+    if not os.path.exists(common_path):
+        raise CheckpointError(f"{folder}: no common.pt (megatron-core keeps the iteration, args and optimizer groups "
+                              "there); the save did not finish, or the folder was copied in part")
+    for name in os.listdir(folder):  # any other pickle in the folder is never read
+        if name.endswith((".pt", ".pth", ".pkl", ".pickle")) and name != "common.pt":
+            raise CheckpointError(f"{os.path.join(folder, name)}: an unexpected pickle in a torch_dist folder; "
+                                  "tensordiff reads only .metadata, *.distcp and common.pt; fix: remove it or pass a "
+                                  "clean copy of the folder")
+    meta = torch_safe.load_dcp_metadata(meta_path)
+    try:
+        common = torch_safe.load(common_path)
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise CheckpointError(f"{common_path}: not a readable torch file ({str(err).splitlines()[0][:160]})") from None
+    if not isinstance(common, dict):
+        raise CheckpointError(f"{common_path}: holds a {type(common).__name__}, not megatron-core's common state dict")
+    args = _args_dict(common.get("args"))
+
+    storage = {(idx.fqn, tuple(idx.offset) if idx.offset is not None else None): info
+               for idx, info in meta.storage_data.items()}
+    files: dict[str, bytes] = {}
+
+    def item_bytes(fqn: str, offset: tuple | None) -> tuple[bytes, str]:
+        info = storage.get((fqn, offset))
+        if info is None:
+            raise CheckpointError(f"{meta_path}: no storage entry for {fqn} at offset {offset}; the metadata is "
+                                  "damaged or from another save")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"{os.path.join(folder, info.relative_path)}: item {fqn} is stored transformed "
+                                  f"({listing(map(str, info.transform_descriptors))}), which tensordiff does not read; "
+                                  "save without checkpoint compression/extensions")
+        file = os.path.join(folder, info.relative_path)
+        if info.relative_path not in files:
+            if not os.path.exists(file):
+                raise CheckpointError(f"{file}: missing; the metadata stores {fqn} there (a partial copy of the "
+                                      "checkpoint?)")
+            with open(file, "rb") as fh:
+                files[info.relative_path] = fh.read()
+        data = files[info.relative_path]
+        if info.offset + info.length > len(data):
+            raise CheckpointError(f"{file}: {len(data)} bytes, but the metadata stores {fqn} up to byte "
+                                  f"{info.offset + info.length}; the file is truncated")
+        return data[info.offset: info.offset + info.length], file
+
+    from ..frameworks import torch as ftorch
+
+    def chunk(fqn: str, offsets: tuple, sizes: tuple, dtype: Any) -> np.ndarray:
+        blob, file = item_bytes(fqn, offsets)
+        if blob[:4] == b"PK\x03\x04":  # a torch.save of the chunk (DCP's default serialisation)
+            value = torch_safe.load_bytes(blob, shown_as=f"{file} ({fqn})")
+            if not _is_tensor(value):
+                raise CheckpointError(f"{file}: item {fqn} holds a {type(value).__name__}, not a tensor")
+            arr = ftorch.to_numpy(value.contiguous())
+        else:  # raw bytes (DCP's safetensors-style serialisation)
+            arr = np.frombuffer(blob, dtype=_numpy_dtype(dtype)).reshape(sizes)
+        if tuple(arr.shape) != tuple(sizes):
+            arr = arr.reshape(sizes)
+        return arr
+
+    tensors: dict[str, np.ndarray] = {}
+    skipped: dict[str, str] = {}
+    rng = False
+    for fqn, md in meta.state_dict_metadata.items():
+        kind = type(md).__name__
+        if kind == "BytesStorageMetadata":  # megatron's ShardedObjects: _extra_state, rng_state, ...
+            if fqn.startswith("rng_state"):
+                rng = True
+            skipped[fqn.split("/")[0]] = "object"
+            continue
+        shape = tuple(md.size)
+        dtype = md.properties.dtype
+        full = np.zeros(shape, dtype=_numpy_dtype(dtype))
+        covered = 0
+        for c in md.chunks:
+            offsets, sizes = tuple(c.offsets), tuple(c.sizes)
+            region = tuple(slice(o, o + s) for o, s in zip(offsets, sizes))
+            full[region] = chunk(fqn, offsets, sizes, dtype)
+            covered += int(np.prod(sizes))
+        if covered != int(np.prod(shape)):
+            raise CheckpointError(f"{meta_path}: {fqn} {list(shape)} is covered by chunks of {covered} of its "
+                                  f"{int(np.prod(shape))} elements; a shard is missing")
+        tensors[fqn] = full
+
+    model: dict[str, np.ndarray] = {}
+    optim: dict[str, np.ndarray] = {}
+    for fqn, value in tensors.items():
+        m = re.fullmatch(r"optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)", fqn)
+        if m:
+            optim.update(_unstack(f"optimizer.{m.group(1)}.", m.group(2), value))
+        elif fqn.startswith("optimizer."):  # the distributed optimizer's bucket layout (dp_reshardable) and others
+            skipped[fqn] = "optimizer buffer"
+        else:
+            model.update(_unstack("", fqn, value))
+    model = _local_names(model, args)
+    optim = _local_names(optim, args)
+    out = dict(model)
+    for name, value in optim.items():
+        kind, param = name.split(".", 2)[1], name.split(".", 2)[2]
+        if kind in ("param", "fp32_param"):
+            if param in model and model[param].dtype == value.dtype:
+                continue  # the main parameters are the model's own (same dtype)
+            kind = "fp32_param"
+        out[f"optimizer.{kind}.{param}"] = value
+    opt_common = common.get("optimizer")
+    info = {"iteration": common.get("iteration"), "tp": args.get("tensor_model_parallel_size"),
+            "pp": args.get("pipeline_model_parallel_size"), "step": _step(opt_common),
+            "scheduler": _scheduler(common.get("opt_param_scheduler")), "rng_state": rng or "rng_state" in common,
+            "checkpoint_version": _plain(common.get("checkpoint_version")), "args": args}
+    if isinstance(opt_common, dict) and opt_common.get("param_state_sharding_type"):
+        info["optimizer_layout"] = opt_common["param_state_sharding_type"]
+    if any(v == "optimizer buffer" for v in skipped.values()):
+        info["optimizer_note"] = ("the distributed optimizer's state is saved per bucket (dp_reshardable), not per "
+                                  "parameter: not mapped to parameter names")
+    return out, skipped, info
+
+
+def _numpy_dtype(dtype: Any) -> Any:
+    from .. import dtypes
+
+    name = str(dtype).replace("torch.", "")
+    if name in dtypes.NUMPY_DTYPES:
+        return dtypes.NUMPY_DTYPES[name]
+    return np.dtype(name)
+
+
+def _unstack(prefix: str, key: str, value: np.ndarray) -> dict[str, np.ndarray]:
+    """megatron-core stacks a transformer block's layers along a leading axis (``decoder.layers.X`` [num_layers, ...]):
+    one tensor per layer, ``decoder.layers.{i}.X``."""
+    m = re.fullmatch(r"((?:.+\.)?layers)\.([^0-9].*)", key)
+    if not m:
+        return {prefix + key: value}
+    return {f"{prefix}{m.group(1)}.{i}.{m.group(2)}": np.ascontiguousarray(value[i]) for i in range(value.shape[0])}
+
+
+# ----------------------------------------------------------------------------------------------------- torch
+def _load_torch(folder: str) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, Any]]:
+    from ..frameworks import torch_safe
+
+    ranks: dict[tuple[int, int], str] = {}
+    for d in os.listdir(folder):
+        m = _RANK.fullmatch(d)
+        if m:
+            ranks[(int(m.group(2) or 0), int(m.group(1)))] = os.path.join(folder, d)
+    pp = max(p for p, _ in ranks) + 1
+    tp = max(t for _, t in ranks) + 1
+    missing = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for p in range(pp) for t in range(tp)
+               if (p, t) not in ranks]
+    if missing:
+        raise CheckpointError(f"{folder}: {listing(missing)} missing of the {tp} x {pp} (TP x PP) rank folders; a "
+                              "shard of the model is not there")
+    states: dict[tuple[int, int], dict] = {}
+    for key, d in sorted(ranks.items()):
+        file = os.path.join(d, "model_optim_rng.pt")
+        if not os.path.exists(file):
+            raise CheckpointError(f"{d}: no model_optim_rng.pt (holds {listing(sorted(os.listdir(d))) or 'nothing'})")
+        try:
+            obj = torch_safe.load(file)
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(f"{file}: not a readable torch checkpoint ({str(err).splitlines()[0][:160]}); is "
+                                  "it truncated?") from None
+        if not isinstance(obj, dict):
+            raise CheckpointError(f"{file}: holds a {type(obj).__name__}, not Megatron-LM's checkpoint dict")
+        if "model" not in obj and any(re.fullmatch(r"model\d+", str(k)) for k in obj):
+            raise CheckpointError(f"{file}: holds {listing(sorted(k for k in obj if str(k).startswith('model')))}: "
+                                  "a virtual-pipeline checkpoint (several model chunks per stage), which tensordiff "
+                                  "does not join; save the run without --num-layers-per-virtual-pipeline-stage")
+        if not isinstance(obj.get("model"), dict):
+            raise CheckpointError(f"{file}: no 'model' state dict (holds {listing(sorted(map(str, obj)))})")
+        states[key] = obj
+    first = states[(0, 0)]
+    args = _args_dict(first.get("args"))
+    saved_tp, saved_pp = args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size")
+    if saved_tp not in (None, tp) or saved_pp not in (None, pp):
+        raise CheckpointError(f"{folder}: the saved args say TP={saved_tp}, PP={saved_pp}, but the folder holds "
+                              f"{tp} x {pp} rank folders; a partial or mixed copy")
+    if args.get("expert_model_parallel_size", 1) not in (None, 1) or any(
+            ".experts." in k for s in states.values() for k in s["model"]):
+        raise CheckpointError(f"{folder}: a mixture-of-experts checkpoint (expert parallel), which tensordiff does not "
+                              "join; convert it to TP=1 with Megatron-LM's tools/checkpoint first")
+
+    skipped: dict[str, str] = {}
+    per_stage: list[dict[str, np.ndarray]] = []
+    stage_layers: list[int] = []
+    for p in range(pp):
+        shards: list[dict[str, np.ndarray]] = []
+        for t in range(tp):
+            out = {}
+            for name, value in states[(p, t)]["model"].items():
+                if _is_tensor(value):
+                    out[str(name)] = _np(value.contiguous())
+                else:
+                    skipped[str(name)] = type(value).__name__
+            shards.append(out)
+        per_stage.append(_join_tp(shards, folder, p))
+        layers = {int(m.group(1)) for k in per_stage[-1] if (m := re.match(r"decoder\.layers\.(\d+)\.", k))}
+        stage_layers.append(max(layers) + 1 if layers else 0)
+    num_layers = args.get("num_layers") or sum(stage_layers)
+    if pp > 1 and (num_layers % pp or any(n != num_layers // pp for n in stage_layers)):
+        raise CheckpointError(f"{folder}: the pipeline stages hold {listing(map(str, stage_layers))} layers of "
+                              f"{num_layers}: an uneven split, which tensordiff does not renumber; save with layers "
+                              "divisible by the pipeline size")
+    model: dict[str, np.ndarray] = {}
+    for p, stage in enumerate(per_stage):
+        offset = p * (num_layers // pp) if pp > 1 else 0
+        for name, value in stage.items():
+            m = re.match(r"decoder\.layers\.(\d+)\.(.*)", name)
+            model[f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else name] = value
+
+    info: dict[str, Any] = {"iteration": first.get("iteration"), "tp": tp, "pp": pp,
+                            "step": _step(first.get("optimizer")),
+                            "scheduler": _scheduler(first.get("opt_param_scheduler")),
+                            "rng_state": bool(first.get("rng_state")),
+                            "checkpoint_version": _plain(first.get("checkpoint_version")), "args": args}
+    optim, note = _torch_optimizer(folder, ranks, states, tp, pp, num_layers)
+    if note:
+        info["optimizer_note"] = note
+    out = dict(model)
+    for name, value in optim.items():
+        kind, param = name.split(".", 2)[1], name.split(".", 2)[2]
+        if kind == "param":
+            if param in model and model[param].dtype == value.dtype:
+                continue
+            kind = "fp32_param"
+        out[f"optimizer.{kind}.{param}"] = value
+    return out, skipped, info
+
+
+def _gated(shards: list[dict[str, np.ndarray]], name: str) -> bool:
+    """Whether ``linear_fc1`` is gated (SwiGLU: [gate; up]): it has twice the rows of ``linear_fc2``'s columns."""
+    fc2 = name.replace("linear_fc1.weight", "linear_fc2.weight").replace("linear_fc1.bias", "linear_fc2.weight")
+    if fc2 not in shards[0]:
+        return False
+    return shards[0][name].shape[0] == 2 * shards[0][fc2].shape[1]
+
+
+def _join_tp(shards: list[dict[str, np.ndarray]], folder: str, stage: int) -> dict[str, np.ndarray]:
+    """One pipeline stage's tensor-parallel shards joined (megatron-core's partition dims)."""
+    if len(shards) == 1:
+        return shards[0]
+    names = list(shards[0])
+    for t, s in enumerate(shards[1:], 1):
+        if set(s) != set(names):
+            odd = sorted(set(s) ^ set(names))
+            raise CheckpointError(f"{folder}: tensor-parallel rank {t} of stage {stage} holds other tensors than rank "
+                                  f"0 ({listing(odd[:3])}); not shards of one model")
+    out = {}
+    for name in names:
+        parts = [s[name] for s in shards]
+        if name.endswith(_COLUMN):
+            if "linear_fc1" in name and _gated(shards, name):  # rank r holds [gate_r; up_r]
+                halves = [np.split(p, 2, axis=0) for p in parts]
+                out[name] = np.concatenate([h[0] for h in halves] + [h[1] for h in halves], axis=0)
+            else:
+                out[name] = np.concatenate(parts, axis=0)
+        elif name.endswith(_ROW):
+            out[name] = np.concatenate(parts, axis=1)
+        else:
+            out[name] = parts[0]
+    return out
+
+
+def _torch_optimizer(folder: str, ranks: dict, states: dict, tp: int, pp: int,
+                     num_layers: int) -> tuple[dict[str, np.ndarray], str | None]:
+    """The optimizer's moments per parameter from ``distrib_optim.pt`` (the distributed optimizer: flat buffers laid
+    out as megatron-core's gradient buffer) or from the ``optimizer`` entry (torch's state by parameter index)."""
+    from ..frameworks import torch_safe
+
+    per_stage: list[dict[str, np.ndarray]] = []
+    for p in range(pp):
+        shards = []
+        for t in range(tp):
+            model = {k: v for k, v in states[(p, t)]["model"].items() if _is_tensor(v)}
+            file = os.path.join(ranks[(p, t)], "distrib_optim.pt")
+            if os.path.exists(file):
+                got, note = _distrib_optim(torch_safe.load(file), model, file)
+            else:
+                got, note = _torch_optim_state(states[(p, t)].get("optimizer"), model, ranks[(p, t)])
+            if note:
+                return {}, note
+            shards.append(got)
+        joined = {}
+        for kind in ("param",) + _STATES:
+            sub = {k[len(kind) + 1:]: v for k, v in shards[0].items() if k.startswith(kind + ".")}
+            if not sub:
+                continue
+            parts = [{k[len(kind) + 1:]: v for k, v in s.items() if k.startswith(kind + ".")} for s in shards]
+            joined.update({f"{kind}.{k}": v for k, v in _join_tp(parts, folder, p).items()})
+        per_stage.append(joined)
+    out = {}
+    for p, stage in enumerate(per_stage):
+        offset = p * (num_layers // pp) if pp > 1 else 0
+        for name, value in stage.items():
+            kind, param = name.split(".", 1)
+            m = re.match(r"decoder\.layers\.(\d+)\.(.*)", param)
+            param = f"decoder.layers.{int(m.group(1)) + offset}.{m.group(2)}" if m else param
+            out[f"optimizer.{kind}.{param}"] = value
+    return out, None
+
+
+def _distrib_optim(state: Any, model: dict, file: str) -> tuple[dict[str, np.ndarray], str | None]:
+    """Split the distributed optimizer's gathered buffers (``save_parameter_state``) into per-parameter tensors:
+    megatron-core lays the parameters out in reverse order, each starting at a multiple of 64 elements; checked
+    against the saved ``numel_unpadded`` (a layout of several buckets is reported, not guessed)."""
+    if not isinstance(state, dict):
+        return {}, f"{file}: holds a {type(state).__name__}, not the distributed optimizer's state"
+    buffers = [v for k, v in state.items() if isinstance(k, int)]
+    if len(buffers) != 1 or not isinstance(buffers[0], dict) or len(buffers[0]) != 1:
+        return {}, f"{file}: {len(buffers)} gradient buffers (several dtypes or experts): not mapped to parameters"
+    world = next(iter(buffers[0].values()))
+    params = [(n, v) for n, v in model.items() if not n.endswith("_extra_state")]
+    start, layout = 0, []
+    for name, value in reversed(params):
+        start = -(-start // 64) * 64
+        layout.append((name, start, tuple(value.shape)))
+        start += int(np.prod(value.shape))
+    total = int(world.get("numel_unpadded", -1))
+    if start != total:
+        return {}, (f"{file}: the parameters fill {start} elements laid out as one bucket, the buffer holds {total}: "
+                    "several buckets (--ddp-bucket-size) or another layout; optimizer state not mapped to parameters")
+    out = {}
+    for key in ("param",) + _STATES:
+        flat = _np(world[key])
+        for name, begin, shape in layout:
+            out[f"{key}.{name}"] = np.ascontiguousarray(flat[begin: begin + int(np.prod(shape))].reshape(shape))
+    return out, None
+
+
+def _torch_optim_state(optimizer: Any, model: dict, where: str) -> tuple[dict[str, np.ndarray], str | None]:
+    """torch's optimizer state (by parameter index) of megatron-core's non-distributed optimizer: its param groups in
+    order, each listing its parameters in the model's order (weights that decay first, then the 1-D parameters and
+    biases megatron-core exempts); checked against each state's shape."""
+    inner = optimizer.get("optimizer") if isinstance(optimizer, dict) else None
+    if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
+        return {}, f"{where}: no optimizer state saved (--no-save-optim?)"
+    params = [(n, v) for n, v in model.items() if not n.endswith("_extra_state")]
+    groups = inner["param_groups"]
+    exempt = [n for n, v in params if v.ndim == 1 or n.endswith(".bias")]
+    decayed = [n for n, v in params if n not in exempt]
+    order: list[str] = []
+    if len(groups) == 1:
+        order = [n for n, _ in params]
+    elif len(groups) == 2 and [g.get("wd_mult") for g in groups] == [1.0, 0.0]:
+        order = decayed + exempt
+    indices = [i for g in groups for i in g.get("params", [])]
+    shapes = dict(params)
+    if len(order) != len(indices):
+        return {}, f"{where}: {len(indices)} optimizer parameters in {len(groups)} groups; not mapped to the model's"
+    out = {}
+    for name, idx in zip(order, indices):
+        st = inner["state"].get(idx, {})
+        for key in _STATES:
+            if key in st:
+                value = _np(st[key])
+                if value.shape != shapes[name].shape:
+                    return {}, (f"{where}: optimizer state {idx} is {list(value.shape)}, parameter {name} "
+                                f"{list(shapes[name].shape)}; the order is not megatron-core's: not mapped")
+                out[f"{key}.{name}"] = value
+    return out, None
+
+
+def describe(info: dict[str, Any]) -> str:
+    """One line: 'iteration 3, torch_dist, TP=1 PP=1, Adam step 3, lr 6.5e-04'."""
+    sched = info.get("scheduler") or {}
+    parts = [f"iteration {info.get('iteration')}", str(info.get("format")), f"TP={info.get('tp')} PP={info.get('pp')}"]
+    if info.get("step") is not None:
+        parts.append(f"optimizer step {info['step']}")
+    if sched.get("num_steps") is not None:
+        parts.append(f"scheduler at {sched['num_steps']} samples")
+    return ", ".join(parts)
+
+
+__all__ = ["iterations", "iteration_folder", "load_dir", "format_of", "describe"]
