@@ -44,6 +44,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true", help="do not load the RNG states")
     g.add_argument("--finetune", action="store_true", help="load the weights only; the iteration restarts at 0")
     s = p.add_argument_group("learning rate and weight decay (as Megatron-LM)")
+    s.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on --load, keep this command's learning-rate and weight-decay schedule (default: it must "
+                        "match the checkpoint's, as Megatron-LM asserts)")
+    s.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on --load, take the schedule saved in the checkpoint")
     s.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="constant")
     s.add_argument("--lr-warmup-iters", type=int, default=0)
     s.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
@@ -79,7 +84,8 @@ def scheduler(args: argparse.Namespace, optimizer):
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * gbs,
         lr_decay_steps=decay_iters * gbs, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
         end_wd=args.weight_decay, wd_incr_steps=args.steps * gbs, wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False)
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler)
 
 
 # ------------------------------------------------------------------------------------------------------ names

@@ -49,7 +49,8 @@ def add_parsers(sub: Any) -> None:
                                                                   "(default ./locate)")
     p.add_argument("--tensors", choices=("all", "first", "none"), default="all",
                    help="full tensors of every resumed step (default), of the first, or statistics only")
-    p.add_argument("--run", action="store_true", help="run both resumed commands, then diff their captures")
+    p.add_argument("--run", dest="execute", action="store_true", help="run both resumed commands, then diff their "
+                                                                          "captures")
     p.add_argument("--mapping", help="rename rules from B's names to A's for the diff (default: found automatically)")
     add_var(p)
     p.add_argument("--json", metavar="FILE", help="also write a machine-readable report")
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                                    warmup=args.warmup, step=args.step, tensors=args.tensors)
     out = console(args)
     result = None
-    if args.run:
+    if args.execute:
         for side in (plan.a, plan.b):
             out.print(f"running {side.name} (log: {side.log}) ...")
             _run_side(side)

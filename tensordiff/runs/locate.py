@@ -130,15 +130,21 @@ def _flag(command: list[str], name: str) -> str | None:
     return None
 
 
-def megatron_resume(command: list[str], load: str | None, iteration: int, stop: int) -> list[str]:
+def megatron_resume(command: list[str], load: str | None, iteration: int, stop: int, own: bool = True) -> list[str]:
     """A Megatron-LM command resumed from ``load`` at ``iteration`` (None: from its own start), stopping after
-    iteration ``stop`` without saving."""
+    iteration ``stop`` without saving. From another run's checkpoint (``own=False``), the command keeps its own
+    learning-rate schedule (``--override-opt_param-scheduler``; Megatron-LM otherwise asserts that it matches the
+    checkpoint's, or with ``--use-checkpoint-opt_param-scheduler`` takes the other run's)."""
     if load is None:  # from the start: keep what the run loaded at the start (its initial checkpoint)
         keep = {k: v for k, v in _MEGATRON_DROP.items() if k not in ("--load", "--finetune", "--no-load-optim",
                                                                       "--no-load-rng", "--ckpt-step")}
         return _without(command, keep) + ["--exit-interval", str(stop)]
-    return _without(command, _MEGATRON_DROP) + ["--load", load, "--ckpt-step", str(iteration),
-                                                "--exit-interval", str(stop)]
+    resumed = _without(command, _MEGATRON_DROP) + ["--load", load, "--ckpt-step", str(iteration),
+                                                   "--exit-interval", str(stop)]
+    if not own:
+        resumed = _without(resumed, {"--use-checkpoint-opt_param-scheduler": 0, "--override-opt_param-scheduler": 0})
+        resumed.append("--override-opt_param-scheduler")
+    return resumed
 
 
 def mindformers_resume(command: list[str], load: str | None, iteration: int, stop: int, out: str,
@@ -215,7 +221,7 @@ def plan_locate(run_a: str, run_b: str, ckpt_a: str, ckpt_b: str | None, cmd_a: 
         load = source_saved.get(j) if j else None
         files: dict[str, str] = {}
         if kind == "megatron":
-            resumed = megatron_resume(cmd, source if j else None, j, stop)
+            resumed = megatron_resume(cmd, source if j else None, j, stop, own=source == own)
         else:
             resumed, files = mindformers_resume(cmd, load, j, stop, out, name)
         capture = os.path.abspath(os.path.join(out, f"{name.lower()}.h5"))
