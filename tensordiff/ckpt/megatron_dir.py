@@ -572,4 +572,4 @@ def describe(info: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-__all__ = ["iterations", "iteration_folder", "load_dir", "format_of", "describe"]
+__all__ = ["describe", "format_of", "iteration_folder", "iterations", "load_dir"]
