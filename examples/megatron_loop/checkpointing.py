@@ -249,7 +249,8 @@ def _iteration_to_load(args: argparse.Namespace) -> int | None:
     tracker = os.path.join(args.load, TRACKER)
     if not os.path.exists(tracker):
         return None
-    text = open(tracker, encoding="utf-8").read().strip()
+    with open(tracker, encoding="utf-8") as fh:
+        text = fh.read().strip()
     if not text.isdigit():
         raise SystemExit(f"{tracker}: holds {text!r}, not an iteration number; pass --ckpt-step")
     return int(text)

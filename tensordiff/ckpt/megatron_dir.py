@@ -371,8 +371,11 @@ def _load_torch(folder: str) -> tuple[dict[str, np.ndarray], dict[str, str], dic
     args = _args_dict(first.get("args"))
     saved_tp, saved_pp = args.get("tensor_model_parallel_size"), args.get("pipeline_model_parallel_size")
     if saved_tp not in (None, tp) or saved_pp not in (None, pp):
-        raise CheckpointError(f"{folder}: the saved args say TP={saved_tp}, PP={saved_pp}, but the folder holds "
-                              f"{tp} x {pp} rank folders; a partial or mixed copy")
+        want_tp, want_pp = saved_tp or tp, saved_pp or pp
+        gone = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if want_pp > 1 else "") for p in range(want_pp)
+                for t in range(want_tp) if (p, t) not in ranks]
+        raise CheckpointError(f"{folder}: {listing(gone) or 'no rank folder'} missing of the {want_tp} x {want_pp} "
+                              f"(TP x PP) rank folders its saved args name (holds {tp} x {pp}); a partial copy")
     if args.get("expert_model_parallel_size", 1) not in (None, 1) or any(
             ".experts." in k for s in states.values() for k in s["model"]):
         raise CheckpointError(f"{folder}: a mixture-of-experts checkpoint (expert parallel), which tensordiff does not "
@@ -569,4 +572,4 @@ def describe(info: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-__all__ = ["iterations", "iteration_folder", "load_dir", "format_of", "describe"]
+__all__ = ["describe", "format_of", "iteration_folder", "iterations", "load_dir"]

@@ -166,14 +166,15 @@ def _protocol2(data: bytes, shown_as: str) -> bytes:
         elif name in ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"):
             out.append(("str", arg))
         elif name in ("MEMOIZE", "BINPUT", "LONG_BINPUT"):
-            idx = memo_next if name == "MEMOIZE" else arg
+            idx = memo_next if name == "MEMOIZE" else int(arg)  # type: ignore[arg-type]
             memo_next = max(memo_next, idx + 1)
             if out and out[-1][0] == "str":
                 memo_str[idx] = out[-1][1]
             else:
                 out.append(("raw", b"r" + struct.pack("<I", idx)))
         elif name in ("BINGET", "LONG_BINGET"):
-            out.append(("str", memo_str[arg]) if arg in memo_str else ("raw", b"j" + struct.pack("<I", arg)))
+            got = int(arg)  # type: ignore[arg-type]
+            out.append(("str", memo_str[got]) if got in memo_str else ("raw", b"j" + struct.pack("<I", got)))
         elif name == "STACK_GLOBAL":
             if len(out) < 2 or out[-1][0] != "str" or out[-2][0] != "str":
                 raise CheckpointError(f"{shown_as}: refused: a pickle that computes the name of what it loads "
@@ -197,7 +198,7 @@ def _pickle_globals(data: bytes) -> list[str]:
     """The names a (protocol 2) pickle loads, found by parsing it (nothing run)."""
     import pickletools
 
-    return [arg.replace(" ", ".") for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"]
+    return [str(arg).replace(" ", ".") for op, arg, _ in pickletools.genops(data) if op.name == "GLOBAL"]
 
 
 def load_dcp_metadata(path: str) -> Any:
