@@ -5,6 +5,8 @@
 | ``.safetensors`` | the ``safetensors`` package (torch- and MindSpore-written files alike) | safetensors |
 | ``.pt``, ``.pth`` | ``torch.load(..., weights_only=True)`` / ``torch.save`` | torch |
 | ``.ckpt`` | ``mindspore.load_checkpoint`` / ``mindspore.save_checkpoint`` | mindspore |
+| a MindFormers folder | its Trainer's checkpoints (``mindformers_dir``: legacy ``rank_R/*.ckpt`` or 2.0
+  ``iteration_NNNNNNNN/``), the last step saved, weights and Adam moments | mindspore (legacy) |
 | a folder | Megatron-LM's ``--save`` (``--ckpt-format torch``, TP=PP=1): the ``model_optim_rng.pt`` of the iteration its
   ``latest_checkpointed_iteration.txt`` names, or of the ``iter_NNNNNNN`` folder given | torch |
 
@@ -28,6 +30,7 @@ from .. import dtypes, frameworks
 from .._text import first_line, listing, plural
 from ..errors import CheckpointError
 from ..transforms import contiguous
+from . import mindformers_dir
 from .plan import Checkpoint
 
 FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".ckpt": "mindspore"}
@@ -46,7 +49,7 @@ _ST_DTYPES: dict[str, Any] = {
 def format_of(path: str) -> str:
     """'safetensors', 'torch' or 'mindspore', from the suffix ('torch' for a Megatron-LM --save folder)."""
     if os.path.isdir(path):
-        return "torch"
+        return "mindspore" if mindformers_dir.is_mindformers_dir(path) else "torch"
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in FORMATS:
         raise CheckpointError(f"{path}: unknown checkpoint format {suffix or '(no suffix)'!r}; supported: {SUPPORTED}")
@@ -60,6 +63,8 @@ def load(path: str) -> Checkpoint:
 
 def load_with_skipped(path: str) -> tuple[Checkpoint, dict[str, str]]:
     """(tensors, skipped entries: name -> type) of a checkpoint file."""
+    if os.path.isdir(path) and mindformers_dir.is_mindformers_dir(path):
+        return mindformers_dir.load_dir(path)[:2]
     if os.path.isdir(path):
         path = megatron_dir_file(path)
     kind = format_of(path)

@@ -56,10 +56,10 @@ CKPT_DTYPES = {np.dtype(t) for t in (np.float64, np.float32, np.float16, ml_dtyp
                                      np.int16, np.int8, np.uint64, np.uint32, np.uint16, np.uint8, np.bool_)}
 
 
-def load_checkpoint(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(tensors, skipped entries) of a ``.ckpt`` file (``mindspore.load_checkpoint``)."""
+def load_checkpoint(path: str, names: tuple[str, ...] | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(tensors, skipped entries) of a ``.ckpt`` file (``mindspore.load_checkpoint``); ``names``: only these entries."""
     try:
-        params = ms.load_checkpoint(path)
+        params = ms.load_checkpoint(path, choice_func=None if names is None else (lambda name: name in names))
     except (ValueError, RuntimeError, OSError, TypeError) as err:
         raise CheckpointError(f"{path}: not a readable MindSpore checkpoint ({first_line(err)})") from None
     out: dict[str, np.ndarray] = {}
