@@ -91,12 +91,12 @@ def test_data_parallel_ranks_read_rank_0_and_sharded_ones_are_refused(legacy, tm
     ckpt = tmp_path / "checkpoint"
     shutil.copytree(legacy.checkpoint, ckpt)
     shutil.copytree(ckpt / "rank_0", ckpt / "rank_1")  # what a data-parallel run writes: the same tensors
-    for s, f in FILES.items():
+    for f in FILES.values():
         os.rename(ckpt / "rank_1" / f, ckpt / "rank_1" / f.replace("rank_0", "rank_1"))
-    tensors, _, info = load_dir(str(ckpt), 4)
+    info = load_dir(str(ckpt), 4)[2]
     assert info["ranks"] == [0, 1] and info["parallel"] == \
         "2 ranks with the same names and shapes (data-parallel replicas): rank 0 read"
-    shard = {k: v for k, v in ckpt_files.load(str(ckpt / "rank_1" / "llama_tiny_rank_1-4_1.ckpt")).items()}
+    shard = dict(ckpt_files.load(str(ckpt / "rank_1" / "llama_tiny_rank_1-4_1.ckpt")))
     shard["model.layers.0.attention.wq.weight"] = shard["model.layers.0.attention.wq.weight"][:32]
     shard["step_num"] = np.array(4, np.int64)
     os.remove(ckpt / "rank_1" / "llama_tiny_rank_1-4_1.ckpt")
@@ -135,8 +135,17 @@ def test_bad_folders_say_what_is_missing(legacy, v2, tmp_path):
     assert _error(it) == (f"{it}: no PREFIX-model-NNNNNNN-NNNNNNN.safetensors (it holds common.json, "
                           "llama_tiny-opt-0000000-0000001.safetensors); an iteration folder of an unfinished save? "
                           "load another step")
+    from tensordiff.frameworks.mindspore import save_checkpoint
+
+    bare = tmp_path / "e" / "rank_0"
+    bare.mkdir(parents=True)
+    save_checkpoint({"w": np.ones(3, np.float32)}, str(bare / "net_rank_0-3_2.ckpt"))  # not a CheckpointMonitor's
+    with pytest.raises(CheckpointError, match=r"net_rank_0-3_2\.ckpt: holds no step_num or global_step entry \(not "
+                       r"saved by MindFormers' CheckpointMonitor\?\); its name says epoch 3, step 2 of that epoch, not a "
+                       r"global step: pass the file itself$"):
+        iterations(str(bare))
     assert _error(tmp_path) == (f"{tmp_path}: not a MindFormers checkpoint folder: no rank_R/ or iteration_NNNNNNNN/ "
-                                "folder (it holds a, b, d); pass the Trainer's output/checkpoint folder")
+                                "folder (it holds a, b, d, e); pass the Trainer's output/checkpoint folder")
 
 
 def test_ckpt_diff_and_convert_take_the_folders(legacy, v2, tmp_path, capsys):

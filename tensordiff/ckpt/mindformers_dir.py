@@ -1,11 +1,12 @@
 """Read the checkpoint folder a MindFormers 1.9 Trainer writes, optimizer state included.
 
-Two layouts (``CheckpointMonitor`` in the YAML's ``callbacks``; /work/shared/notes/mindformers-checkpoints.md):
+Two layouts (``CheckpointMonitor`` in the YAML's ``callbacks``; docs/checkpoints.md):
 
-| layout | folders and files | step of a save |
-|---|---|---|
-| legacy (default) | ``checkpoint/rank_R/PREFIX_rank_R-E_S.ckpt`` + ``meta.json``, one folder per rank | the file's ``step_num`` entry |
-| 2.0 (``use_legacy_format: False``) | ``checkpoint/iteration_NNNNNNNN/`` with ``PREFIX-model-I-N.safetensors``, ``PREFIX-opt-I-N.safetensors``, ``common.json``; ``latest_checkpointed_iteration.txt`` | the folder's number |
+- legacy (the default): ``checkpoint/rank_R/PREFIX_rank_R-E_S.ckpt`` + ``meta.json``, one folder per rank; the step
+  of a save is the file's ``step_num`` entry;
+- 2.0 (``use_legacy_format: False``): ``checkpoint/iteration_NNNNNNNN/`` holding ``PREFIX-model-I-N.safetensors``,
+  ``PREFIX-opt-I-N.safetensors`` and ``common.json``, plus ``latest_checkpointed_iteration.txt``; the step is the
+  folder's number.
 
 The path given may be the run's output folder (``output/``), its ``checkpoint/`` folder, one ``rank_R/`` folder or one
 ``iteration_NNNNNNNN/`` folder. The legacy name's ``E_S`` is epoch E, step S *within* the epoch: not a global step
@@ -87,7 +88,7 @@ def load_dir(path: str, step: int | None = None) -> tuple[dict[str, np.ndarray],
                             "ranks": sorted(ranks), "rank": 0}
     if kind == "legacy":
         tensors, skipped = _read_legacy(steps[step], steps, info)
-        info.update(format="mindformers-ckpt", rank=int(RANK_DIR.fullmatch(os.path.basename(where)).group(1)))
+        info.update(format="mindformers-ckpt", rank=int(os.path.basename(where)[len("rank_"):]))
         info["parallel"] = _check_ranks(tensors, ranks, where, step)
     else:
         tensors, skipped = _read_v2(steps[step], info)
@@ -147,10 +148,10 @@ def _file_step(file: str) -> int:
     for name in ("step_num", "global_step"):
         if name in entries:
             return int(np.asarray(entries[name]).reshape(-1)[0])
-    m = LEGACY_FILE.fullmatch(os.path.basename(file))
+    epoch, _, step = os.path.basename(file)[:-len(".ckpt")].rpartition("-")[2].partition("_")
     raise CheckpointError(f"{file}: holds no step_num or global_step entry (not saved by MindFormers' "
-                          f"CheckpointMonitor?); its name says epoch {m.group('epoch')}, step {m.group('step')} of that "
-                          "epoch, not a global step: pass the file itself")
+                          f"CheckpointMonitor?); its name says epoch {epoch}, step {step} of that epoch, not a global "
+                          "step: pass the file itself")
 
 
 def _read(file: str, names: tuple[str, ...] | None = None, steps: dict[int, str] | None = None) -> dict[str, np.ndarray]:
@@ -190,7 +191,7 @@ def _check_ranks(tensors: dict[str, np.ndarray], ranks: dict[int, str], rank_dir
     if differ:
         name = differ[0]
         what = (f"{name} is {tensors[name].shape if name in tensors else 'absent'} in rank 0, "
-                f"{shapes[name] if name in shapes else 'absent'} in rank {last}")
+                f"{shapes.get(name, 'absent')} in rank {last}")
         raise CheckpointError(f"{os.path.dirname(rank_dir)}: the ranks hold sharded tensors ({what}), which tensordiff "
                               "does not join: merge them with mindspore.parallel.transform_checkpoints(checkpoint_dir, "
                               "out_dir, prefix, src_strategy_file=<output>/strategy/ckpt_strategy.ckpt, "
