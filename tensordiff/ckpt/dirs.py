@@ -31,14 +31,12 @@ def saved_steps(path: str) -> dict[int, str]:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such folder; pass the folder the run saved its checkpoints in (Megatron-LM's "
                               "--save, MindFormers' output_dir/checkpoint)")
-    if is_megatron(path):
-        from . import megatron_dir
+    from . import megatron_dir, mindformers_dir
 
-        return {step: path for step in megatron_dir.iterations(path)}
-    from . import mindformers_dir
-
-    if mindformers_dir.is_mindformers(path):
+    if mindformers_dir.is_mindformers_dir(path):  # first: a 2.0 folder has Megatron's tracker file name too
         return mindformers_dir.iterations(path)
+    if is_megatron(path):
+        return {step: path for step in megatron_dir.iterations(path)}
     found = listing(sorted(os.listdir(path))[:6]) or "nothing"
     raise CheckpointError(f"{path}: neither a Megatron-LM --save folder (iter_NNNNNNN folders) nor a MindFormers "
                           f"checkpoint folder (rank_N/*.ckpt); it holds {found}")

@@ -5,6 +5,8 @@
 | ``.safetensors`` | the ``safetensors`` package (torch- and MindSpore-written files alike) | safetensors |
 | ``.pt``, ``.pth`` | ``torch.load(..., weights_only=True)`` / ``torch.save`` | torch |
 | ``.ckpt`` | ``mindspore.load_checkpoint`` / ``mindspore.save_checkpoint`` | mindspore |
+| a MindFormers folder | its Trainer's checkpoints (``mindformers_dir``: legacy ``rank_R/*.ckpt`` or 2.0
+  ``iteration_NNNNNNNN/``), the last step saved, weights and Adam moments | mindspore (legacy) |
 | a folder | Megatron-LM's ``--save`` (``--ckpt-format torch_dist`` or ``torch``, any TP/PP): the iteration its
   ``latest_checkpointed_iteration.txt`` names, or the ``iter_NNNNNNN`` folder given, joined into the full model with
   the optimizer's moments (``megatron_dir.py``) | torch |
@@ -29,7 +31,7 @@ from .. import dtypes, frameworks
 from .._text import first_line, listing, plural
 from ..errors import CheckpointError
 from ..transforms import contiguous
-from . import megatron_dir
+from . import megatron_dir, mindformers_dir
 from .plan import Checkpoint
 
 FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".ckpt": "mindspore"}
@@ -48,7 +50,7 @@ _ST_DTYPES: dict[str, Any] = {
 def format_of(path: str) -> str:
     """'safetensors', 'torch' or 'mindspore', from the suffix ('torch' for a Megatron-LM --save folder)."""
     if os.path.isdir(path):
-        return "torch"
+        return "mindspore" if mindformers_dir.is_mindformers_dir(path) else "torch"
     suffix = os.path.splitext(path)[1].lower()
     if suffix not in FORMATS:
         raise CheckpointError(f"{path}: unknown checkpoint format {suffix or '(no suffix)'!r}; supported: {SUPPORTED}")
@@ -62,6 +64,8 @@ def load(path: str) -> Checkpoint:
 
 def load_with_skipped(path: str) -> tuple[Checkpoint, dict[str, str]]:
     """(tensors, skipped entries: name -> type) of a checkpoint file."""
+    if os.path.isdir(path) and mindformers_dir.is_mindformers_dir(path):
+        return mindformers_dir.load_dir(path)[:2]
     if os.path.isdir(path):
         tensors, skipped, _ = megatron_dir.load_dir(path)
         return tensors, skipped

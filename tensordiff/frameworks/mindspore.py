@@ -56,14 +56,25 @@ CKPT_DTYPES = {np.dtype(t) for t in (np.float64, np.float32, np.float16, ml_dtyp
                                      np.int16, np.int8, np.uint64, np.uint32, np.uint16, np.uint8, np.bool_)}
 
 
-def load_checkpoint(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """(tensors, skipped entries) of a ``.ckpt`` file (``mindspore.load_checkpoint``)."""
+def load_checkpoint(path: str, names: tuple[str, ...] | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """(tensors, skipped entries) of a ``.ckpt`` file (``mindspore.load_checkpoint``); ``names``: only these entries."""
+    first: list[str] = []  # MindSpore refuses a choice that keeps nothing: the first entry is kept too, then dropped
+
+    def choose(name: str) -> bool:
+        if names is None or name in names:
+            return True
+        if not first:
+            first.append(name)
+        return name in first
+
     try:
-        params = ms.load_checkpoint(path)
+        params = ms.load_checkpoint(path, choice_func=choose)
     except (ValueError, RuntimeError, OSError, TypeError) as err:
         raise CheckpointError(f"{path}: not a readable MindSpore checkpoint ({first_line(err)})") from None
     out: dict[str, np.ndarray] = {}
     for name, param in params.items():
+        if names is not None and name not in names:
+            continue
         array = np.array(param.asnumpy(), copy=True)
         if param.dtype == ms.bfloat16:  # MindSpore's own numpy bfloat16 type: same bits, other dtype object
             array = array.view(np.uint16).view(ml_dtypes.bfloat16)
