@@ -36,7 +36,7 @@ def saved_steps(path: str) -> dict[int, str]:
     if mindformers_dir.is_mindformers_dir(path):  # first: a 2.0 folder has Megatron's tracker file name too
         return mindformers_dir.iterations(path)
     if is_megatron(path):
-        return {step: path for step in megatron_dir.iterations(path)}
+        return dict.fromkeys(megatron_dir.iterations(path), path)
     found = listing(sorted(os.listdir(path))[:6]) or "nothing"
     raise CheckpointError(f"{path}: neither a Megatron-LM --save folder (iter_NNNNNNN folders) nor a MindFormers "
                           f"checkpoint folder (rank_N/*.ckpt); it holds {found}")

@@ -19,7 +19,8 @@ from ..errors import UsageError
 from ..explain import diagnose
 from ..mapping import RenameRules
 from ..report.locate import LocateReport
-from ..runs.locate import MODES, LocatePlan, plan_locate
+from ..report.runs import RunsReport
+from ..runs.locate import MODES, LocatePlan, NothingToLocate, plan_locate
 from ._args import add_output, add_var, console, parse_vars, write_json
 
 EXAMPLE = ("example: tensordiff locate a.log b.log --ckpt-a ckpt_a --ckpt-b ckpt_b --cmd-a 'torchrun ... "
@@ -88,9 +89,16 @@ def _run_side(side: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    plan: LocatePlan = plan_locate(args.a, args.b, args.ckpt_a, args.ckpt_b, _split(args.cmd_a, "--cmd-a"),
-                                   _split(args.cmd_b, "--cmd-b"), args.out, mode=args.mode, threshold=args.threshold,
-                                   warmup=args.warmup, step=args.step, tensors=args.tensors)
+    try:
+        plan: LocatePlan = plan_locate(args.a, args.b, args.ckpt_a, args.ckpt_b, _split(args.cmd_a, "--cmd-a"),
+                                       _split(args.cmd_b, "--cmd-b"), args.out, mode=args.mode,
+                                       threshold=args.threshold, warmup=args.warmup, step=args.step, tensors=args.tensors)
+    except NothingToLocate as nothing:
+        out = console(args)
+        out.print(RunsReport(nothing.comparison))
+        out.print(str(nothing))
+        write_json(args.json, {"tensordiff_locate": 1, "step": None, "runs": nothing.comparison.as_dict()})
+        return 0
     out = console(args)
     result = None
     if args.execute:

@@ -42,6 +42,14 @@ _MEGATRON_DROP = {"--save": 1, "--save-interval": 1, "--exit-interval": 1, "--ex
                   "--finetune": 0, "--no-load-optim": 0, "--no-load-rng": 0, "--ckpt-step": 1, "--load": 1}
 
 
+class NothingToLocate(RunsError):
+    """The loss curves do not part: there is no step to resume before (``comparison`` says how close they stay)."""
+
+    def __init__(self, message: str, comparison: Comparison):
+        super().__init__(message)
+        self.comparison = comparison
+
+
 @dataclass
 class SidePlan:
     """One side's resume: where from, and the command that captures it."""
@@ -149,8 +157,10 @@ def megatron_resume(command: list[str], load: str | None, iteration: int, stop: 
 
 def mindformers_resume(command: list[str], load: str | None, iteration: int, stop: int, out: str,
                        name: str) -> tuple[list[str], dict[str, str]]:
-    """A MindFormers command on a copy of its YAML that resumes from ``load`` (the checkpoint file of ``iteration``)
-    and stops after ``stop``; returns the command and the YAML copy to write (path -> text)."""
+    """A MindFormers command on a copy of its YAML that resumes from ``load`` (the checkpoint of ``iteration``: a
+    legacy ``rank_R/*.ckpt`` file or a 2.0 ``iteration_NNNNNNNN`` folder) and stops after ``stop``
+    (``runner_config.stop_step``, the Trainer's global step); returns the command and the YAML copy to write (path ->
+    text). ``runner_config.epochs`` stays: it is the total, and the Trainer skips the steps already done."""
     config = _flag(command, "--config")
     if config is None or not os.path.exists(config):
         raise UsageError(f"{config or '--config'}: the MindFormers command's YAML is not there; pass the command as "
@@ -160,8 +170,14 @@ def mindformers_resume(command: list[str], load: str | None, iteration: int, sto
     if not isinstance(doc, dict):
         raise UsageError(f"{config}: not a MindFormers YAML (a mapping of sections)")
     if load is not None:
-        doc["load_checkpoint"] = os.path.abspath(load)
-        doc["resume_training"] = True
+        if os.path.isfile(load):  # legacy layout: the folder holding rank_R/, and the file's name to resume from
+            doc["load_checkpoint"] = os.path.abspath(os.path.dirname(os.path.dirname(load)))
+            doc["resume_training"] = os.path.basename(load)
+            doc["load_ckpt_format"] = "ckpt"
+        else:  # checkpoint 2.0: the iteration_NNNNNNNN folder
+            doc["load_checkpoint"] = os.path.abspath(load)
+            doc["resume_training"] = True
+            doc["load_ckpt_format"] = "safetensors"
     doc["output_dir"] = os.path.abspath(os.path.join(out, f"output_{name.lower()}"))
     runner = doc.setdefault("runner_config", {})
     if isinstance(runner, dict):
@@ -195,9 +211,8 @@ def plan_locate(run_a: str, run_b: str, ckpt_a: str, ckpt_b: str | None, cmd_a: 
     comparison = compare_runs(read_run(run_a), read_run(run_b), threshold=threshold, warmup=warmup)
     k = step if step is not None else comparison.first_over
     if k is None:
-        raise RunsError(f"the loss curves do not part: the relative loss error stays within {threshold:.2%} after "
-                        f"step {warmup} (max {comparison.max_rel_loss:.3g} at step {comparison.max_rel_step}); nothing "
-                        "to locate (pass --step K to look at a step anyway)")
+        raise NothingToLocate("The loss curves do not part: nothing to locate (pass --step K to look at an iteration "
+                              "anyway).", comparison)
     saved_a = saved_steps(ckpt_a)
     saved_b = saved_steps(ckpt_b) if ckpt_b else {}
     if mode == "own" and ckpt_b is None:

@@ -12,7 +12,8 @@ RoPE, no stored input, no bias) raises ``NotApplicable(reason)``, and ``run_chec
 ``CheckStatus`` per cause: tested, or not and why. Hints are ranked by ``explained``; only those that
 explain at least half of the gap are reported. One module per cause, one page each in
 docs/hints/: ``activation``, ``norm``, ``rope``, ``dtype``, ``layout``, ``factor``,
-``checkpoint``, ``update`` (the optimizer step); ``base`` holds the site, the fit they share and ``NotApplicable``. Framework-free: numpy on
+``checkpoint``, ``update`` (the optimizer step); ``base`` holds the site, the fit they share and
+``NotApplicable``. Framework-free: numpy on
 captured arrays.
 """
 

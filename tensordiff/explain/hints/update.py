@@ -79,7 +79,7 @@ def check_update(site: Site, result: DiffResult) -> Iterator[Hint]:
     differs = [k for k in common if after[k][0].verdict == "diverged"]
     evidence_lr = _lr_evidence(site, p)
     key = site.a.label
-    wa, wb = after[key][1], after[key][2]
+    wb = after[key][2]
 
     def rebuilt(update: dict[str, np.ndarray]) -> float:
         return rel_l2(w0[key] + update[key], wb) if wb.size else float("nan")
