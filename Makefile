@@ -11,7 +11,7 @@ FAULT  ?= none
 WIKITEXT2 ?= $(or $(TENSORDIFF_WIKITEXT2),../shared/data/wikitext-2)
 STEPS  ?= 300
 
-.PHONY: setup demo compare launchers wikitext2 test test-core lint clean
+.PHONY: setup demo compare launchers locate wikitext2 test test-core lint clean
 
 $(VENV)/.done: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,9 @@ wikitext2: setup
 # module fixtures made once), the slowest files handed out first (tests/conftest.py SLOW_FIRST). TEST_JOBS=0: one
 # process, in file order
 TEST_JOBS ?= 2
+locate: setup
+	$(PY) examples/locate/run.py
+
 test: setup
 	$(PY) -m pytest -q --durations=15 $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder)
 

@@ -1,0 +1,146 @@
+"""``tensordiff locate``: from the iteration where two long runs' loss curves part to the layer and the cause.
+
+End to end on the real megatron-core loop (examples/locate/run.py: two runs of 30 iterations, checkpoints every 10,
+B's cosine decay over 100 iterations instead of 300), and the resume commands it writes for both launchers."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import yaml
+
+from tensordiff.cli import main as cli
+from tensordiff.runs.locate import megatron_resume, mindformers_resume, plan_locate, side_kind
+
+pytest.importorskip("megatron.core")
+
+
+def _cosine(iteration: int, decay: int, warmup: int = 5, lr: float = 1e-3, min_lr: float = 1e-4) -> float:
+    """The learning rate megatron-core's scheduler gives after ``iteration`` steps (cosine, linear warm-up)."""
+    ratio = (iteration - warmup) / (decay - warmup)
+    return min_lr + (lr - min_lr) * 0.5 * (math.cos(math.pi * ratio) + 1.0)
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    from examples.locate import run
+
+    out = str(tmp_path_factory.mktemp("locate"))
+    assert run.main(["--iters", "30", "--out", out]) == 0
+    return out
+
+
+def _json(example, name):
+    with open(os.path.join(example, name), encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def test_runs_names_the_iteration_where_the_curves_part(example):
+    runs = _json(example, "runs.json")
+    assert runs["first_step_over_threshold"] == 22 and not runs["passed"]
+
+
+def test_shared_state_names_the_learning_rate(example):
+    doc = _json(example, "locate_shared.json")
+    assert (doc["step"], doc["resume"], doc["mode"]) == (22, 20, "shared")
+    assert doc["captured_iterations"] == [21, 23]
+    assert doc["b"]["loads"].endswith("ckpt_a") and "--override-opt_param-scheduler" in doc["b"]["command"]
+    # everything of iteration 21 agrees (one state, one batch); the weights after its update do not
+    assert (doc["iterations"][0]["iteration"], doc["iterations"][0]["diverged"]) == (21, 0)
+    first = doc["first_divergence"]
+    assert (first["iteration"], first["phase"], first["kind"]) == (22, "weights", "param")
+    top = doc["hints"][0]
+    assert top["cause"] == "optimizer-step" and top["details"]["fit"] == "lr"
+    assert top["details"]["factor"] == pytest.approx(_cosine(20, 100) / _cosine(20, 300), rel=1e-4)
+    assert top["explained"] > 0.99
+
+
+def test_own_state_says_how_far_the_weights_had_drifted(example):
+    doc = _json(example, "locate_own.json")
+    assert (doc["step"], doc["resume"], doc["mode"]) == (22, 20, "own")
+    assert doc["b"]["loads"].endswith("ckpt_b") and "--override-opt_param-scheduler" not in doc["b"]["command"]
+    drift = doc["weights_at_resume"]
+    assert drift["differ"] == drift["compared"] == 15 and 1e-4 < drift["worst_rel_l2"] < 1e-1
+    assert (doc["first_divergence"]["iteration"], doc["first_divergence"]["phase"]) == (21, "weights")
+    assert doc["hints"][0]["cause"] == "checkpoint"
+
+
+def test_curves_that_do_not_part_leave_nothing_to_locate(example, capsys):
+    code = cli(["locate", os.path.join(example, "a.log"), os.path.join(example, "a.log"), "--ckpt-a",
+                os.path.join(example, "ckpt_a"), "--ckpt-b", os.path.join(example, "ckpt_a"), "--cmd-a", "python t.py",
+                "--cmd-b", "python t.py", "--out", os.path.join(example, "none"), "--no-color"])
+    assert code == 0 and "The loss curves do not part: nothing to locate" in capsys.readouterr().out
+
+
+def test_plan_only_writes_the_commands(example, capsys):
+    a, b = (os.path.join(example, n) for n in ("a.log", "b.log"))
+    code = cli(["locate", a, b, "--ckpt-a", os.path.join(example, "ckpt_a"), "--ckpt-b", os.path.join(example, "ckpt_b"),
+                "--cmd-a", "torchrun --nproc-per-node 8 pretrain_gpt.py --save /ck/a --save-interval 10 --train-iters 30",
+                "--cmd-b", "torchrun --nproc-per-node 8 pretrain_gpt.py --save /ck/b --train-iters 30",
+                "--step", "15", "--out", os.path.join(example, "plan"), "--no-color", "--width", "200"])
+    text = capsys.readouterr().out
+    assert code == 0 and "Looking at iteration 15 (asked for)" in text
+    assert "--load " + os.path.join(example, "ckpt_a") + " --ckpt-step 10 --exit-interval 16" in text
+    assert "--save" not in text.split("resume commands")[1]
+
+
+def test_missing_checkpoint_folder_is_one_line(example, capsys):
+    code = cli(["locate", os.path.join(example, "a.log"), os.path.join(example, "b.log"), "--ckpt-a", "/no/such",
+                "--ckpt-b", "/no/such", "--cmd-a", "python t.py", "--cmd-b", "python t.py", "--out",
+                os.path.join(example, "bad")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "/no/such: no such folder" in err[0]
+
+
+# ------------------------------------------------------------------------- the commands, without running them
+def test_megatron_resume_flags():
+    cmd = ["torchrun", "pretrain_gpt.py", "--save", "/ck", "--save-interval=100", "--load", "/init", "--finetune",
+           "--train-iters", "5000", "--exit-interval", "1000"]
+    assert megatron_resume(cmd, "/ck", 1400, 1501) == [
+        "torchrun", "pretrain_gpt.py", "--train-iters", "5000", "--load", "/ck", "--ckpt-step", "1400",
+        "--exit-interval", "1501"]
+    # no checkpoint before K: the run starts as it did (its initial --load and --finetune kept), and stops after K+1
+    assert megatron_resume(cmd, None, 0, 8) == [
+        "torchrun", "pretrain_gpt.py", "--load", "/init", "--finetune", "--train-iters", "5000", "--exit-interval", "8"]
+    shared = megatron_resume(cmd + ["--use-checkpoint-opt_param-scheduler"], "/other", 1400, 1501, own=False)
+    assert shared[-1] == "--override-opt_param-scheduler" and "--use-checkpoint-opt_param-scheduler" not in shared
+
+
+def test_mindformers_resume_yaml(tmp_path):
+    config = tmp_path / "llama.yaml"
+    config.write_text(yaml.safe_dump({"output_dir": "./output", "runner_config": {"epochs": 6, "batch_size": 2},
+                                      "callbacks": [{"type": "MFLossMonitor"},
+                                                    {"type": "CheckpointMonitor", "save_checkpoint_steps": 2}]}))
+    assert side_kind(["python", "run_mindformer.py", "--config", str(config)]) == "mindformers"
+    assert side_kind(["torchrun", "pretrain_gpt.py", "--config-file", "x.yaml"]) == "megatron"
+    legacy = tmp_path / "output" / "checkpoint" / "rank_0" / "llama_rank_0-4_1.ckpt"
+    legacy.parent.mkdir(parents=True)
+    legacy.write_bytes(b"")
+    cmd, files = mindformers_resume(["python", "run_mindformer.py", "--config", str(config)], str(legacy), 4, 6,
+                                    str(tmp_path / "out"), "B")
+    (path, text), = files.items()
+    assert cmd == ["python", "run_mindformer.py", "--config", path]
+    doc = yaml.safe_load(text)
+    assert doc["load_checkpoint"] == str(tmp_path / "output" / "checkpoint")
+    assert (doc["resume_training"], doc["load_ckpt_format"]) == ("llama_rank_0-4_1.ckpt", "ckpt")
+    assert doc["runner_config"] == {"epochs": 6, "batch_size": 2, "stop_step": 6}
+    assert [c["type"] for c in doc["callbacks"]] == ["MFLossMonitor"]
+    assert doc["output_dir"] == str(tmp_path / "out" / "output_b")
+    v2 = tmp_path / "output" / "checkpoint" / "iteration_00000004"
+    v2.mkdir()
+    _, files = mindformers_resume(["python", "run_mindformer.py", f"--config={config}"], str(v2), 4, 6,
+                                  str(tmp_path / "out"), "B")
+    doc = yaml.safe_load(next(iter(files.values())))
+    assert (doc["load_checkpoint"], doc["resume_training"], doc["load_ckpt_format"]) == (str(v2), True, "safetensors")
+
+
+def test_shared_mode_across_frameworks_is_refused(example, tmp_path):
+    config = tmp_path / "b.yaml"
+    config.write_text("runner_config: {epochs: 30}\n")
+    with pytest.raises(Exception, match="needs A's optimizer state converted"):
+        plan_locate(os.path.join(example, "a.log"), os.path.join(example, "b.log"), os.path.join(example, "ckpt_a"),
+                    None, ["python", "train.py"], ["python", "run_mindformer.py", "--config", str(config)],
+                    str(tmp_path / "out"), mode="shared")
