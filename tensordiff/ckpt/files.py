@@ -21,31 +21,21 @@ written again holds the same bytes. A torch file is only ever read by torch's sa
 from __future__ import annotations
 
 import os
-import re
 from collections import Counter
-from typing import Any
 
 import numpy as np
 
-from .. import dtypes, frameworks
-from .._text import first_line, listing, plural
+from .. import frameworks
+from .._text import listing, plural
 from ..errors import CheckpointError
 from ..transforms import contiguous
 from . import megatron_dir, mindformers_dir
 from .plan import Checkpoint
+from .safetensors_io import load_safetensors as _load_safetensors
+from .safetensors_io import save_safetensors as _save_safetensors
 
 FORMATS = {".safetensors": "safetensors", ".pt": "torch", ".pth": "torch", ".ckpt": "mindspore"}
 SUPPORTED = ".safetensors, .pt/.pth (torch), .ckpt (MindSpore)"
-
-#: safetensors dtype codes -> numpy (ml_dtypes for the narrow floats, which safetensors.numpy cannot read).
-_ST_DTYPES: dict[str, Any] = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
-    **{code: dtypes.NUMPY_DTYPES[name] for code, name in (("BF16", "bfloat16"), ("F8_E4M3", "float8_e4m3fn"),
-                                                          ("F8_E5M2", "float8_e5m2")) if name in dtypes.NUMPY_DTYPES},
-}
-
 
 def format_of(path: str) -> str:
     """'safetensors', 'torch' or 'mindspore', from the suffix ('torch' for a Megatron-LM --save folder)."""
@@ -118,33 +108,3 @@ def describe_skipped(skipped: dict[str, str]) -> str:
     groups = Counter((name.rsplit(".", 1)[-1], kind) for name, kind in skipped.items())
     shown = ", ".join(f"*.{last}: {kind} ×{n}" for (last, kind), n in groups.most_common(3))
     return plural(len(skipped), "non-tensor entry", "non-tensor entries") + f" ({shown}{', ...' if len(groups) > 3 else ''})"
-
-
-# ----------------------------------------------------------------------------------- safetensors
-def _load_safetensors(path: str) -> tuple[Checkpoint, dict[str, str]]:
-    import safetensors
-
-    try:
-        with open(path, "rb") as fh:
-            items = safetensors.deserialize(fh.read())
-    except Exception as err:  # safetensors raises its own error types for a bad header
-        raise CheckpointError(f"{path}: not a readable safetensors file ({first_line(err)}); is it truncated?") from None
-    out: Checkpoint = {}
-    for name, info in sorted(items, key=lambda item: _natural(item[0])):  # the file keeps no order of its own
-        dtype = _ST_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise CheckpointError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which tensordiff cannot read; "
-                                  f"readable: {', '.join(_ST_DTYPES)}")
-        out[name] = np.frombuffer(info["data"], dtype=dtype).reshape(info["shape"])
-    return out, {}
-
-
-def _natural(name: str) -> list:
-    """'layers.10' after 'layers.9'."""
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
-
-
-def _save_safetensors(tensors: Checkpoint, tmp: str) -> None:
-    from safetensors.numpy import save_file
-
-    save_file(tensors, tmp)

@@ -201,7 +201,7 @@ def _check_ranks(tensors: dict[str, np.ndarray], ranks: dict[int, str], rank_dir
 
 # ----------------------------------------------------------------------------------------------- 2.0
 def _read_v2(folder: str, info: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    from .files import _load_safetensors
+    from .safetensors_io import load_safetensors as _load_safetensors
 
     files = {n: m for n in sorted(os.listdir(folder)) if (m := V2_FILE.fullmatch(n))}
     if not any(m.group("kind") == "model" for m in files.values()):

@@ -1,6 +1,6 @@
 """The dependency rule, enforced by reading every module's imports (module level and inside functions).
 
-    cli → report → {explain, ckpt, runs} → diff → store → core (errors, dtypes, record, transforms, ...)
+    cli → report → {explain, runs → ckpt} → diff → store → core (errors, dtypes, record, transforms, ...)
     capturing → store, frameworks;  batch → frameworks;  compat → nothing of tensordiff
 
 torch and MindSpore (and the frameworks built on them) are imported only in ``frameworks/``, the capture
@@ -30,7 +30,7 @@ ALLOWED: dict[str, set[str]] = {
     "diff": {"store"},
     "explain": {"diff", "store", "frameworks"},
     "ckpt": {"diff", "frameworks"},
-    "runs": {"store"},
+    "runs": {"store", "ckpt"},
     "report": {"explain", "ckpt", "runs", "diff", "store"},
     "cli": {"report", "explain", "ckpt", "runs", "diff", "store", "capturing", "batch"},
     "root": {"capturing", "cli"},
@@ -43,7 +43,7 @@ FRAMEWORK_HOMES = ("tensordiff.frameworks.", "tensordiff.capturing.torch", "tens
 FRAMEWORK_HOMES += ("tensordiff.capturing.mindformers_callback",)  # the MindFormers Trainer's callback (MindSpore)
 #: Other third-party packages and the only places that may import them.
 CONFINED = {"rich": ("tensordiff.report.", "tensordiff.cli."), "matplotlib": ("tensordiff.report.runs_plot",),
-            "safetensors": ("tensordiff.ckpt.files",), "regex": ("tensordiff._regex",)}
+            "safetensors": ("tensordiff.ckpt.safetensors_io",), "regex": ("tensordiff._regex",)}
 
 
 def _modules() -> dict[str, str]:
