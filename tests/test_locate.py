@@ -142,8 +142,9 @@ def test_shared_mode_megatron_to_mindformers_converts_a_state(example, tmp_path,
     from tensordiff.ckpt import mindformers_dir
 
     config = tmp_path / "b.yaml"
-    config.write_text(open(os.path.join(os.path.dirname(__file__), "..", "examples", "launchers", "llama_tiny.yaml"),
-                           encoding="utf-8").read())
+    with open(os.path.join(os.path.dirname(__file__), "..", "examples", "launchers", "llama_tiny.yaml"),
+              encoding="utf-8") as fh:
+        config.write_text(fh.read())
     out = tmp_path / "out"
     a, b = (os.path.join(example, n) for n in ("a.log", "b.log"))
     args = ["locate", a, b, "--ckpt-a", os.path.join(example, "ckpt_a"), "--cmd-a", "python train.py",

@@ -24,10 +24,10 @@ import yaml
 pytest.importorskip("megatron.core")
 pytest.importorskip("mindformers")
 
-from tensordiff.cli import main as cli  # noqa: E402
-from tensordiff.ckpt import files, megatron_dir, mindformers_dir  # noqa: E402
-from tensordiff.ckpt.state import check_hyper, convert_state, epoch_of, legacy_name  # noqa: E402
-from tensordiff.ckpt.table import ConversionTable  # noqa: E402
+from tensordiff.ckpt import files, megatron_dir, mindformers_dir
+from tensordiff.ckpt.state import check_hyper, convert_state, epoch_of, legacy_name
+from tensordiff.ckpt.table import ConversionTable
+from tensordiff.cli import main as cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(ROOT, "examples", "megatron_loop", "train.py")

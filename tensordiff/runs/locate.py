@@ -208,7 +208,9 @@ def mindformers_resume(command: list[str], load: str | None, iteration: int, sto
     if not isinstance(doc, dict):
         raise UsageError(f"{config}: not a MindFormers YAML (a mapping of sections)")
     if load is not None:
-        if load.endswith(".ckpt"):  # legacy layout (a file, or one the plan writes before running): the folder holding rank_R/, and the file's name to resume from
+        # legacy layout (a file, or the one the plan writes before running): the folder holding rank_R/, and the
+        # file's name to resume from
+        if load.endswith(".ckpt"):
             doc["load_checkpoint"] = os.path.abspath(os.path.dirname(os.path.dirname(load)))
             doc["resume_training"] = os.path.basename(load)
             doc["load_ckpt_format"] = "ckpt"
