@@ -137,10 +137,40 @@ def test_mindformers_resume_yaml(tmp_path):
     assert (doc["load_checkpoint"], doc["resume_training"], doc["load_ckpt_format"]) == (str(v2), True, "safetensors")
 
 
-def test_shared_mode_across_frameworks_is_refused(example, tmp_path):
+def test_shared_mode_megatron_to_mindformers_converts_a_state(example, tmp_path, capsys):
+    """Megatron-LM A, MindFormers B: A's state at J is written for B's Trainer, and B's YAML copy resumes from it."""
+    from tensordiff.ckpt import mindformers_dir
+
     config = tmp_path / "b.yaml"
+    with open(os.path.join(os.path.dirname(__file__), "..", "examples", "launchers", "llama_tiny.yaml"),
+              encoding="utf-8") as fh:
+        config.write_text(fh.read())
+    out = tmp_path / "out"
+    a, b = (os.path.join(example, n) for n in ("a.log", "b.log"))
+    args = ["locate", a, b, "--ckpt-a", os.path.join(example, "ckpt_a"), "--cmd-a", "python train.py",
+            "--cmd-b", f"python run_mindformer.py --config {config}", "--mode", "shared", "--out", str(out),
+            "--no-color", "--width", "200", "--json", str(tmp_path / "plan.json")]
+    with pytest.raises(Exception, match="pass --mapping NAME"):
+        plan_locate(a, b, os.path.join(example, "ckpt_a"), None, ["python", "train.py"],
+                    ["python", "run_mindformer.py", "--config", str(config)], str(out), mode="shared")
+    code = cli(args + ["--mapping", "mcore-mindformers-llama", "--var", "heads=4", "--var", "groups=2"])
+    text = capsys.readouterr().out
+    assert code == 0 and "Shared state: A's iteration 20 converted for B" in text
+    doc = _json(tmp_path, "plan.json")
+    state = doc["shared_state"]
+    assert state["file"] == str(out / "shared_state" / "rank_0" / "shared_rank_0-20_1.ckpt")
+    assert (state["result"]["global_step"], state["result"]["weights"], state["result"]["moments"]) == (20, 21, 42)
+    assert mindformers_dir.iterations(state["dst"]) == {20: state["file"]}
+    b_yaml = yaml.safe_load((out / "resume_b.yaml").read_text())
+    assert (b_yaml["load_checkpoint"], b_yaml["resume_training"], b_yaml["load_ckpt_format"]) == (
+        str(out / "shared_state"), "shared_rank_0-20_1.ckpt", "ckpt")
+    assert b_yaml["runner_config"]["stop_step"] == 23 and doc["b"]["loads"] == state["file"]
+
+
+def test_shared_mode_mindformers_to_megatron_is_refused(example, tmp_path):
+    config = tmp_path / "a.yaml"
     config.write_text("runner_config: {epochs: 30}\n")
-    with pytest.raises(Exception, match="needs A's optimizer state converted"):
+    with pytest.raises(Exception, match="converts a Megatron-LM state for MindFormers only"):
         plan_locate(os.path.join(example, "a.log"), os.path.join(example, "b.log"), os.path.join(example, "ckpt_a"),
-                    None, ["python", "train.py"], ["python", "run_mindformer.py", "--config", str(config)],
-                    str(tmp_path / "out"), mode="shared")
+                    None, ["python", "run_mindformer.py", "--config", str(config)], ["python", "train.py"],
+                    str(tmp_path / "out"), mode="shared", mapping="mcore-mindformers-llama")

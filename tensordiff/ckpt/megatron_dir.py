@@ -10,7 +10,8 @@
 info)``: the model under megatron-core's parameter names (``decoder.layers.0.self_attention.linear_qkv.weight``),
 the optimizer's moments as ``optimizer.exp_avg.<name>`` / ``optimizer.exp_avg_sq.<name>`` (full, the parameter's
 shape) and ``optimizer.fp32_param.<name>`` where the main parameters are kept in another dtype than the model's; and
-``info``: iteration, format, tp, pp, the optimizer's step, the scheduler's state, whether RNG states are saved, the
+``info``: iteration, format, tp, pp, the optimizer's step and its param groups' hyper-parameters
+(``optimizer_groups``: betas, eps, weight_decay, wd_mult...), the scheduler's state, whether RNG states are saved, the
 saved ``args`` as plain values.
 
 Nothing is unpickled: ``.metadata`` goes through torch's weights-only unpickler allowing only torch.distributed.
@@ -162,6 +163,26 @@ def _step(optimizer: Any) -> int | None:
     return int(max(steps)) if steps else None
 
 
+#: the hyper-parameters of an optimizer param group that decide an Adam update (the learning rate is the schedule's)
+_GROUP_KEYS = ("betas", "eps", "weight_decay", "wd_mult", "lr_mult", "decoupled_weight_decay", "amsgrad")
+
+
+def _groups(optimizer: Any) -> list[dict[str, Any]]:
+    """The saved optimizer's param groups, hyper-parameters only (``betas``, ``eps``, ``weight_decay``, ``wd_mult``...;
+    megatron-core keeps one group per (weight decay, lr) class: the 1-D parameters and biases have ``wd_mult`` 0)."""
+    if not isinstance(optimizer, dict):
+        return []
+    inner = optimizer.get("optimizer", optimizer)
+    out = []
+    for group in inner.get("param_groups", []) if isinstance(inner, dict) else []:
+        if isinstance(group, dict):
+            item = {k: _plain(group[k]) for k in _GROUP_KEYS if k in group}
+            if isinstance(item.get("betas"), (list, tuple)):
+                item["betas"] = [float(b) for b in item["betas"]]
+            out.append(item)
+    return out
+
+
 def _np(value: Any) -> Any:
     from ..frameworks import torch as ftorch
 
@@ -302,6 +323,7 @@ def _load_dist(folder: str) -> tuple[dict[str, np.ndarray], dict[str, str], dict
     opt_common = common.get("optimizer")
     info = {"iteration": common.get("iteration"), "tp": args.get("tensor_model_parallel_size"),
             "pp": args.get("pipeline_model_parallel_size"), "step": _step(opt_common),
+            "optimizer_groups": _groups(opt_common),
             "scheduler": _scheduler(common.get("opt_param_scheduler")), "rng_state": rng or "rng_state" in common,
             "checkpoint_version": _plain(common.get("checkpoint_version")), "args": args}
     if isinstance(opt_common, dict) and opt_common.get("param_state_sharding_type"):
@@ -411,6 +433,7 @@ def _load_torch(folder: str) -> tuple[dict[str, np.ndarray], dict[str, str], dic
 
     info: dict[str, Any] = {"iteration": first.get("iteration"), "tp": tp, "pp": pp,
                             "step": _step(first.get("optimizer")),
+                            "optimizer_groups": _groups(first.get("optimizer")),
                             "scheduler": _scheduler(first.get("opt_param_scheduler")),
                             "rng_state": bool(first.get("rng_state")),
                             "checkpoint_version": _plain(first.get("checkpoint_version")), "args": args}

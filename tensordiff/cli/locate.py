@@ -52,8 +52,13 @@ def add_parsers(sub: Any) -> None:
                    help="full tensors of every resumed step (default), of the first, or statistics only")
     p.add_argument("--run", dest="execute", action="store_true", help="run both resumed commands, then diff their "
                                                                           "captures")
-    p.add_argument("--mapping", help="rename rules from B's names to A's for the diff (default: found automatically)")
+    p.add_argument("--mapping", help="rename rules from B's names to A's for the diff (default: found automatically); "
+                                     "--mode shared with Megatron-LM A and MindFormers B also converts A's state "
+                                     "(weights, Adam moments, step) for B with its tensors table")
     add_var(p)
+    p.add_argument("--steps-per-epoch", type=int, default=1, metavar="N",
+                   help="--mode shared, Megatron-LM A, MindFormers B: steps in an epoch of B's dataset (the epoch "
+                        "the converted checkpoint is in; default 1)")
     p.add_argument("--json", metavar="FILE", help="also write a machine-readable report")
     add_output(p)
     p.set_defaults(run=run)
@@ -92,7 +97,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan: LocatePlan = plan_locate(args.a, args.b, args.ckpt_a, args.ckpt_b, _split(args.cmd_a, "--cmd-a"),
                                        _split(args.cmd_b, "--cmd-b"), args.out, mode=args.mode,
-                                       threshold=args.threshold, warmup=args.warmup, step=args.step, tensors=args.tensors)
+                                       threshold=args.threshold, warmup=args.warmup, step=args.step, tensors=args.tensors,
+                                       mapping=args.mapping, variables=parse_vars(args.var),
+                                       steps_per_epoch=args.steps_per_epoch)
     except NothingToLocate as nothing:
         out = console(args)
         out.print(RunsReport(nothing.comparison))
@@ -101,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = console(args)
     result = None
+    if plan.state is not None:  # shared mode across frameworks: A's state written for B before anything runs
+        out.print(f"converting A's state of iteration {plan.resume} for B into {plan.state.dst} ...")
+        plan.state.convert()
     if args.execute:
         for side in (plan.a, plan.b):
             out.print(f"running {side.name} (log: {side.log}) ...")

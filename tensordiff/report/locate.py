@@ -71,6 +71,16 @@ class LocateReport:
         else:
             yield Text(f"Checkpoints: {saved or 'none'}. None before iteration {plan.step}: both runs start from their "
                        f"beginning, capturing iterations 1..{plan.step + 1}.")
+        state = plan.state.result if plan.state is not None else None
+        if state is not None:
+            yield Text(f"Shared state: A's iteration {plan.resume} converted for B with {state['mapping']}: "
+                       f"{state['weights']} weights, {state['moments']} Adam moments, global_step "
+                       f"{state['global_step']} -> {state['file']}.")
+            for note in state["notes"]:
+                yield Text(f"  {note}")
+            if state["mismatches"]:
+                yield Text("The optimizers differ (from one state, B's update will not be A's): "
+                           + "; ".join(state["mismatches"]) + ".", style="tensordiff.diverged")
         table = Table(title="resume commands", title_justify="left", show_lines=True)
         for col in ("side", "loads", "command (run under capture)"):
             table.add_column(col, overflow="fold")

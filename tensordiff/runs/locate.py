@@ -14,8 +14,10 @@ commands that capture iterations ``J+1 .. K+1`` of each side from there:
 
 Two modes. *own*: each side resumes from its own checkpoint (how far the weights had drifted at ``J`` is the first
 thing the diff shows). *shared*: B resumes from A's step-``J`` state, optimizer moments included, so that the
-first divergence is the first thing B computes differently from the same state (for two runs of one framework; B
-loads A's folder).
+first divergence is the first thing B computes differently from the same state. For two runs of one framework B
+loads A's folder; for Megatron-LM A and MindFormers B the plan converts A's state at ``J`` (weights, Adam moments,
+step: ``tensordiff.ckpt.state.convert_state``, with the mapping table given) into ``OUT/shared_state/`` and B's YAML
+copy resumes from it. MindFormers A with Megatron-LM B is refused (no Megatron-LM optimizer state is written).
 
 Framework-free: the plan is text; running it is ``tensordiff.cli.locate``.
 """
@@ -78,6 +80,39 @@ class SidePlan:
 
 
 @dataclass
+class StatePlan:
+    """Shared mode across frameworks: A's Megatron-LM state at ``iteration`` converted into ``dst`` for B's Trainer
+    (``tensordiff.ckpt.state.convert_state``; ``tensordiff.cli.locate`` does it before running anything)."""
+
+    src: str
+    iteration: int
+    dst: str
+    file: str
+    """the .ckpt B resumes from (``dst/rank_0/PREFIX_rank_0-E_S.ckpt``)"""
+    mapping: str
+    variables: dict[str, str]
+    prefix: str
+    steps_per_epoch: int
+    config: str | None
+    """B's YAML: its optimizer is checked against A's"""
+    result: dict[str, Any] | None = None
+    """what the conversion wrote (``ConvertedState.as_dict``), once done"""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"src": self.src, "iteration": self.iteration, "dst": self.dst, "file": self.file,
+                "mapping": self.mapping, "variables": self.variables, "steps_per_epoch": self.steps_per_epoch,
+                "result": self.result}
+
+    def convert(self) -> dict[str, Any]:
+        from ..ckpt.state import convert_state
+
+        self.result = convert_state(self.src, self.iteration, self.dst, self.mapping, self.variables,
+                                    prefix=self.prefix, steps_per_epoch=self.steps_per_epoch,
+                                    config=self.config).as_dict()
+        return self.result
+
+
+@dataclass
 class LocatePlan:
     comparison: Comparison
     step: int
@@ -90,6 +125,8 @@ class LocatePlan:
     out: str
     saved: dict[str, list[int]]
     """the checkpointed iterations of each side"""
+    state: StatePlan | None = None
+    """shared mode across frameworks: A's state converted for B"""
 
     @property
     def steps(self) -> int:
@@ -103,7 +140,8 @@ class LocatePlan:
     def as_dict(self) -> dict[str, Any]:
         return {"step": self.step, "resume": self.resume, "mode": self.mode, "captured_iterations":
                 [self.resume + 1, self.step + 1], "saved": self.saved, "out": self.out,
-                "a": self.a.as_dict(), "b": self.b.as_dict()}
+                "a": self.a.as_dict(), "b": self.b.as_dict(),
+                "shared_state": None if self.state is None else self.state.as_dict()}
 
 
 def side_kind(command: list[str]) -> str:
@@ -170,7 +208,9 @@ def mindformers_resume(command: list[str], load: str | None, iteration: int, sto
     if not isinstance(doc, dict):
         raise UsageError(f"{config}: not a MindFormers YAML (a mapping of sections)")
     if load is not None:
-        if os.path.isfile(load):  # legacy layout: the folder holding rank_R/, and the file's name to resume from
+        # legacy layout (a file, or the one the plan writes before running): the folder holding rank_R/, and the
+        # file's name to resume from
+        if load.endswith(".ckpt"):
             doc["load_checkpoint"] = os.path.abspath(os.path.dirname(os.path.dirname(load)))
             doc["resume_training"] = os.path.basename(load)
             doc["load_ckpt_format"] = "ckpt"
@@ -204,8 +244,12 @@ def _latest(saved: dict[int, str], before: int) -> int:
 
 def plan_locate(run_a: str, run_b: str, ckpt_a: str, ckpt_b: str | None, cmd_a: list[str], cmd_b: list[str],
                 out: str, mode: str = "own", threshold: float = 0.01, warmup: int = 0, step: int | None = None,
-                tensors: str = "all") -> LocatePlan:
-    """The plan: K (where the curves part, or ``step``), J (the checkpoint to resume from), both commands."""
+                tensors: str = "all", mapping: str | None = None, variables: dict[str, str] | None = None,
+                steps_per_epoch: int = 1) -> LocatePlan:
+    """The plan: K (where the curves part, or ``step``), J (the checkpoint to resume from), both commands.
+
+    Shared mode with Megatron-LM A and MindFormers B: ``mapping``/``variables`` convert A's state for B
+    (``plan.state``), ``steps_per_epoch`` is B's dataset's (the epoch the converted checkpoint says it is in)."""
     if mode not in MODES:
         raise UsageError(f"--mode {mode}: expected one of {', '.join(MODES)}")
     comparison = compare_runs(read_run(run_a), read_run(run_b), threshold=threshold, warmup=warmup)
@@ -223,10 +267,22 @@ def plan_locate(run_a: str, run_b: str, ckpt_a: str, ckpt_b: str | None, cmd_a: 
     else:
         j = _latest(saved_a, k - 1)
     kind_a, kind_b = side_kind(cmd_a), side_kind(cmd_b)
+    state = None
     if mode == "shared" and kind_a != kind_b and j:
-        raise UsageError(f"--mode shared across frameworks ({kind_a} → {kind_b}) needs A's optimizer state converted "
-                         "for B, which tensordiff does not do yet; use --mode own, or convert the weights with "
-                         "tensordiff ckpt convert and resume B from them")
+        if kind_a == "mindformers":
+            raise UsageError("--mode shared mindformers → megatron: tensordiff converts a Megatron-LM state for "
+                             "MindFormers only (it writes no Megatron-LM optimizer checkpoint); make the Megatron-LM "
+                             "run A (swap the two runs), or use --mode own")
+        if not mapping:
+            raise UsageError("--mode shared megatron → mindformers converts A's state (weights, Adam moments, step) "
+                             "for B with a mapping table: pass --mapping NAME and its --var (e.g. --mapping "
+                             "mcore-mindformers-llama --var heads=32 --var groups=8)")
+        from ..ckpt.state import legacy_name
+
+        dst = os.path.abspath(os.path.join(out, "shared_state"))
+        state = StatePlan(os.path.abspath(ckpt_a), j, dst,
+                          os.path.join(dst, "rank_0", legacy_name("shared", j, steps_per_epoch)), mapping,
+                          dict(variables or {}), "shared", steps_per_epoch, _flag(cmd_b, "--config"))
     os.makedirs(out, exist_ok=True)
     stop = k + 1
     sides = []
@@ -234,6 +290,8 @@ def plan_locate(run_a: str, run_b: str, ckpt_a: str, ckpt_b: str | None, cmd_a: 
         source = own if mode == "own" or name == "A" else ckpt_a
         source_saved = saved if mode == "own" or name == "A" else saved_a
         load = source_saved.get(j) if j else None
+        if state is not None and name == "B":
+            source, load = state.dst, state.file
         files: dict[str, str] = {}
         if kind == "megatron":
             resumed = megatron_resume(cmd, source if j else None, j, stop, own=source == own)
@@ -245,4 +303,4 @@ def plan_locate(run_a: str, run_b: str, ckpt_a: str, ckpt_b: str | None, cmd_a: 
         sides.append(SidePlan(name, kind, load if kind == "mindformers" else (source if j else None), j, resumed,
                               capture, wrap + resumed, os.path.abspath(os.path.join(out, f"{name.lower()}.log")), files))
     return LocatePlan(comparison, k, j, mode, sides[0], sides[1], out,
-                      {"A": sorted(saved_a), "B": sorted(saved_b)})
+                      {"A": sorted(saved_a), "B": sorted(saved_b)}, state)
