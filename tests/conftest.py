@@ -27,7 +27,8 @@ def _plain_environment(monkeypatch):
 #: --no-loadscope-reorder``) files are handed to the workers in collection order: these go first, so that none of
 #: them is left running alone at the end. One process (no ``-n``) keeps the plain file order.
 SLOW_FIRST = ("test_megatron_vs_mindformers.py", "test_ckpt_mindformers_dir.py", "test_reliability.py",
-              "test_ckpt_megatron_dir.py", "test_megatron_loop_ckpt.py", "test_locate.py", "test_state_shared.py", "test_distributed.py",
+              "test_ckpt_megatron_dir.py", "test_megatron_loop_ckpt.py", "test_locate.py", "test_state_shared.py",
+              "test_distributed.py",
               "test_docs.py",
               "test_distributed_ms.py", "test_fuzz_readers.py", "test_agreement_matrix.py", "test_wikitext2.py",
               "test_megatron_launcher.py", "test_launchers.py", "test_mindformers_cpu_graph.py", "test_mindformers_trainer.py",
