@@ -167,6 +167,10 @@ class DriftTable:
     only_examples: list[str] = field(default_factory=list)
     no_stats: int = 0
     """matched record instances whose statistics are unknown on a side or cannot follow B's layout transform"""
+    other_size: int = 0
+    """matched record instances whose tensors hold another number of elements on each side (a broadcast, a padded
+    vocabulary): their statistics do not compare"""
+    other_size_examples: list[str] = field(default_factory=list)
     missing_cells: int = 0
     """(record, step) values absent on a step of a record seen at other steps"""
     noisy_baseline: str = ""
@@ -244,6 +248,9 @@ class DriftTable:
         if self.no_stats:
             out.append(f"{self.no_stats} matched records without statistics (unknown on a side, or a layout transform "
                        "statistics cannot follow): not compared")
+        if self.other_size:
+            out.append(f"{self.other_size} matched records whose tensors differ in size between the runs (e.g. "
+                       f"{', '.join(self.other_size_examples)}): their statistics do not compare, not compared")
         if self.missing_cells:
             out.append(f"{self.missing_cells} (record, step) values missing on some steps: left blank")
         if self.noisy_baseline:
@@ -279,6 +286,7 @@ class DriftTable:
             "verdict": self.verdict(), "notes": self.notes(), "mapping": self.mapping_note,
             "steps_only_a": self.steps_only_a, "steps_only_b": self.steps_only_b,
             "records_only_a": self.only_a, "records_only_b": self.only_b, "records_without_statistics": self.no_stats,
+            "records_of_another_size": self.other_size,
             "missing_values": self.missing_cells,
         }
 
@@ -402,6 +410,11 @@ def layer_drift(ca: CaptureFile, cb: CaptureFile, baseline: int = DEFAULT_BASELI
             st_b = p.b_stats() if p.b.stats_known and p.bias_a is None and p.bias_b is None else None
             if not a.stats_known or st_b is None:
                 table.no_stats += 1
+                continue
+            if st_b[0] != a.numel:
+                table.other_size += 1
+                if len(table.other_size_examples) < 2 and a.label not in table.other_size_examples:
+                    table.other_size_examples.append(a.label)
                 continue
             kind = kind_of(a)
             assert kind is not None
