@@ -10,7 +10,10 @@ beyond their own noise, from statistics-only captures (``tensors="none"``, every
 * **Noise** is measured on the first ``baseline`` common steps, where the two runs should agree: a record's
   tolerance is ``max(factor x its largest departure there, floor)``, the floor by dtype being ``diff``'s own relative
   L2 limit (``diff.tolerance``: 1e-5 for float32, 3e-2 for bfloat16, ...), since a statistic cannot move more than
-  the tensor does. Its **ratio** at a step is departure / tolerance.
+  the tensor does. Its **ratio** at a step is departure / tolerance. The factor is 10 by default: between two
+  implementations (megatron-core against Hugging Face GPT-2 carrying the same weights, FP32, AdamW) rounding
+  differences grow in training, by 1.6x the largest baseline departure within 30 steps; 3 (``diff``'s noise
+  factor) called that growth a drift.
 * Records are grouped by **layer** (``decoder.layers.17``; outside the numbered layers, the top module such as
   ``embedding``, ``decoder.final_layernorm``, ``output_layer``), named by A's side, and **kind**: ``weights``,
   ``forward`` (module outputs), ``backward`` (gradients of module outputs and inputs), ``param_grad``. A cell's ratio
@@ -51,7 +54,7 @@ KINDS: tuple[str, ...] = ("weights", "forward", "backward", "param_grad")
 KIND_TEXT = {"weights": "weights", "forward": "activations", "backward": "activation gradients",
              "param_grad": "parameter gradients"}
 DEFAULT_BASELINE = 5
-DEFAULT_FACTOR = 3.0
+DEFAULT_FACTOR = 10.0
 #: Persistence: a step over its tolerance counts when at least ``CONFIRM`` of the next ``AHEAD`` logged steps are too.
 AHEAD, CONFIRM = 3, 2
 RULE = (f"tolerance = max({{factor}} x the largest departure in the first {{baseline}} common steps, the dtype's "
@@ -215,6 +218,10 @@ class DriftTable:
         loss = (f"the loss curves part at step {self.steps[self.loss_parts]}" if self.loss_parts is not None
                 else "the loss curves do not part by the same rule")
         ranking = self.ranking()
+        if ranking and self.loss_parts is not None:
+            gap = self.steps[self.loss_parts] - self.steps[ranking[0].first]  # type: ignore[index]
+            if gap > 0:
+                loss += f", {gap} step{'s' if gap != 1 else ''} later"
         if not ranking:
             return (f"no layer departs beyond its noise in {self.judged_text()} ({len(self.layers)} layers; tolerance "
                     f"from steps {self.steps[0]}..{self.steps[self.baseline - 1]}); {loss}.")
