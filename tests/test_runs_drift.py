@@ -133,14 +133,14 @@ def test_other_framework_through_diffs_mapping(caps):
     """megatron-core against Hugging Face GPT-2 carrying the same weights: the records line up through the built-in
     mapping diff picks and the table names A's layers; the clean pair's rounding differences stay within the noise,
     the faulted layer is named at the fault."""
-    proc, doc = _runs(caps["a"], caps["hf"], os.path.join(caps["tmp"], "hf.json"))
+    _, doc = _runs(caps["a"], caps["hf"], os.path.join(caps["tmp"], "hf.json"))
     drift = doc["drift"]
     assert drift["mapping"].startswith("mcore-hf-gpt2")
     assert drift["drifted"] is False, drift["verdict"]
     assert any(v for row in drift["ratios"] for v in row if v)  # not bit-identical: real noise, within tolerance
     assert drift["records_only_a"] > 0 and "records without a counterpart" in " ".join(drift["notes"])
     assert drift["records_of_another_size"] > 0  # HF's position embeddings are not expanded over the batch
-    proc, doc = _runs(caps["a"], caps["hf_fault"], os.path.join(caps["tmp"], "hf_fault.json"))
+    _, doc = _runs(caps["a"], caps["hf_fault"], os.path.join(caps["tmp"], "hf_fault.json"))
     drift = doc["drift"]
     layer = f"decoder.layers.{FAULT_LAYER}"
     assert layer in drift["layers"] and "transformer.h.2" not in drift["layers"]
@@ -201,7 +201,7 @@ class _Cap:
                        l2=v[step], numel=4) for i, v in enumerate(self._l2.values())]
 
     def scalars(self) -> dict:
-        return {"loss": {s: 1.0 for s in self.steps}}
+        return {"loss": dict.fromkeys(self.steps, 1.0)}
 
     def step_attrs(self, step: int) -> dict:
         return {}

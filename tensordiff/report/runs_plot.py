@@ -149,7 +149,8 @@ def _heat_map(fig: Any, ax: Any, drift: DriftTable, loss_over: int | None) -> No
     every = max(1, math.ceil(len(drift.layers) / 60))
     ax.set_yticks(range(0, len(drift.layers), every))
     ax.set_yticklabels(drift.layers[::every], fontsize=7 if len(drift.layers) <= 30 else 6)
-    ax.axvline(edges[drift.baseline], color="black", ls="--", lw=1.0, label=f"noise measured up to step {drift.steps[drift.baseline - 1]}")
+    ax.axvline(edges[drift.baseline], color="black", ls="--", lw=1.0,
+               label=f"noise measured up to step {drift.steps[drift.baseline - 1]}")
     shown: set[str] = set()
     for y, layer in enumerate(drift.layers):
         cell = drift.layer_first(layer)

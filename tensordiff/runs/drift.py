@@ -98,7 +98,7 @@ def departure(a: tuple[float, ...], b: tuple[float, ...]) -> float:
     """Departure of B's statistics from A's, each ``(numel, min, max, mean, l2, nan, inf)``: the largest of
     |Δl2| / max(l2), |Δabsmax| / max(absmax), |Δmean| / rms(A); a different NaN or Inf count is inf."""
     na, mina, maxa, meana, l2a, nana, infa = a
-    nb, minb, maxb, meanb, l2b, nanb, infb = b
+    _, minb, maxb, meanb, l2b, nanb, infb = b
     if nana != nanb or infa != infb:
         return math.inf
     if not all(math.isfinite(v) for v in (mina, maxa, meana, l2a, minb, maxb, meanb, l2b)):
@@ -286,7 +286,7 @@ class DriftTable:
             "ratios_by_kind": {k: [[clean(v) for v in self.cells[(la, k)].ratios] if (la, k) in self.cells else None
                                    for la in self.layers] for k in KINDS},
             "first_drift": first,
-            "first_drift_layer": {la: self.step_of(c.first) if (c := self.layer_first(la)) else None
+            "first_drift_layer": {la: self.step_of(getattr(self.layer_first(la), "first", None))
                                   for la in self.layers},
             "earliest": earliest, "drifted": self.drifted,
             "loss_rel": [clean(v) for v in self.loss_rel], "loss_parts_at": self.step_of(self.loss_parts),
