@@ -6,9 +6,10 @@ import argparse
 from typing import Any
 
 from ..errors import UsageError
-from ..report.runs import RunsReport
+from ..report.runs import DriftReport, RunsReport
 from ..runs import compare_runs, read_run
-from ._args import add_output, console, write_json
+from ..runs.drift import DEFAULT_BASELINE, DEFAULT_FACTOR, DriftTable
+from ._args import add_output, add_var, console, parse_vars, write_json
 
 
 def add_parsers(sub: Any) -> None:
@@ -31,6 +32,18 @@ def add_parsers(sub: Any) -> None:
     u.add_argument("--plot", metavar="PNG", help="draw both loss curves, their relative error and the grad norms "
                                                   "(needs matplotlib: pip install 'tensordiff[plot]')")
     u.add_argument("--html", metavar="FILE", help="write a self-contained HTML report with the plot and the table")
+    u.add_argument("--drift-baseline", type=int, default=DEFAULT_BASELINE, metavar="N",
+                   help="captures with statistics for many steps: the layer drift table measures each record's noise "
+                        f"on the first N common steps (default {DEFAULT_BASELINE})")
+    u.add_argument("--drift-factor", type=float, default=DEFAULT_FACTOR, metavar="F",
+                   help=f"a record departs when over F x its baseline noise (default {DEFAULT_FACTOR:g}; never below "
+                        "the dtype's floor)")
+    u.add_argument("--drift-top", type=int, default=10, metavar="N", help="earliest-drifting layers shown (default 10)")
+    u.add_argument("--no-drift", action="store_true", help="captures: leave out the layer drift table")
+    u.add_argument("--fail-on-drift", action="store_true", help="exit 1 when a layer drifts, even if the loss passes")
+    u.add_argument("--mapping", help="captures of two frameworks: the rename rules of `tensordiff diff` (default: the "
+                                     "built-in that fits the captures)")
+    add_var(u)
     add_output(u)
     u.set_defaults(run=run)
 
@@ -47,22 +60,62 @@ def _window(text: str | None) -> tuple[int, int] | None:
         raise UsageError(f"--window {text}: expected LO:HI step numbers, e.g. --window 100:300 or 100:") from None
 
 
+def _is_capture(path: str) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(8).startswith(b"\x89HDF")
+    except OSError:
+        return False
+
+
+def _drift(args: argparse.Namespace, res: Any) -> tuple[DriftTable | None, str]:
+    """The layer drift table when both runs are captures with statistics for several steps, else (None, why not;
+    '' when there is nothing to say: logs, or --no-drift)."""
+    if args.no_drift or not (_is_capture(args.a) and _is_capture(args.b)):
+        return None, ""
+    from ..mapping import RenameRules
+    from ..runs.drift import layer_drift
+    from ..store import CaptureFile
+
+    if args.drift_baseline < 1 or args.drift_top < 0:
+        raise UsageError("--drift-baseline is a number of steps >= 1, --drift-top >= 0")
+    mapping = RenameRules.load(args.mapping, parse_vars(args.var)) if args.mapping else None
+    with CaptureFile(args.a) as ca, CaptureFile(args.b) as cb:
+        common = sorted(set(ca.steps) & set(cb.steps))
+        if len(common) < 2:
+            return None, (f"layer drift: not measured, the captures share {len(common)} captured step (statistics of "
+                          "many steps are needed: capture with --tensors none --steps N)")
+        if len(common) <= args.drift_baseline:
+            return None, (f"layer drift: not measured, the captures share {len(common)} captured steps and the "
+                          f"baseline alone takes {args.drift_baseline} (--drift-baseline N, or capture more steps)")
+        loss = {s: (res.a.loss[s], res.b.loss[s]) for s in res.steps}
+        return layer_drift(ca, cb, baseline=args.drift_baseline, factor=args.drift_factor, mapping=mapping,
+                           loss=loss), ""
+
+
 def run(args: argparse.Namespace) -> int:
     res = compare_runs(read_run(args.a), read_run(args.b), threshold=args.threshold, warmup=args.warmup,
                        window=_window(args.window), ppl_threshold=args.ppl_threshold,
                        grad_norm_threshold=args.grad_norm_threshold)
+    drift, why = _drift(args, res)
     out = console(args)
     out.print(RunsReport(res))
+    if drift is not None:
+        out.print(DriftReport(drift, top=args.drift_top))
+    elif why:
+        out.print(why, style="tensordiff.dim")
     if args.plot or args.html:
         from ..report.runs_plot import plot_png, write_html
 
-        png = plot_png(res)
+        png = plot_png(res, drift=drift)
         if args.plot:
             with open(args.plot, "wb") as fh:
                 fh.write(png)
             out.print(f"plot: {args.plot}")
         if args.html:
-            write_html(res, args.html, png)
+            write_html(res, args.html, png, drift=drift, top=args.drift_top)
             out.print(f"report: {args.html}")
-    write_json(args.json, res.as_dict())
-    return 0 if res.passed else 1
+    doc = res.as_dict()
+    doc["drift"] = drift.as_dict() if drift is not None else ({"measured": False, "why": why} if why else None)
+    write_json(args.json, doc)
+    return 0 if res.passed and not (args.fail_on_drift and drift is not None and drift.drifted) else 1
