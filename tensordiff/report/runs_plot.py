@@ -166,7 +166,7 @@ def _heat_map(fig: Any, ax: Any, drift: DriftTable, loss_over: int | None) -> No
                 mfc="#ffd700", mec="black", mew=0.8, label=f"earliest: {first.layer}")
     if drift.loss_parts is not None:
         ax.axvline(drift.steps[drift.loss_parts], color=BAD_COLOR, lw=1.4,
-                   label=f"loss curves part: step {drift.steps[drift.loss_parts]}")
+                   label=f"loss departs: step {drift.steps[drift.loss_parts]}")
     if loss_over is not None:
         ax.axvline(loss_over, color=BAD_COLOR, lw=1, ls=":", label=f"loss over threshold: step {loss_over}")
     cax = ax.inset_axes([1.012, 0.0, 0.015, 1.0])

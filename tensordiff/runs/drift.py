@@ -215,8 +215,8 @@ class DriftTable:
         return f"steps {judged[0]}..{judged[-1]}" if judged else "no step"
 
     def verdict(self) -> str:
-        loss = (f"the loss curves part at step {self.steps[self.loss_parts]}" if self.loss_parts is not None
-                else "the loss curves do not part by the same rule")
+        loss = (f"the loss departs beyond its own noise at step {self.steps[self.loss_parts]}"
+                if self.loss_parts is not None else "the loss does not depart beyond its noise by the same rule")
         ranking = self.ranking()
         if ranking and self.loss_parts is not None:
             gap = self.steps[self.loss_parts] - self.steps[ranking[0].first]  # type: ignore[index]
