@@ -56,6 +56,7 @@ def test_shared_state_names_the_learning_rate(example):
     assert top["cause"] == "optimizer-step" and top["details"]["fit"] == "lr"
     assert top["details"]["factor"] == pytest.approx(_cosine(20, 100) / _cosine(20, 300), rel=1e-4)
     assert top["explained"] > 0.99
+    assert doc["updates"][0]["factor"] == pytest.approx(top["details"]["factor"], rel=1e-9)
 
 
 def test_own_state_says_how_far_the_weights_had_drifted(example):
@@ -66,6 +67,10 @@ def test_own_state_says_how_far_the_weights_had_drifted(example):
     assert drift["differ"] == drift["compared"] == 15 and 1e-4 < drift["worst_rel_l2"] < 1e-1
     assert (doc["first_divergence"]["iteration"], doc["first_divergence"]["phase"]) == (21, "weights")
     assert doc["hints"][0]["cause"] == "checkpoint"
+    # beyond the drift, each side's own update of iteration 21 is one factor of the other's: the learning rate
+    first = doc["updates"][0]
+    assert first["iteration"] == 21 and first["one_factor"] and first["parameters"] == 15
+    assert first["factor"] == pytest.approx(_cosine(20, 100) / _cosine(20, 300), rel=0.02)
 
 
 def test_curves_that_do_not_part_leave_nothing_to_locate(example, capsys):

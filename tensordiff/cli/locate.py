@@ -17,10 +17,12 @@ from typing import Any
 from ..diff.result import DiffOptions
 from ..errors import UsageError
 from ..explain import diagnose
+from ..explain.hints.update import fit_updates
 from ..mapping import RenameRules
 from ..report.locate import LocateReport
 from ..report.runs import RunsReport
 from ..runs.locate import MODES, LocatePlan, NothingToLocate, plan_locate
+from ..store import open_capture
 from ._args import add_output, add_var, console, parse_vars, write_json
 
 EXAMPLE = ("example: tensordiff locate a.log b.log --ckpt-a ckpt_a --ckpt-b ckpt_b --cmd-a 'torchrun ... "
@@ -117,12 +119,15 @@ def run(args: argparse.Namespace) -> int:
             _run_side(side)
         mapping = RenameRules.load(args.mapping, parse_vars(args.var)) if args.mapping else None
         result = diagnose(plan.a.capture, plan.b.capture, DiffOptions(mapping=mapping))
+        with open_capture(plan.a.capture) as ca, open_capture(plan.b.capture) as cb:
+            updates = fit_updates(result, ca, cb)
+            lrs = (ca.scalars().get("lr", {}), cb.scalars().get("lr", {}))
     else:
         for side in (plan.a, plan.b):
             for path, text in side.files.items():
                 with open(path, "w", encoding="utf-8") as fh:
                     fh.write(text)
-    report = LocateReport(plan, result)
+    report = LocateReport(plan, result, updates, lrs)
     out.print(report)
     write_json(args.json, report.to_dict())
     return 0 if result is None else result.exit_code

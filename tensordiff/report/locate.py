@@ -17,9 +17,28 @@ from .diff import DiffReport
 
 
 class LocateReport:
-    def __init__(self, plan: LocatePlan, result: Any = None):
+    def __init__(self, plan: LocatePlan, result: Any = None, updates: list | None = None,
+                 lrs: tuple[dict, dict] = ({}, {})):
         self.plan = plan
         self.result = result
+        self.updates = updates or []
+        """``fit_updates``: each side's own update between consecutive resumed iterations, ``ΔB = r · ΔA``"""
+        self.lrs = lrs
+        """the captured learning rates of each side by capture step"""
+
+    def update_lines(self) -> list[str]:
+        """Each resumed update that one factor explains for every parameter, in words (the learning rate)."""
+        out = []
+        la, lb = self.lrs
+        for fit in self.updates:
+            if not fit.one_factor:
+                continue
+            it = self.plan.iteration_of(fit.p)
+            lr = (f"; the logged learning rates of iteration {it}: A {la[fit.p]:.6g}, B {lb[fit.p]:.6g} (ratio "
+                  f"{lb[fit.p] / la[fit.p]:.4g})" if fit.p in la and fit.p in lb and la[fit.p] else "")
+            out.append(f"iteration {it}: B's update is {fit.factor:.4g} × A's for all {fit.parameters} parameters "
+                       f"(worst residual {fit.worst:.1%}){lr}")
+        return out
 
     def drift(self) -> tuple[int, int, float, str] | None:
         """Own mode: (parameters that differ, compared, worst rel L2, its name) at the first resumed iteration."""
@@ -111,6 +130,12 @@ class LocateReport:
                 yield Text(f"Own state: at iteration {plan.resume} the weights of both runs still agree ({total} "
                            "parameters compared).")
         yield DiffReport(res, first_only=True)
+        lines = self.update_lines()
+        if lines:
+            lead = ("Beyond the drift, each side's own optimizer update" if plan.mode == "own" and drift and drift[0]
+                    else "Each side's optimizer update")
+            yield Text(f"{lead} fits one factor for every parameter: the learning rates differ.\n  "
+                       + "\n  ".join(lines), style="tensordiff.diverged")
         first = res.first
         if first is not None:
             top = f"; likely cause: {res.hints[0].title}" if getattr(res, "hints", None) else ""
@@ -128,6 +153,7 @@ class LocateReport:
                 **first.as_dict(), "iteration": self.plan.iteration_of(first.step)}
             out["hints"] = diff.get("hints", [])
             out["outcome"] = self.result.outcome
+            out["updates"] = [{**fit.as_dict(), "iteration": self.plan.iteration_of(fit.p)} for fit in self.updates]
             drift = self.drift()
             if drift is not None:
                 out["weights_at_resume"] = {"differ": drift[0], "compared": drift[1], "worst_rel_l2": drift[2],

@@ -18,6 +18,10 @@ See docs/hints/optimizer-step.md. Framework-free: numpy on captured arrays.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import pairwise
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 
@@ -29,8 +33,9 @@ from .base import Hint, NotApplicable, Site, explained_share
 _FIT = 0.02
 
 
-def _weights(result: DiffResult, step: int, site: Site) -> dict[str, tuple[Row, np.ndarray, np.ndarray]]:
-    """A's label -> (row, A's array, B's array in A's layout) of every compared weight at ``step``."""
+def _weights(result: DiffResult, step: int, site: Any) -> dict[str, tuple[Row, np.ndarray, np.ndarray]]:
+    """A's label -> (row, A's array, B's array in A's layout) of every compared weight at ``step`` (``site``: anything
+    with the two captures as ``ca`` and ``cb``)."""
     out = {}
     for r in result.rows:
         if r.step != step or r.phase != "weights" or r.pair.a is None or r.pair.b is None:
@@ -56,6 +61,47 @@ def _lr_evidence(site: Site, step: int) -> str:
     if step in la and step in lb:
         return f"; the captured learning rates of step {step}: A {la[step]:.6g}, B {lb[step]:.6g}"
     return ""
+
+
+@dataclass
+class UpdateFit:
+    """Each side's own update from step ``p`` to ``s`` (``ΔA = W_A(s) - W_A(p)``, ``ΔB`` the same on B), fitted as
+    ``ΔB = factor · ΔA``: ``worst`` is the largest relative residual over the ``parameters`` that moved. Holds also
+    when the runs did not start from the same weights (each side resumed from its own checkpoint)."""
+
+    p: int
+    s: int
+    factor: float
+    worst: float
+    parameters: int
+
+    @property
+    def one_factor(self) -> bool:
+        """The same factor explains every parameter's update to 10% (a learning rate, with drifted states)."""
+        return self.parameters > 0 and self.worst <= 0.1 and abs(self.factor - 1) > 1e-6
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"from_step": self.p, "to_step": self.s, "factor": self.factor, "worst_residual": self.worst,
+                "parameters": self.parameters, "one_factor": self.one_factor}
+
+
+def fit_updates(result: DiffResult, ca: Any, cb: Any) -> list[UpdateFit]:
+    """``ΔB = r · ΔA`` fitted for every pair of consecutive captured steps holding weights on both sides."""
+    sides = SimpleNamespace(ca=ca, cb=cb)
+    out = []
+    steps = result.steps
+    for p, s in pairwise(steps):
+        before, after = _weights(result, p, sides), _weights(result, s, sides)
+        common = [k for k in after if k in before]
+        da = {k: after[k][1] - before[k][1] for k in common}
+        db = {k: after[k][2] - before[k][2] for k in common}
+        moved = [k for k in common if np.any(da[k])]
+        den = sum(float(np.vdot(da[k], da[k])) for k in moved)
+        if not moved or den <= 0:
+            continue
+        r = sum(float(np.vdot(da[k], db[k])) for k in moved) / den
+        out.append(UpdateFit(p, s, r, max(rel_l2(r * da[k], db[k]) for k in moved), len(moved)))
+    return out
 
 
 def check_update(site: Site, result: DiffResult) -> Iterator[Hint]:
