@@ -248,9 +248,9 @@ class AutoCapture(ProgramCapture):
             return
         try:
             cap._optimizer_post_hook(optimizer, args, kwargs)
-            if cap._step_ready:
+            if cap._step_ready or cap._resting:  # a step every=N skips is counted as well
                 cap.step()  # the step ends with its optimizer step: what follows (evaluation, logging) is not in it
-            if not cap.active:
+            if cap.finished:
                 self.close()
         except Exception as err:
             self._give_up(err)

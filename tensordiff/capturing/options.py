@@ -21,6 +21,7 @@ ENV_STATUS = "TENSORDIFF_STATUS"
 ENV_PERTURB = "TENSORDIFF_PERTURB"
 ENV_TENSORS_MAX_MB = "TENSORDIFF_TENSORS_MAX_MB"
 ENV_TENSORS_MATCH = "TENSORDIFF_TENSORS_MATCH"
+ENV_EVERY = "TENSORDIFF_EVERY"
 ENV_WRITER = "TENSORDIFF_WRITER"
 ENV_DURABLE = "TENSORDIFF_DURABLE"
 WRITERS = ("thread", "process")
@@ -44,6 +45,9 @@ class CaptureOptions:
     """Output HDF5 file; '{rank}' in the name is replaced by the rank."""
     steps: int = 1
     """Number of training steps to capture; hooks are removed after the last one."""
+    every: int = 1
+    """Capture every Nth training step (counted by ``step()``): steps 0, N, 2N, ... are recorded, stored under their
+    training step number, and ``steps`` of them in all; between them every hook does nothing."""
     tensors: str = "first"
     """Full tensors for: 'first' step only, 'all' steps, or 'none' (statistics only)."""
     inputs: bool = True
@@ -69,6 +73,8 @@ class CaptureOptions:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise UsageError(f"steps={self.steps}: capture needs at least 1 step")
+        if self.every < 1:
+            raise UsageError(f"every={self.every}: expected 1 (every step) or more")
         if self.tensors not in TENSOR_MODES:
             raise UsageError(f"tensors={self.tensors!r}: expected one of {', '.join(TENSOR_MODES)}")
         if self.writer not in (None, *WRITERS):
@@ -106,6 +112,7 @@ def options_from_env(path: str | None, steps: int | None, tensors: str | None, *
     if not path:
         return None
     steps = _env_number(ENV_STEPS, int, "a whole number of steps", steps)
+    kw["every"] = _env_number(ENV_EVERY, int, "a whole number of steps", kw.get("every")) or 1
     tensors = os.environ.get(ENV_TENSORS) or tensors or "first"
     kw["tensors_max_mb"] = _env_number(ENV_TENSORS_MAX_MB, float, "a size in MiB", kw.get("tensors_max_mb"))
     kw["perturb"] = _env_number(ENV_PERTURB, int, "a whole-number seed", kw.get("perturb"))

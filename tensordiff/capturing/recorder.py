@@ -36,7 +36,7 @@ STAT_KEYS = ("min", "max", "mean", "l2", "nan", "inf")
 
 def open_recorders() -> list[Recorder]:
     """The recorders of this process still recording (``--auto`` steps aside when the program has its own)."""
-    return [r for r in list(_OPEN) if not r._closed and r.active]
+    return [r for r in list(_OPEN) if not r._closed and not r.finished]
 
 
 class Recorder:
@@ -70,6 +70,8 @@ class Recorder:
         self._done = False
         self._failed = False
         self._iteration = 0  # step() calls: the training step in flight, for scalars
+        self._resting = False  # every=N: a step between the captured ones (every hook does nothing)
+        self._step_iteration = 0  # the training step the captured step in flight is
         self._closed = False
         self._interrupted = ""  # the exception that ended the run inside the capture block, if one did
         self._loss: float | None = None
@@ -106,7 +108,17 @@ class Recorder:
     # public API ---------------------------------------------------------------
     @property
     def active(self) -> bool:
-        return not (self._done or self._failed)
+        """Recording the step in flight (not finished, and not a step ``every`` skips)."""
+        return not (self._done or self._failed or self._resting)
+
+    @property
+    def finished(self) -> bool:
+        """Every step asked for is recorded, or the capture stopped."""
+        return self._done or self._failed
+
+    def _due(self) -> bool:
+        """Whether the training step ``step()`` is about to start is one ``every`` records."""
+        return self._iteration % self.options.every == 0
 
     def __enter__(self) -> Recorder:
         return self
@@ -140,6 +152,9 @@ class Recorder:
         if scalars:
             self.log(self._iteration, **scalars)
         self._iteration += 1
+        if self._resting:  # every=N: count the step, wake up for the next one due
+            self._resting = not self._due()
+            return
         if not self.active:
             return
         try:
@@ -228,6 +243,7 @@ class Recorder:
         self._reset_step()
         self._in_step = True
         self._step_id += 1
+        self._step_iteration = self._iteration
         self._full = self.options.full_tensors_at(self._step)
         if self._step == 0 and self.options.perturb is not None:
             # asked for on purpose: tensordiff noise's second run
@@ -399,13 +415,23 @@ class Recorder:
         # step() returns once the writer holds the step (its process, or its thread's flushed write): a SIGKILL after
         # it loses nothing (docs/reliability.md); a GPU model's full tensors are waited for too (their copies to the
         # host, then the handover), which costs the device that one step's copy (benchmarks/capture_overhead.py)
-        self._writer.submit(self._step, rows, data, attrs)
+        every = self.options.every
+        # every=N: stored under its training step number (0, N, 2N, ...), so that runs and diff line steps up
+        self._writer.submit(self._step if every == 1 else self._step_iteration, rows, data, attrs)
         self._step += 1
         self._in_step = False
         self._reset_step()
         if self._step >= self.options.steps:
             self._done = True
             self._remove_hooks()
+        elif every > 1 and self._iteration == self._step_iteration and not self._closed:
+            # ended by the next step's first call, not by step(): nothing counts the steps to skip
+            self._done = True
+            self._remove_hooks()
+            _warn(f"tensordiff: every={every} counts step() calls, and none came: only the first step was recorded "
+                  f"to {self.path}; call cap.step(loss) once per training step")
+        elif every > 1:
+            self._resting = not self._due()
 
 
 _OPEN: weakref.WeakSet[Recorder] = weakref.WeakSet()

@@ -16,6 +16,7 @@ from ..capturing.mindformers_launch import mindformers_command
 from ..capturing.options import (
     AUTO_MODULE,
     ENV_DURABLE,
+    ENV_EVERY,
     ENV_OUTPUT,
     ENV_PERTURB,
     ENV_STATUS,
@@ -53,6 +54,9 @@ def add_parsers(sub: Any) -> None:
                    help="a MindFormers Trainer command with --config x.yaml (run_mindformer.py, under python or msrun): "
                         "run on a copy of the YAML with the TensordiffCapture callback added (docs/mindformers-trainer.md)")
     c.add_argument("--steps", type=int, default=1, help="training steps to capture (default 1)")
+    c.add_argument("--every", type=int, default=1, metavar="N",
+                   help="capture every Nth training step (0, N, 2N, ...; --steps of them): statistics of a whole run "
+                        "for the layer drift table of tensordiff runs, at 1/N of the cost (default 1: every step)")
     c.add_argument("--tensors", choices=TENSOR_MODES, default="first",
                    help="store full tensors for the first step (default), all steps, or none")
     c.add_argument("--tensors-max-mb", type=float, default=None, metavar="MIB",
@@ -111,6 +115,10 @@ def run_capture(args: argparse.Namespace) -> int:
         os.remove(status)
     env = dict(os.environ, **extra_env, **{ENV_OUTPUT: out, ENV_STEPS: str(args.steps), ENV_TENSORS: args.tensors,
                               ENV_STATUS: status})
+    if args.every != 1:
+        if args.every < 1:
+            raise UsageError(f"--every {args.every}: expected 1 (every step) or more")
+        env[ENV_EVERY] = str(args.every)
     if args.tensors_max_mb is not None:
         if not args.tensors_max_mb >= 0:
             raise UsageError(f"--tensors-max-mb {args.tensors_max_mb:g}: expected a size in MiB, 0 for no limit")
