@@ -477,9 +477,11 @@ def _dp_reshardable(buckets: dict[str, np.ndarray], chunks: dict[str, list[tuple
                         "buckets are not laid out as tensordiff rebuilds them: optimizer state not mapped")
         for b, placed in zip(idx, layout):
             for key, fqn in per_bucket[b].items():
-                saved = set(chunks.get(fqn, []))
+                # each parameter is one saved chunk, or several (a parameter split between data-parallel ranks)
+                starts = {o for o, _ in chunks.get(fqn, [])}
+                ends = {o + n for o, n in chunks.get(fqn, [])}
                 for name, start, numel in placed:
-                    if (start, numel) not in saved:
+                    if start not in starts or start + numel not in ends:
                         return {}, (f"{folder}: {fqn} holds no chunk at [{start}, {start + numel}) where {name} "
                                     "belongs; the bucket layout is not megatron-core's: optimizer state not mapped")
                     if key in ("param",) + _STATES:
