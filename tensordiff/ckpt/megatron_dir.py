@@ -9,7 +9,10 @@
 ``iterations(path)`` lists the saved iterations; ``load_dir(path, iteration=None)`` returns ``(tensors, skipped,
 info)``: the model under megatron-core's parameter names (``decoder.layers.0.self_attention.linear_qkv.weight``),
 the optimizer's moments as ``optimizer.exp_avg.<name>`` / ``optimizer.exp_avg_sq.<name>`` (full, the parameter's
-shape) and ``optimizer.fp32_param.<name>`` where the main parameters are kept in another dtype than the model's; and
+shape) and ``optimizer.fp32_param.<name>`` where the main parameters are kept in another dtype than the model's —
+from every layout Megatron-LM (core_v0.16.1) writes: per parameter (torch_dist ``fully_reshardable``, the plain
+optimizer's), per gradient bucket (torch_dist ``dp_reshardable``, its default with the distributed optimizer;
+``distrib_optim.pt``), the buckets rebuilt and checked against the saved chunks and main parameters; and
 ``info``: iteration, format, tp, pp, the optimizer's step, the scheduler's state, whether RNG states are saved, the
 saved ``args`` as plain values.
 
@@ -309,11 +312,11 @@ def _load_dist(folder: str) -> tuple[dict[str, np.ndarray], dict[str, str], dict
     optim = _local_names(optim, args)
     note = None
     if buckets:
-        order = _local_names({k: k for k in _module_order([f for f in tensors if not f.startswith("optimizer.")],
-                                                          tensors)}, args)
+        fqns = _module_order([f for f in tensors if not f.startswith("optimizer.")], tensors)
+        order = _local_names({f: tensors.get(f, np.zeros(0)) for f in fqns}, args)
         got, note = _dp_reshardable(buckets, chunks, list(order), model, args, folder)
         if note:
-            skipped.update({fqn: "optimizer buffer" for fqn in buckets})
+            skipped.update(dict.fromkeys(buckets, "optimizer buffer"))
         optim.update(got)
     out = dict(model)
     for name, value in optim.items():
@@ -657,7 +660,7 @@ def _torch_optimizer(folder: str, ranks: dict, states: dict, tp: int, pp: int,
             file = os.path.join(ranks[(p, t)], "distrib_optim.pt")
             if os.path.exists(file):
                 args = _args_dict(states[(p, t)].get("args"))
-                own = frozenset()
+                own: frozenset = frozenset()
                 if pp > 1 and not args.get("untie_embeddings_and_output_weights"):  # the shared embedding's own bucket
                     own = frozenset({"embedding.word_embeddings.weight" if p == 0 else "output_layer.weight"})
                 got, note = _distrib_optim(torch_safe.load(file), model, file, args, p, own)
