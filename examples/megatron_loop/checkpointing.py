@@ -38,6 +38,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load", metavar="DIR", help="resume from the tracker's iteration of this folder")
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the tracker's")
     g.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default="torch_dist")
+    g.add_argument("--dist-ckpt-optim-sharding", choices=("fully_reshardable", "dp_reshardable"),
+                   default="fully_reshardable",
+                   help="torch_dist: the distributed optimizer's state per parameter (fully_reshardable, what "
+                        "Megatron-LM's --dist-ckpt-optim-fully-reshardable saves) or per gradient bucket "
+                        "(dp_reshardable, Megatron-LM's default)")
     g.add_argument("--exit-interval", type=int, default=None, help="stop (saving if --save) when the iteration is a "
                                                                     "multiple of N")
     g.add_argument("--no-load-optim", action="store_true", help="do not load the optimizer (nor the scheduler)")
@@ -195,8 +200,9 @@ def _sharded_state_dict(model, optimizer, args, iteration: int, sched, loading: 
     model_sd = model.module.sharded_state_dict()
     state = {"model": model_sd, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "args": args}
     if with_optim:
-        # the distributed optimizer's state per parameter, shaped as the parameter ("fully_reshardable")
-        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+        # the distributed optimizer's state per parameter, shaped as the parameter ("fully_reshardable"), or per
+        # gradient bucket ("dp_reshardable", Megatron-LM's default)
+        metadata = {"distrib_optim_sharding_type": getattr(args, "dist_ckpt_optim_sharding", "fully_reshardable")}
         if loading:
             _init_adam_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=metadata)
@@ -291,8 +297,8 @@ def load(args: argparse.Namespace, model, optimizer, sched) -> int:
             optimizer.load_state_dict(optim)  # the param groups and the step
             _own_steps(optimizer)
             if param_state is not None:  # the distributed optimizer's per-parameter state
-                assert kind == "fully_reshardable", kind
-                _load_distributed_param_state(optimizer, param_state, "load_parameter_state_from_fully_reshardable")
+                assert kind in ("fully_reshardable", "dp_reshardable"), kind
+                _load_distributed_param_state(optimizer, param_state, f"load_parameter_state_from_{kind}")
             sched.load_state_dict(state["opt_param_scheduler"])
         if with_rng:
             rng = state["rng_state"]

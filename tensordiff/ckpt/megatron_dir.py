@@ -9,7 +9,10 @@
 ``iterations(path)`` lists the saved iterations; ``load_dir(path, iteration=None)`` returns ``(tensors, skipped,
 info)``: the model under megatron-core's parameter names (``decoder.layers.0.self_attention.linear_qkv.weight``),
 the optimizer's moments as ``optimizer.exp_avg.<name>`` / ``optimizer.exp_avg_sq.<name>`` (full, the parameter's
-shape) and ``optimizer.fp32_param.<name>`` where the main parameters are kept in another dtype than the model's; and
+shape) and ``optimizer.fp32_param.<name>`` where the main parameters are kept in another dtype than the model's —
+from every layout Megatron-LM (core_v0.16.1) writes: per parameter (torch_dist ``fully_reshardable``, the plain
+optimizer's), per gradient bucket (torch_dist ``dp_reshardable``, its default with the distributed optimizer;
+``distrib_optim.pt``), the buckets rebuilt and checked against the saved chunks and main parameters; and
 ``info``: iteration, format, tp, pp, the optimizer's step and its param groups' hyper-parameters
 (``optimizer_groups``: betas, eps, weight_decay, wd_mult...), the scheduler's state, whether RNG states are saved, the
 saved ``args`` as plain values.
@@ -157,9 +160,11 @@ def _step(optimizer: Any) -> int | None:
     for group in inner.get("param_groups", []) if isinstance(inner, dict) else []:
         if isinstance(group, dict) and group.get("step") is not None:
             steps.add(float(group["step"]))
-    for state in (inner.get("state", {}) or {}).values() if isinstance(inner, dict) else []:
+    for key, state in (inner.get("state", {}) or {}).items() if isinstance(inner, dict) else []:
         if isinstance(state, dict) and "step" in state:
             steps.add(float(np.asarray(_np(state["step"]))))
+        elif key == "common_step" and state is not None:  # megatron-core's torch_dist: one step for all parameters
+            steps.add(float(np.asarray(_np(state))))
     return int(max(steps)) if steps else None
 
 
@@ -278,14 +283,25 @@ def _load_dist(folder: str) -> tuple[dict[str, np.ndarray], dict[str, str], dict
 
     tensors: dict[str, np.ndarray] = {}
     skipped: dict[str, str] = {}
+    chunks: dict[str, list[tuple[int, int]]] = {}  # 1-D tensors: their chunks (offset, size), the bucket layout's check
+    dist_optim: dict[str, Any] = {}  # the distributed optimizer's own state (param groups, step) of dp_reshardable
     rng = False
     for fqn, md in meta.state_dict_metadata.items():
         kind = type(md).__name__
         if kind == "BytesStorageMetadata":  # megatron's ShardedObjects: _extra_state, rng_state, ...
             if fqn.startswith("rng_state"):
                 rng = True
+            if re.fullmatch(r"optimizer\.distributed\.dp_group_idx_\d+\.optimizer/shard_0_1", fqn):
+                blob, file = item_bytes(fqn, None)
+                value = torch_safe.load_bytes(blob, shown_as=f"{file} ({fqn})")
+                if isinstance(value, list) and len(value) == 1:  # a ShardedObject is saved as its list of one
+                    value = value[0]
+                if isinstance(value, dict):
+                    dist_optim[fqn.split("/")[0]] = value
             skipped[fqn.split("/")[0]] = "object"
             continue
+        if len(md.size) == 1:
+            chunks[fqn] = sorted((int(c.offsets[0]), int(c.sizes[0])) for c in md.chunks)
         shape = tuple(md.size)
         dtype = md.properties.dtype
         full = np.zeros(shape, dtype=_numpy_dtype(dtype))
@@ -302,16 +318,27 @@ def _load_dist(folder: str) -> tuple[dict[str, np.ndarray], dict[str, str], dict
 
     model: dict[str, np.ndarray] = {}
     optim: dict[str, np.ndarray] = {}
+    buckets: dict[str, np.ndarray] = {}
     for fqn, value in tensors.items():
         m = re.fullmatch(r"optimizer\.state\.(param|fp32_param|exp_avg|exp_avg_sq)\.(.+)", fqn)
         if m:
             optim.update(_unstack(f"optimizer.{m.group(1)}.", m.group(2), value))
-        elif fqn.startswith("optimizer."):  # the distributed optimizer's bucket layout (dp_reshardable) and others
+        elif fqn.startswith("optimizer.distributed."):  # the distributed optimizer's bucket layout (dp_reshardable)
+            buckets[fqn] = value
+        elif fqn.startswith("optimizer."):
             skipped[fqn] = "optimizer buffer"
         else:
             model.update(_unstack("", fqn, value))
     model = _local_names(model, args)
     optim = _local_names(optim, args)
+    note = None
+    if buckets:
+        fqns = _module_order([f for f in tensors if not f.startswith("optimizer.")], tensors)
+        order = _local_names({f: tensors.get(f, np.zeros(0)) for f in fqns}, args)
+        got, note = _dp_reshardable(buckets, chunks, list(order), model, args, folder)
+        if note:
+            skipped.update(dict.fromkeys(buckets, "optimizer buffer"))
+        optim.update(got)
     out = dict(model)
     for name, value in optim.items():
         kind, param = name.split(".", 2)[1], name.split(".", 2)[2]
@@ -321,17 +348,175 @@ def _load_dist(folder: str) -> tuple[dict[str, np.ndarray], dict[str, str], dict
             kind = "fp32_param"
         out[f"optimizer.{kind}.{param}"] = value
     opt_common = common.get("optimizer")
+    step = _step(opt_common)
+    groups = _groups(opt_common)
+    for state in dist_optim.values():  # dp_reshardable keeps the param groups (and the step) beside the buckets
+        step = step if step is not None else _step(state)
+        groups = groups or _groups(state)
     info = {"iteration": common.get("iteration"), "tp": args.get("tensor_model_parallel_size"),
-            "pp": args.get("pipeline_model_parallel_size"), "step": _step(opt_common),
-            "optimizer_groups": _groups(opt_common),
+            "pp": args.get("pipeline_model_parallel_size"), "step": step, "optimizer_groups": groups,
             "scheduler": _scheduler(common.get("opt_param_scheduler")), "rng_state": rng or "rng_state" in common,
             "checkpoint_version": _plain(common.get("checkpoint_version")), "args": args}
     if isinstance(opt_common, dict) and opt_common.get("param_state_sharding_type"):
         info["optimizer_layout"] = opt_common["param_state_sharding_type"]
-    if any(v == "optimizer buffer" for v in skipped.values()):
-        info["optimizer_note"] = ("the distributed optimizer's state is saved per bucket (dp_reshardable), not per "
-                                  "parameter: not mapped to parameter names")
+    if note:
+        info["optimizer_note"] = note
+    elif any(v == "optimizer buffer" for v in skipped.values()):
+        info["optimizer_note"] = (f"optimizer entries of an unknown layout "
+                                  f"({listing(sorted(k for k, v in skipped.items() if v == 'optimizer buffer')[:3])}): "
+                                  "not mapped to parameter names")
     return out, skipped, info
+
+
+# ----------------------------------------------------------------------- the distributed optimizer's buckets
+def _module_order(fqns: list[str], tensors: dict[str, np.ndarray]) -> list[str]:
+    """The model's parameters in module order (megatron-core's ``parameters()``, which its gradient buffer follows)
+    from a torch_dist folder's keys: the stacked ``decoder.layers.X`` keys expanded layer by layer."""
+    before: list[str] = []
+    after: list[str] = []
+    stacked: dict[str, list[str]] = {}
+    for fqn in fqns:
+        m = re.fullmatch(r"((?:.+\.)?layers)\.([^0-9].*)", fqn)
+        if m:
+            stacked.setdefault(m.group(1), []).append(m.group(2))
+        else:
+            (after if stacked else before).append(fqn)
+    layers = []
+    for prefix, rests in stacked.items():
+        count = tensors[f"{prefix}.{rests[0]}"].shape[0]
+        layers += [f"{prefix}.{i}.{rest}" for i in range(count) for rest in rests]
+    return before + layers + after
+
+
+def _pad(number: int, divisor: int) -> int:
+    return -(-number // divisor) * divisor
+
+
+def _bucket_layout(items: list[tuple[str, int]], unpadded: list[int] | None = None, bucket_size: int | None = None,
+                   own_bucket: frozenset = frozenset()) -> tuple[list[list[tuple[str, int, int]]], list[int]]:
+    """megatron-core's gradient-buffer layout with the distributed optimizer (``param_and_grad_buffer.py``): the
+    parameters in reverse order, each starting at a multiple of 64 elements; a bucket closes once it holds
+    ``bucket_size`` elements (or, given ``unpadded``, exactly the saved size of each bucket), the next starting at a
+    multiple of 128; the shared embedding of a pipeline's end stages in a bucket of its own. Returns per bucket
+    [(name, start in the bucket, numel)] and the buckets' unpadded sizes; ValueError where the sizes cannot match."""
+    buckets: list[list[tuple[str, int, int]]] = []
+    sizes: list[int] = []
+    cur: list[tuple[str, int, int]] = []
+    bucket_start = pos = end = 0
+
+    def close(at: int) -> None:
+        nonlocal cur, bucket_start, pos
+        buckets.append(cur)
+        sizes.append(at - bucket_start)
+        cur = []
+        bucket_start = pos = _pad(at, 128)
+
+    for name, numel in reversed(items):
+        start = _pad(pos, 64)
+        if name in own_bucket and cur:
+            close(start)
+            start = pos
+        end = start + numel
+        cur.append((name, start - bucket_start, numel))
+        length = end - bucket_start
+        if unpadded is not None:
+            if len(buckets) >= len(unpadded) or length > unpadded[len(buckets)]:
+                raise ValueError(f"{name} ends at element {length} of bucket {len(buckets)}, past the "
+                                 f"{unpadded[len(buckets)] if len(buckets) < len(unpadded) else 'no'} elements saved")
+            done = length == unpadded[len(buckets)]
+        else:
+            done = bucket_size is not None and length >= bucket_size
+        if done or name in own_bucket:
+            close(end)
+        else:
+            pos = end
+    if cur:
+        close(end)
+    if unpadded is not None and sizes != list(unpadded):
+        raise ValueError(f"the parameters fill buckets of {listing(map(str, sizes))} elements, the checkpoint holds "
+                         f"{listing(map(str, unpadded))}")
+    return buckets, sizes
+
+
+def _dtype_name(arr: np.ndarray) -> str:
+    return str(arr.dtype)
+
+
+def _check_main(out: dict[str, np.ndarray], model: dict[str, np.ndarray], where: str) -> str | None:
+    """The main parameters found in the optimizer's buffers must be the model's weights (rounded to the model's dtype):
+    the layout is taken as read only then."""
+    for key, main in out.items():
+        if not key.startswith("param."):
+            continue
+        name = key[len("param."):]
+        weight = model[name].astype(np.float32)
+        rounded = main.astype(model[name].dtype).astype(np.float32)
+        tol = 1e-6 if model[name].dtype == np.float32 else 1e-2
+        if not np.allclose(rounded, weight, rtol=tol, atol=tol * 1e-3):
+            worst = float(np.max(np.abs(rounded - weight)))
+            return (f"{where}: the distributed optimizer's main parameter for {name} differs from the saved weight "
+                    f"(max |diff| {worst:.3g}): its buffer layout is not the one tensordiff rebuilds; optimizer state "
+                    "not mapped to parameters")
+    return None
+
+
+_BUCKET = re.compile(r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_\((\S+?), (\S+?)\)"
+                     r"\.bucket_idx_(\d+)\.(\w+)")
+
+
+def _dp_reshardable(buckets: dict[str, np.ndarray], chunks: dict[str, list[tuple[int, int]]], order: list[str],
+                    model: dict[str, np.ndarray], args: dict[str, Any],
+                    folder: str) -> tuple[dict[str, np.ndarray], str | None]:
+    """Megatron-LM's default torch_dist layout of the distributed optimizer (``dp_reshardable``): one 1-D tensor per
+    gradient bucket and state (``optimizer.distributed.dp_group_idx_0.gbuf_idx_G.dtype_(P, G).bucket_idx_B.exp_avg``,
+    the bucket's unpadded size), the parameters in it as in megatron-core's gradient buffer. Split per parameter:
+    the layout is rebuilt from the model (``_bucket_layout``), each parameter must be one of the tensor's saved
+    chunks, and the main parameters must be the saved weights."""
+    parsed: dict[int, dict[int, dict[str, str]]] = {}
+    dtypes: dict[int, str] = {}
+    groups = set()
+    for fqn in buckets:
+        m = _BUCKET.fullmatch(fqn)
+        if not m:
+            return {}, f"{folder}: optimizer entry {fqn} is not megatron-core's dp_reshardable bucket; not mapped"
+        groups.add(int(m.group(1)))
+        dtypes[int(m.group(2))] = m.group(3).replace("torch.", "")
+        parsed.setdefault(int(m.group(2)), {}).setdefault(int(m.group(5)), {})[m.group(6)] = fqn
+    tp, pp = args.get("tensor_model_parallel_size") or 1, args.get("pipeline_model_parallel_size") or 1
+    if tp * pp > 1 or groups != {0}:
+        return {}, (f"{folder}: the distributed optimizer's dp_reshardable buckets of a TP={tp} PP={pp} run hold each "
+                    "rank's local shards, which tensordiff does not map to full parameters; save with "
+                    "--dist-ckpt-optim-fully-reshardable (per-parameter state)")
+    names = [n for n in order if n in model]
+    single = len({_dtype_name(model[n]) for n in names}) == 1 and len(parsed) == 1
+    out: dict[str, np.ndarray] = {}
+    for gbuf, per_bucket in sorted(parsed.items()):
+        members = names if single else [n for n in names if _dtype_name(model[n]) == dtypes[gbuf]]
+        idx = sorted(per_bucket)
+        if idx != list(range(len(idx))):
+            return {}, f"{folder}: gradient buffer {gbuf} has buckets {listing(map(str, idx))}: one is missing"
+        sizes = [int(buckets[next(iter(per_bucket[b].values()))].shape[0]) for b in idx]
+        try:
+            layout, _ = _bucket_layout([(n, int(model[n].size)) for n in members], unpadded=sizes)
+        except ValueError as err:
+            return {}, (f"{folder}: gradient buffer {gbuf} ({dtypes[gbuf]}): {err}; the distributed optimizer's "
+                        "buckets are not laid out as tensordiff rebuilds them: optimizer state not mapped")
+        for b, placed in zip(idx, layout):
+            for key, fqn in per_bucket[b].items():
+                # each parameter is one saved chunk, or several (a parameter split between data-parallel ranks)
+                starts = {o for o, _ in chunks.get(fqn, [])}
+                ends = {o + n for o, n in chunks.get(fqn, [])}
+                for name, start, numel in placed:
+                    if start not in starts or start + numel not in ends:
+                        return {}, (f"{folder}: {fqn} holds no chunk at [{start}, {start + numel}) where {name} "
+                                    "belongs; the bucket layout is not megatron-core's: optimizer state not mapped")
+                    if key in ("param",) + _STATES:
+                        flat = buckets[fqn][start: start + numel]
+                        out[f"{key}.{name}"] = np.ascontiguousarray(flat.reshape(model[name].shape))
+    note = _check_main(out, model, folder)
+    if note:
+        return {}, note
+    return {f"optimizer.{k}": v for k, v in out.items()}, None
 
 
 def _numpy_dtype(dtype: Any) -> Any:
@@ -498,7 +683,11 @@ def _torch_optimizer(folder: str, ranks: dict, states: dict, tp: int, pp: int,
             model = {k: v for k, v in states[(p, t)]["model"].items() if _is_tensor(v)}
             file = os.path.join(ranks[(p, t)], "distrib_optim.pt")
             if os.path.exists(file):
-                got, note = _distrib_optim(torch_safe.load(file), model, file)
+                args = _args_dict(states[(p, t)].get("args"))
+                own: frozenset = frozenset()
+                if pp > 1 and not args.get("untie_embeddings_and_output_weights"):  # the shared embedding's own bucket
+                    own = frozenset({"embedding.word_embeddings.weight" if p == 0 else "output_layer.weight"})
+                got, note = _distrib_optim(torch_safe.load(file), model, file, args, p, own)
             else:
                 got, note = _torch_optim_state(states[(p, t)].get("optimizer"), model, ranks[(p, t)])
             if note:
@@ -523,32 +712,59 @@ def _torch_optimizer(folder: str, ranks: dict, states: dict, tp: int, pp: int,
     return out, None
 
 
-def _distrib_optim(state: Any, model: dict, file: str) -> tuple[dict[str, np.ndarray], str | None]:
-    """Split the distributed optimizer's gathered buffers (``save_parameter_state``) into per-parameter tensors:
-    megatron-core lays the parameters out in reverse order, each starting at a multiple of 64 elements; checked
-    against the saved ``numel_unpadded`` (a layout of several buckets is reported, not guessed)."""
+def _bucket_size(args: dict[str, Any], stage: int, numel: int) -> int | None:
+    """The gradient-bucket size megatron-core used (``DistributedDataParallel``): none without
+    --overlap-grad-reduce and on pipeline stages after the first; else --ddp-bucket-size, the parameters over
+    --ddp-num-buckets, or max(40M, 1M x DP)."""
+    if not args.get("overlap_grad_reduce") or stage > 0:
+        return None
+    if args.get("ddp_num_buckets"):
+        return numel // int(args["ddp_num_buckets"])
+    if args.get("ddp_bucket_size"):
+        return int(args["ddp_bucket_size"])
+    return max(40000000, 1000000 * int(args.get("data_parallel_size") or 1))
+
+
+def _distrib_optim(state: Any, model: dict, file: str, args: dict[str, Any],
+                   stage: int = 0, own_bucket: frozenset = frozenset()) -> tuple[dict[str, np.ndarray], str | None]:
+    """Split the distributed optimizer's gathered buffers (``save_parameter_state``: per gradient buffer, the
+    buckets' unpadded contents one after another) into per-parameter tensors: the layout is rebuilt with
+    ``_bucket_layout`` from the saved args' bucket size, its total checked against ``numel_unpadded`` and its main
+    parameters against the saved weights."""
     if not isinstance(state, dict):
         return {}, f"{file}: holds a {type(state).__name__}, not the distributed optimizer's state"
-    buffers = [v for k, v in state.items() if isinstance(k, int)]
-    if len(buffers) != 1 or not isinstance(buffers[0], dict) or len(buffers[0]) != 1:
-        return {}, f"{file}: {len(buffers)} gradient buffers (several dtypes or experts): not mapped to parameters"
-    world = next(iter(buffers[0].values()))
-    params = [(n, v) for n, v in model.items() if not n.endswith("_extra_state")]
-    start, layout = 0, []
-    for name, value in reversed(params):
-        start = -(-start // 64) * 64
-        layout.append((name, start, tuple(value.shape)))
-        start += int(np.prod(value.shape))
-    total = int(world.get("numel_unpadded", -1))
-    if start != total:
-        return {}, (f"{file}: the parameters fill {start} elements laid out as one bucket, the buffer holds {total}: "
-                    "several buckets (--ddp-bucket-size) or another layout; optimizer state not mapped to parameters")
-    out = {}
-    for key in ("param",) + _STATES:
-        flat = _np(world[key])
-        for name, begin, shape in layout:
-            out[f"{key}.{name}"] = np.ascontiguousarray(flat[begin: begin + int(np.prod(shape))].reshape(shape))
-    return out, None
+    buffers = {k: v for k, v in state.items() if isinstance(k, int)}
+    params = [(n, _np(v.contiguous()) if _is_tensor(v) else v) for n, v in model.items()
+              if not n.endswith("_extra_state")]
+    if not buffers or any(not isinstance(b, dict) or len(b) != 1 for b in buffers.values()):
+        return {}, f"{file}: {len(buffers)} gradient buffers, not one dtype each: not mapped to parameters"
+    single = len(buffers) == 1
+    out: dict[str, np.ndarray] = {}
+    for gbuf, by_dtype in sorted(buffers.items()):
+        (dtype_key, world), = by_dtype.items()
+        param_dtype = str(dtype_key[0] if isinstance(dtype_key, tuple) else dtype_key).replace("torch.", "")
+        members = params if single else [(n, v) for n, v in params if _dtype_name(v) == param_dtype]
+        if not isinstance(world, dict) or not all(k in world for k in ("param",) + _STATES):
+            return {}, f"{file}: gradient buffer {gbuf} holds no param/exp_avg/exp_avg_sq: not mapped to parameters"
+        size = _bucket_size(args, stage, sum(int(v.size) for _, v in params))
+        layout, sizes = _bucket_layout([(n, int(v.size)) for n, v in members], bucket_size=size,
+                                       own_bucket=own_bucket)
+        total = int(world.get("numel_unpadded", -1))
+        if sum(sizes) != total:
+            return {}, (f"{file}: the parameters fill {sum(sizes)} elements in {len(sizes)} bucket(s) of "
+                        f"{size or 'unlimited'} elements, the buffer holds {total}: another bucket layout "
+                        "(--ddp-bucket-size?); optimizer state not mapped to parameters")
+        shapes = dict(members)
+        for key in ("param",) + _STATES:
+            flat = _np(world[key])
+            base = 0
+            for placed, bucket_numel in zip(layout, sizes):
+                for name, begin, numel in placed:
+                    chunk = flat[base + begin: base + begin + numel]
+                    out[f"{key}.{name}"] = np.ascontiguousarray(chunk.reshape(shapes[name].shape))
+                base += bucket_numel
+    note = _check_main(out, dict(params), file)
+    return ({}, note) if note else (out, None)
 
 
 def _torch_optim_state(optimizer: Any, model: dict, where: str) -> tuple[dict[str, np.ndarray], str | None]:
@@ -556,6 +772,8 @@ def _torch_optim_state(optimizer: Any, model: dict, where: str) -> tuple[dict[st
     order, each listing its parameters in the model's order (weights that decay first, then the 1-D parameters and
     biases megatron-core exempts); checked against each state's shape."""
     inner = optimizer.get("optimizer") if isinstance(optimizer, dict) else None
+    if not isinstance(inner, dict) and isinstance(optimizer, dict) and "state" in optimizer:
+        inner = optimizer  # megatron-core's FP32Optimizer saves torch's state dict itself
     if not isinstance(inner, dict) or "state" not in inner or "param_groups" not in inner:
         return {}, f"{where}: no optimizer state saved (--no-save-optim?)"
     params = [(n, v) for n, v in model.items() if not n.endswith("_extra_state")]

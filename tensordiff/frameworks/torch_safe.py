@@ -37,6 +37,9 @@ _CODE_BUILTINS = {"eval", "exec", "compile", "getattr", "setattr", "delattr", "_
                   "locals", "vars", "input", "breakpoint", "exit", "quit", "help", "memoryview", "type", "object",
                   "super", "classmethod", "staticmethod", "property"}
 _CODE_OPERATORS = {"attrgetter", "methodcaller", "itemgetter", "call"}
+#: data names that live in a code module: read as inert stand-ins like any other name (Megatron-LM's saved ``args``
+#: hold ``exit_signal=signal.SIGTERM``, pickled as ``signal.Signals(15)``); the module's functions stay refused
+_DATA_IN_CODE = {"signal.Signals", "signal.Handlers", "signal.Sigmasks"}
 
 
 def _plain() -> dict[str, Any]:
@@ -96,6 +99,8 @@ def _opaque(name: str) -> type:
 def code_name(name: str) -> bool:
     """Whether a pickled global names code rather than data (such a file is refused)."""
     module, _, attr = name.rpartition(".")
+    if name in _DATA_IN_CODE:
+        return False
     if module in ("builtins", "__builtin__"):
         return attr in _CODE_BUILTINS
     if module in ("operator", "_operator"):
