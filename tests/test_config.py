@@ -281,3 +281,11 @@ def test_mindformers_defaults_are_mindformers_own():
     assert ROWS["num_experts"].mindformers_default == moe["expert_num"].default
     assert llama["theta"].default == ROWS["rotary_base"].mindformers_default
     assert llama["rms_norm_eps"].default == ROWS["norm_epsilon"].mindformers_default
+
+
+def test_the_page_runs_as_written_and_prints_what_it_shows(tmp_path):
+    import test_docs as pages  # the docs' runner (a module: its tests are not collected again here)
+
+    os.symlink(os.path.join(ROOT, "examples"), tmp_path / "examples")
+    assert pages.run_page("docs/config.md", str(tmp_path)) == []
+    assert json.loads((tmp_path / "config.json").read_text())["verdict"] == "differ"

@@ -20,8 +20,8 @@ def _value(v: Value) -> str:
 def difference_table(differences: list[Difference], title: str) -> Table:
     table = Table(title=title, title_justify="left", show_lines=True)
     table.add_column("setting", justify="left")
-    table.add_column("A", justify="left")
-    table.add_column("B", justify="left")
+    table.add_column("A", justify="left", overflow="fold")
+    table.add_column("B", justify="left", overflow="fold")
     table.add_column("why it matters", justify="left")
     for d in differences:
         table.add_row(d.row.label, _value(d.a), _value(d.b), d.row.why)
