@@ -289,3 +289,22 @@ def test_the_page_runs_as_written_and_prints_what_it_shows(tmp_path):
     os.symlink(os.path.join(ROOT, "examples"), tmp_path / "examples")
     assert pages.run_page("docs/config.md", str(tmp_path)) == []
     assert json.loads((tmp_path / "config.json").read_text())["verdict"] == "differ"
+
+
+def test_a_capture_gives_the_model_config_it_recorded_and_nothing_more(tmp_path):
+    import numpy as np
+    from helpers import T, write_capture
+
+    config = {"num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 128, "num_attention_heads": 4,
+              "num_query_groups": 2, "gated_linear_unit": True, "normalization": "RMSNorm", "layernorm_epsilon": 1e-5,
+              "share_embeddings_and_output_weights": False, "add_bias_linear": False, "vocab_size": 128}
+    x = np.ones((2, 2), dtype=np.float32)
+    path = write_capture(str(tmp_path / "m.h5"), [[T("weights", "decoder.linear", "param", "weight", x)]],
+                         model_config=json.dumps(config))
+    s = read_config(path)
+    assert s.kind == "capture (torch)" and all(v.source == "set" for v in s.values.values())
+    assert s.get("activation") == "swiglu" and s.get("vocab_rows") == 128 and s.get("tied_embeddings") is False
+    assert "hidden_dropout" not in s.values  # not recorded: not guessed
+    diff = compare_settings(s, read_config(YAML))
+    assert [d.row.key for d in diff.differences] == ["norm_epsilon"]  # 1e-5 recorded against the YAML's 1e-6
+    assert "lr" in diff.only_b

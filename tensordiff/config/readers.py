@@ -224,4 +224,6 @@ def _core_to_args(config: dict[str, Any]) -> dict[str, Any]:
         args["untie_embeddings_and_output_weights"] = not args.pop("share_embeddings_and_output_weights")
     if "num_query_groups" in args:
         args["group_query_attention"] = True
+    if "padded_vocab_size" not in args and isinstance(args.get("vocab_size"), int):
+        args["padded_vocab_size"] = args["vocab_size"]  # GPTModel's vocab_size: the padded one
     return args
