@@ -46,3 +46,8 @@ class RunsError(TensordiffError):
 
 class ReplayError(TensordiffError):
     """A module cannot be replayed (not captured, not importable, not in the model, inputs missing)."""
+
+
+class ConfigError(TensordiffError):
+    """A configuration (Megatron-LM log or flags, MindFormers YAML, config.json, checkpoint, capture) is missing or
+    in no format tensordiff reads."""

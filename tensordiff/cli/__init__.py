@@ -1,4 +1,4 @@
-"""The command line: ``tensordiff capture | diff | replay | runs | locate | noise | batch | ls | show | ckpt``.
+"""The command line: ``tensordiff capture | diff | config | replay | runs | locate | noise | batch | ls | show | ckpt``.
 
 One module per command (argparse, then one call into the library and one renderable); one
 error handler here. Exit codes: 0 no divergence (or success), 1 divergence found, 2 bad input
@@ -19,13 +19,13 @@ from .. import _watchdog as watchdog
 from .._text import first_line
 from .._version import __version__
 from ..errors import TensordiffError, UsageError
-from . import batch, capture, check, ckpt, diff, inspect, locate, map, merge, replay, runs
+from . import batch, capture, check, ckpt, config, diff, inspect, locate, map, merge, replay, runs
 
 EXAMPLE = "example: tensordiff capture -o a.h5 --steps 2 -- python train.py; tensordiff diff a.h5 b.h5 --first-divergence"
 #: Exit code of an internal error (a bug in tensordiff), apart from every verdict and from bad input.
 EXIT_INTERNAL = 4
 #: The commands, in the order ``--help`` lists them.
-COMMANDS = (capture, diff, map, merge, check, replay, runs, locate, batch, inspect, ckpt)
+COMMANDS = (capture, diff, config, map, merge, check, replay, runs, locate, batch, inspect, ckpt)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -57,8 +57,8 @@ def test_a_capture_file_is_never_run_as_a_command(tmp_path, capsys, monkeypatch)
 def test_every_command_has_a_runner():
     parser = cli.parser()
     commands = parser._subparsers._group_actions[0].choices  # type: ignore[union-attr]
-    assert sorted(commands) == ["batch", "capture", "check", "ckpt", "diff", "locate", "ls", "map", "merge", "noise", "replay",
-                               "runs", "show"]
+    assert sorted(commands) == ["batch", "capture", "check", "ckpt", "config", "diff", "locate", "ls", "map", "merge",
+                               "noise", "replay", "runs", "show"]
     for name, sub in commands.items():
         assert callable(sub.get_default("run")), name
 

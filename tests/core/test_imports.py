@@ -1,6 +1,6 @@
 """The dependency rule, enforced by reading every module's imports (module level and inside functions).
 
-    cli → report → {explain, runs → ckpt} → diff → store → core (errors, dtypes, record, transforms, ...)
+    cli → report → {explain, runs → ckpt, config → ckpt} → diff → store → core (errors, dtypes, record, transforms, ...)
     capturing → store, frameworks;  batch → frameworks;  compat → nothing of tensordiff
 
 torch and MindSpore (and the frameworks built on them) are imported only in ``frameworks/``, the capture
@@ -30,9 +30,10 @@ ALLOWED: dict[str, set[str]] = {
     "diff": {"store"},
     "explain": {"diff", "store", "frameworks"},
     "ckpt": {"diff", "frameworks"},
-    "runs": {"store", "ckpt"},
-    "report": {"explain", "ckpt", "runs", "diff", "store"},
-    "cli": {"report", "explain", "ckpt", "runs", "diff", "store", "capturing", "batch"},
+    "runs": {"store", "ckpt", "diff"},
+    "config": {"ckpt", "store"},
+    "report": {"explain", "ckpt", "runs", "diff", "store", "config"},
+    "cli": {"report", "explain", "ckpt", "runs", "diff", "store", "capturing", "batch", "config"},
     "root": {"capturing", "cli"},
     "compat": set(),
 }
@@ -164,7 +165,8 @@ def test_no_module_imports_itself_through_others():
 
 
 @pytest.mark.parametrize("module", ["tensordiff.diff", "tensordiff.store", "tensordiff.explain", "tensordiff.ckpt",
-                                    "tensordiff.runs", "tensordiff.report.diff"])
+                                    "tensordiff.runs", "tensordiff.report.diff",
+                                    "tensordiff.config"])
 def test_the_framework_free_stages_load_without_torch_or_mindspore(module):
     import subprocess
     import sys
