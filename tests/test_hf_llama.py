@@ -93,6 +93,9 @@ def test_a_fault_on_the_hf_side_is_found_at_its_module_with_the_right_hint(clean
     assert (first["phase"], first["module_a"], first["kind"], first["slot"]) == expected
     top = report["hints"][0]
     assert top["cause"] == cause and words in top["title"] and top["explained"] > 0.9, report["hints"]
+    # the captures' recorded model configs: the one setting that differs, named as bearing on the divergence
+    bearing = [d["key"] for d in report["config_differences"]["bearing"]]
+    assert bearing == [{"rms-eps": "norm_epsilon", "gelu": "activation", "rope-theta": "rotary_base"}[fault]]
     if fault == "rope-theta":  # the tables of both conventions read back: Megatron's angles, HF's cos
         assert "A's angle table (rotary_pos_emb) reads as base 1e+04" in top["evidence"]
         assert "B's cos table (model.rotary_emb) reads as base 5e+05" in top["evidence"]

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from rich.text import Text
+
 from ..diff import noise as noises
 from ..diff.result import DiffOptions
 from ..diff.tolerance import Tolerances
+from ..errors import TensordiffError
 from ..explain import diagnose
 from ..mapping import RenameRules
 from ..record import PHASES
@@ -75,6 +78,45 @@ def run(args: argparse.Namespace) -> int:
                           auto_mapping=not args.no_auto_mapping, jobs=args.jobs, exact=not args.no_exact)
     result = diagnose(args.a, args.b, options, hints=not args.no_hints)
     report = DiffReport(result, max_rows=args.max_rows, phases=args.phase, first_only=args.first_divergence)
-    console(args).print(report)
-    write_json(args.json, report.to_dict())
+    out = console(args)
+    out.print(report)
+    bearing, others = config_bearing(result)
+    for line in config_lines(bearing, others):
+        out.print(line)
+    doc = report.to_dict()
+    if bearing or others:
+        doc["config_differences"] = {"bearing": [d.as_dict() for d in bearing], "others": [d.as_dict() for d in others]}
+    write_json(args.json, doc)
     return result.exit_code
+
+
+def config_bearing(result: Any) -> tuple[list, list]:
+    """The differences of the captures' recorded model configs (``tensordiff config``) that bear on the first
+    divergence, and the others; both empty without a first divergence or without a config on each side."""
+    first = result.first
+    if first is None:
+        return [], []
+    from ..config.compare import compare_settings, rows_for
+    from ..config.readers import read_config
+
+    try:
+        cfg = compare_settings(read_config(result.path_a), read_config(result.path_b))
+    except TensordiffError:  # no recorded config (older captures, a rank-file glob): nothing to add
+        return [], []
+    causes = [h.cause for h in getattr(result, "hints", [])]
+    keys = set(rows_for(first.module_a, first.phase, first.step > min(result.steps, default=0), causes))
+    bearing = [d for d in cfg.differences if d.row.key in keys]
+    return bearing, [d for d in cfg.differences if d.row.key not in keys]
+
+
+def config_lines(bearing: list, others: list) -> list[Text]:
+    lines = []
+    if bearing:
+        lines.append(Text("The runs' recorded configurations differ in what bears on the first divergence:",
+                          style="tensordiff.diverged"))
+        for d in bearing:
+            lines.append(Text(f"  {d.row.label}: A {d.a.value!r}, B {d.b.value!r} ({d.row.why})"))
+    if others:
+        lines.append(Text(f"They also differ in {', '.join(d.row.label for d in others)} (tensordiff config A B "
+                          "shows all)."))
+    return lines

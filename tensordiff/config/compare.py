@@ -104,3 +104,39 @@ def bearing_on(diff: ConfigDiff, keys: list[str]) -> list[Difference]:
     """The differences among ``keys`` (rows), in the table's order."""
     wanted = {k for k in keys if k in ROWS}
     return [d for d in diff.differences if d.row.key in wanted]
+
+
+#: the settings a first divergence in such a place can come from: (words in the module name or hint cause, rows)
+_OPTIMIZER = ("optimizer", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "weight_decay_params", "clip_grad",
+              "lr", "lr_schedule", "lr_warmup_steps", "lr_warmup_init", "min_lr", "loss_scaling", "grad_reduce_dtype")
+_NORM = ("normalization", "norm_epsilon", "apply_layernorm_1p", "norm_dtype")
+_ROPE = ("position_embedding", "rotary_base", "rotary_percent", "rope_scaling", "rotary_dtype")
+_PLACES: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    (("norm", "norm-epsilon"), _NORM),
+    (("rotary", "rope"), _ROPE),
+    (("attention", "attn", "self_attn", "linear_qkv", "wq", "wk", "wv"),
+     ("softmax_dtype", "attention_dropout", "num_attention_heads", "num_query_groups", "qkv_bias", *_ROPE)),
+    (("mlp", "fc1", "fc2", "feed_forward", "w1", "w2", "w3", "act", "activation"),
+     ("activation", "ffn_hidden_size", "linear_bias", "hidden_dropout")),
+    (("embedding", "tok_embeddings", "wte", "embed_tokens"), ("vocab_rows", "tied_embeddings", "hidden_dropout")),
+    (("output_layer", "lm_head", "lm_head.weight"), ("vocab_rows", "tied_embeddings")),
+    (("dropout",), ("hidden_dropout", "attention_dropout")),
+    (("dtype",), ("params_dtype", "compute_dtype", "norm_dtype", "softmax_dtype", "rotary_dtype")),
+    (("optimizer-step",), _OPTIMIZER),
+    (("checkpoint",), ("params_dtype", "tied_embeddings", "vocab_rows", "qkv_bias", "linear_bias")),
+)
+
+
+def rows_for(module: str, phase: str, after_first_step: bool, causes: list[str] | None = None) -> list[str]:
+    """The table rows that bear on a first divergence in ``module`` at ``phase`` (``after_first_step``: a step after
+    the first captured one), and on the hints' ``causes``: what ``tensordiff diff`` shows from the configurations."""
+    words = [w for w in module.lower().replace("_", ".").split(".") if w] + [module.lower()] + list(causes or [])
+    keys: list[str] = ["compute_dtype", "params_dtype"]  # every tensor is computed in them
+    if phase == "weights":
+        keys += list(_OPTIMIZER) if after_first_step else ["params_dtype", "tied_embeddings", "vocab_rows"]
+    if phase == "loss":
+        keys += ["loss_scaling", "vocab_rows"]
+    for names, rows in _PLACES:
+        if any(n in w for n in names for w in words):
+            keys += rows
+    return list(dict.fromkeys(keys))
