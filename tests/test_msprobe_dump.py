@@ -279,3 +279,17 @@ def test_torch_file_reads_what_torch_saves(tmp_path):
             assert np.array_equal(dtypes.from_storage(arr, logical).astype(np.float32), t.float().numpy())
         else:
             assert np.array_equal(arr, t.numpy()), name
+
+
+def test_the_msprobe_page_runs_as_written(tmp_path):
+    """docs/msprobe.md's run blocks (the committed statistics dump read as a capture), in a folder holding tests/."""
+    import docblocks
+
+    blocks = list(docblocks.blocks("docs/msprobe.md"))
+    assert blocks and all(b.kind for b in blocks)
+    os.symlink(os.path.join(ROOT, "tests"), tmp_path / "tests")
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+               PYTHONPATH=ROOT)
+    ran = [r for b in blocks if b.kind == "run" for r in docblocks.run_block(b, str(tmp_path), env)]
+    assert ran and all(r.code == 0 for r in ran), [r.output[-1500:] for r in ran]
+    assert "L0 statistics 235 (16, 2, 256)" in ran[0].output

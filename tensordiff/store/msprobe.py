@@ -50,7 +50,7 @@ from .reader import CaptureFile
 from .torch_file import read_tensor
 
 _STEP = re.compile(r"^step(\d+)$")
-_RANK = re.compile(r"^rank(\d*)$")
+_RANK = re.compile(r"^(rank\d*|proc\d+)$")  # proc<pid>: msprobe on MindSpore without a rank
 _MODULE_PREFIXES = ("Module", "Cell")
 _DIRECTIONS = ("forward", "backward", "parameters_grad")
 #: msprobe's dtype names (torch's ``torch.float32``, MindSpore's ``Float32``, numpy's) -> tensordiff's
