@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ("README.md", "docs/megatron-to-mindformers.md", "docs/mindformers-recipe.md", "docs/checkpoints.md",
-         "docs/guide.md", "docs/mapping.md", "docs/megatron-lm.md", "docs/launchers.md", "docs/config.md")
+         "docs/guide.md", "docs/mapping.md", "docs/megatron-lm.md", "docs/launchers.md", "docs/config.md",
+         "docs/msprobe.md")
 _FENCE = re.compile(r"^\s*```\s*([\w-]*)\s*$")
 _BOX = str.maketrans("", "", "│╭╮╰╯─")  # a panel's frame: where it wraps depends on the width, not the words
 _MARK = re.compile(r"^\s*<!--\s*doc-test:\s*(run|output|skip)\b\s*(.*?)\s*-->\s*$")

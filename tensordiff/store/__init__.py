@@ -4,13 +4,15 @@
 * ``writer``: ``CaptureWriter``, fed by the recorder, writing off the training thread;
 * ``reader``: ``CaptureFile``, a streaming reader (one tensor in memory at a time);
 * ``opener``: ``open_capture(path)``: a file, or a glob of one distributed run's rank files merged on read
-  (``merged``: ``MergedCapture``, tensor and data parallel; ``pipeline``: ``PipelineCapture``, its stages joined).
+  (``merged``: ``MergedCapture``, tensor and data parallel; ``pipeline``: ``PipelineCapture``, its stages joined);
+* ``msprobe``: ``MsprobeDump``, msprobe's dumps read as captures (``torch_file``: a ``.pt`` tensor read without unpickling).
 
 Needs numpy and h5py only. See docs/format.md.
 """
 
 from .format import FORMAT_VERSION
 from .merged import MergedCapture
+from .msprobe import MsprobeDump
 from .opener import open_capture
 from .pipeline import PipelineCapture
 from .reader import CaptureFile
@@ -19,4 +21,5 @@ from .writer import CaptureWriter
 #: The reader's earlier name (``tensordiff.store.Capture``), kept for scripts that use it.
 Capture = CaptureFile
 
-__all__ = ["FORMAT_VERSION", "Capture", "CaptureFile", "CaptureWriter", "MergedCapture", "PipelineCapture", "open_capture"]
+__all__ = ["FORMAT_VERSION", "Capture", "CaptureFile", "CaptureWriter", "MergedCapture", "MsprobeDump", "PipelineCapture",
+           "open_capture"]

@@ -1,6 +1,7 @@
 """``open_capture(path)``: what every reader calls. A capture file, or a glob (``'run.rank*.h5'``) naming the rank
 files of one distributed run, read as one capture in the single-device space: ``MergedCapture`` (tensor and data
-parallel, ``merged.py``), or ``PipelineCapture`` when the files are pipeline stages (``pipeline.py``)."""
+parallel, ``merged.py``), or ``PipelineCapture`` when the files are pipeline stages (``pipeline.py``). An msprobe dump
+folder (or its ``dump.json``) is read as a capture too: ``MsprobeDump`` (``msprobe.py``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 
 from ..errors import CaptureFileError
 from .merged import MergedCapture
+from .msprobe import MsprobeDump, is_msprobe_dump
 from .pipeline import PipelineCapture, pipeline_stages
 from .reader import CaptureFile
 
@@ -18,6 +20,8 @@ _GLOB = re.compile(r"[*?\[]")
 def open_capture(path: str) -> CaptureFile:
     """A capture file, or the rank files a glob names merged into one (see the module docstring)."""
     if not _GLOB.search(path):
+        if is_msprobe_dump(path):
+            return MsprobeDump(path)  # msprobe's dump folder (or its dump.json), read as a capture
         return CaptureFile(path)
     paths = sorted(glob.glob(path))
     if not paths:
