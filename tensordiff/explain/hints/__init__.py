@@ -11,7 +11,7 @@ reconstruction would be guesswork); one with nothing to test on at this site (no
 RoPE, no stored input, no bias) raises ``NotApplicable(reason)``, and ``run_checks`` returns a
 ``CheckStatus`` per cause: tested, or not and why. Hints are ranked by ``explained``; only those that
 explain at least half of the gap are reported. One module per cause, one page each in
-docs/hints/: ``activation``, ``norm``, ``rope``, ``dtype``, ``layout``, ``factor``,
+docs/hints/: ``activation``, ``norm``, ``rope``, ``dtype``, ``layout``, ``dropout``, ``factor``,
 ``checkpoint``, ``update`` (the optimizer step); ``base`` holds the site, the fit they share and
 ``NotApplicable``. Framework-free: numpy on
 captured arrays.
@@ -28,6 +28,7 @@ from ...store import CaptureFile, open_capture
 from .activation import check_activation
 from .base import MIN_EXPLAINED, CheckStatus, Hint, NotApplicable, Site
 from .checkpoint import check_checkpoint
+from .dropout import check_dropout
 from .dtype import check_dtype
 from .factor import check_factor
 from .layout import check_layout, check_missing_bias
@@ -45,12 +46,13 @@ __all__ = ["CHECKED", "CHECKS", "MIN_EXPLAINED", "CheckStatus", "Hint", "NotAppl
 #: the cause it tests in words. A check raises ``NotApplicable(reason)`` when it has nothing to test on here.
 #: A new cause is a new module here, an entry in CHECKS and CHECKED, and a page in docs/hints/.
 CHECKS: tuple[tuple[str, Callable[[Site], Iterator[Hint]]], ...] = (
-    ("RoPE", check_rope), ("activation", check_activation), ("norm epsilon", check_norm_epsilon),
+    ("dropout", check_dropout), ("RoPE", check_rope), ("activation", check_activation),
+    ("norm epsilon", check_norm_epsilon),
     ("dtype", check_dtype), ("layout", check_layout), ("bias", check_missing_bias), ("constant factor", check_factor),
 )
 #: Every cause tested, in words, in the order reports name them; ``check_checkpoint`` (it needs the whole diff
 #: result) runs first.
-CHECKED = ("activation", "norm epsilon", "RoPE", "dtype", "layout", "bias", "constant factor", "checkpoint",
+CHECKED = ("activation", "norm epsilon", "RoPE", "dtype", "layout", "bias", "dropout", "constant factor", "checkpoint",
            "optimizer step")
 
 
