@@ -139,6 +139,30 @@ def test_hf_gpt2_dropout_against_megatron(gpt):
     assert "B's transformer.drop (Dropout) drops out" in top.title
 
 
+def test_padded_vocabulary_is_named(gpt):
+    # megatron-core's vocabulary padded 128 -> 136 (8 non-zero rows): the logits compare as 'shape', the diff stops at
+    # the per-token loss, which the padded columns' softmax-denominator term explains
+    result = diff(gpt("none"), gpt("vocab-pad"))
+    assert (result.first.phase, result.first.label_a) == ("forward", "<model> output.0")
+    top = _top(result)
+    assert top.cause == "vocab-padding" and top.explained > 0.99
+    assert (top.details["vocab"], top.details["padded"], top.details["side"]) == (128, 136, "B")
+    assert "B's vocabulary is padded" in top.title and "8 padded logits take part in B's softmax" in top.title
+
+
+def test_padded_megatron_vocabulary_against_hf(gpt):
+    pytest.importorskip("transformers")
+    from tensordiff.mapping import RenameRules
+
+    # megatron-core padded to 136 against HF GPT-2 with the real 128 (and megatron's GELU): the loss differs
+    result = diff(gpt("vocab-pad"), gpt("none", 1, "--framework", "hf", "--hf-activation", "gelu"),
+                  DiffOptions(mapping=RenameRules.load("mcore-hf-gpt2", {"heads": "4"})))
+    assert result.first.phase == "loss"
+    top = _top(result)
+    assert top.cause == "vocab-padding" and top.explained > 0.99
+    assert (top.details["vocab"], top.details["padded"], top.details["side"]) == (128, 136, "A")
+
+
 def test_rope_interleaved_pairs(llama):
     top = _top(diff(llama("none"), llama("rope-interleaved")))
     assert top.cause == "rope"

@@ -37,6 +37,7 @@ from .parallel import check_partial_sum
 from .pipeline import check_pipeline
 from .rope import check_rope
 from .update import check_update
+from .vocab import check_vocab_padding
 
 __all__ = ["CHECKED", "CHECKS", "MIN_EXPLAINED", "CheckStatus", "Hint", "NotApplicable", "find_hints",
            "hints_for_row", "run_checks"]
@@ -52,8 +53,8 @@ CHECKS: tuple[tuple[str, Callable[[Site], Iterator[Hint]]], ...] = (
 )
 #: Every cause tested, in words, in the order reports name them; ``check_checkpoint`` (it needs the whole diff
 #: result) runs first.
-CHECKED = ("activation", "norm epsilon", "RoPE", "dtype", "layout", "bias", "dropout", "constant factor", "checkpoint",
-           "optimizer step")
+CHECKED = ("activation", "norm epsilon", "RoPE", "dtype", "layout", "bias", "dropout", "constant factor",
+           "vocabulary padding", "checkpoint", "optimizer step")
 
 
 def _none_ran(reason: str) -> list[CheckStatus]:
@@ -94,10 +95,11 @@ def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
         checks.insert(0, ("pipeline stages", check_pipeline))  # ties: the handover before a factor of 0 or layout
         causes.insert(causes.index("checkpoint"), "pipeline stages")
     if result is not None:
+        checks.insert(0, ("vocabulary padding", lambda s: check_vocab_padding(s, result)))
         checks.append(("checkpoint", lambda s: check_checkpoint(s, result)))  # ties: the specific cause (layout) first
         checks.append(("optimizer step", lambda s: check_update(s, result)))
     else:
-        for cause in ("checkpoint", "optimizer step"):
+        for cause in ("vocabulary padding", "checkpoint", "optimizer step"):
             status[cause] = CheckStatus(cause, False, "needs the whole diff")
     for cause, check in checks:
         try:
