@@ -163,6 +163,25 @@ def test_padded_megatron_vocabulary_against_hf(gpt):
     assert (top.details["vocab"], top.details["padded"], top.details["side"]) == (128, 136, "A")
 
 
+def test_loss_over_all_tokens_instead_of_the_masked_ones(gpt):
+    # both runs mask the last 4 tokens of the last sample; B divides the masked sum by all 32 tokens, A by the 28 kept
+    result = diff(gpt("none", 1, "--pad-tokens", "4"), gpt("loss-mask", 1, "--pad-tokens", "4"))
+    assert result.first.phase == "loss"
+    assert [h.cause for h in result.hints] == ["loss-normalisation", "factor"]  # the named one first
+    top = result.hints[0]
+    assert top.details["a"] == "the mean over the tokens the loss mask keeps" and top.explained > 0.99
+    assert top.details["b"].startswith("the masked losses summed and divided by all tokens")
+    assert top.details["factor"] == pytest.approx(28 / 32, rel=1e-5)
+
+
+def test_loss_sum_per_sample_is_a_loss_normalisation(gpt):
+    result = diff(gpt("none"), gpt("loss-sum-per-sample"))
+    top = _top(result)
+    assert top.cause == "loss-normalisation" and top.explained > 0.99
+    assert top.details["b"] == "the mean over samples of each sample's sum over tokens"
+    assert top.details["factor"] == pytest.approx(16, rel=1e-5)  # the tokens per sample
+
+
 def test_rope_interleaved_pairs(llama):
     top = _top(diff(llama("none"), llama("rope-interleaved")))
     assert top.cause == "rope"

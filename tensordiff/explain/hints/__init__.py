@@ -32,6 +32,7 @@ from .dropout import check_dropout
 from .dtype import check_dtype
 from .factor import check_factor
 from .layout import check_layout, check_missing_bias
+from .loss import check_loss_normalisation
 from .norm import check_norm_epsilon
 from .parallel import check_partial_sum
 from .pipeline import check_pipeline
@@ -49,12 +50,13 @@ __all__ = ["CHECKED", "CHECKS", "MIN_EXPLAINED", "CheckStatus", "Hint", "NotAppl
 CHECKS: tuple[tuple[str, Callable[[Site], Iterator[Hint]]], ...] = (
     ("dropout", check_dropout), ("RoPE", check_rope), ("activation", check_activation),
     ("norm epsilon", check_norm_epsilon),
-    ("dtype", check_dtype), ("layout", check_layout), ("bias", check_missing_bias), ("constant factor", check_factor),
+    ("dtype", check_dtype), ("layout", check_layout), ("bias", check_missing_bias),
+    ("loss normalisation", check_loss_normalisation), ("constant factor", check_factor),
 )
 #: Every cause tested, in words, in the order reports name them; ``check_checkpoint`` (it needs the whole diff
 #: result) runs first.
-CHECKED = ("activation", "norm epsilon", "RoPE", "dtype", "layout", "bias", "dropout", "constant factor",
-           "vocabulary padding", "checkpoint", "optimizer step")
+CHECKED = ("activation", "norm epsilon", "RoPE", "dtype", "layout", "bias", "dropout", "loss normalisation",
+           "constant factor", "vocabulary padding", "checkpoint", "optimizer step")
 
 
 def _none_ran(reason: str) -> list[CheckStatus]:
