@@ -11,9 +11,9 @@ reconstruction would be guesswork); one with nothing to test on at this site (no
 RoPE, no stored input, no bias) raises ``NotApplicable(reason)``, and ``run_checks`` returns a
 ``CheckStatus`` per cause: tested, or not and why. Hints are ranked by ``explained``; only those that
 explain at least half of the gap are reported. One module per cause, one page each in
-docs/hints/: ``activation``, ``norm``, ``rope``, ``dtype``, ``layout``, ``dropout``, ``factor``,
-``checkpoint``, ``update`` (the optimizer step); ``base`` holds the site, the fit they share and
-``NotApplicable``. Framework-free: numpy on
+docs/hints/: ``activation``, ``norm``, ``rope``, ``dtype``, ``layout``, ``dropout``, ``loss``
+(loss normalisation), ``factor``, ``vocab`` (vocabulary padding), ``checkpoint``, ``update`` (the optimizer step);
+``base`` holds the site, the fit they share and ``NotApplicable``. Framework-free: numpy on
 captured arrays.
 """
 
