@@ -21,12 +21,12 @@ def gpt(tmp_path_factory):
     folder = tmp_path_factory.mktemp("hints-gpt")
     made = {}
 
-    def get(fault, steps=1):
-        if (fault, steps) not in made:
-            made[fault, steps] = str(folder / f"{fault}-{steps}.h5")
-            train.main(["--capture", made[fault, steps], "--train-steps", str(steps), "--capture-steps", str(steps),
-                        "--fault", fault, "--capture-tensors", "all"])
-        return made[fault, steps]
+    def get(fault, steps=1, *extra):
+        if (fault, steps, extra) not in made:
+            made[fault, steps, extra] = str(folder / f"{fault}-{steps}-{'-'.join(extra).replace('/', '_')}.h5")
+            train.main(["--capture", made[fault, steps, extra], "--train-steps", str(steps), "--capture-steps",
+                        str(steps), "--fault", fault, "--capture-tensors", "all", *extra])
+        return made[fault, steps, extra]
 
     return get
 
@@ -114,6 +114,72 @@ def test_no_optimizer_hint_where_the_forward_differs(gpt):
     assert (result.first.step, result.first.phase) == (0, "forward")
     assert [h.cause for h in result.hints] == ["norm-epsilon"]
     assert {c.cause: c for c in result.checks}["optimizer step"].ran  # ruled out: the weights of step 0 agree
+
+
+def test_active_dropout_is_named_with_its_probability(gpt):
+    # megatron-core with hidden_dropout 0.1 in training mode: its embedding dropout is the first to change a tensor
+    result = diff(gpt("none"), gpt("dropout"))
+    assert result.first.module_a == "embedding.embedding_dropout"
+    top = _top(result)
+    assert top.cause == "dropout" and top.explained > 0.99 and top.details["side"] == "B"
+    assert top.details["p"] == pytest.approx(0.1, rel=1e-4) and 0.05 < top.details["zeros"] < 0.15
+    assert "B's embedding.embedding_dropout (Dropout) drops out" in top.title and "1/(1-0.1)" in top.title
+
+
+def test_hf_gpt2_dropout_against_megatron(gpt):
+    pytest.importorskip("transformers")
+    from tensordiff.mapping import RenameRules
+
+    # HF GPT-2 with embd/resid/attn_pdrop 0.1 (the same weights) against megatron-core without dropout
+    result = diff(gpt("none"), gpt("dropout", 1, "--framework", "hf"),
+                  DiffOptions(mapping=RenameRules.load("mcore-hf-gpt2", {"heads": "4"})))
+    assert (result.first.module_a, result.first.module_b) == ("embedding.embedding_dropout", "transformer.drop")
+    top = _top(result)
+    assert top.cause == "dropout" and top.explained > 0.99 and top.details["p"] == pytest.approx(0.1, rel=1e-4)
+    assert "B's transformer.drop (Dropout) drops out" in top.title
+
+
+def test_padded_vocabulary_is_named(gpt):
+    # megatron-core's vocabulary padded 128 -> 136 (8 non-zero rows): the logits compare as 'shape', the diff stops at
+    # the per-token loss, which the padded columns' softmax-denominator term explains
+    result = diff(gpt("none"), gpt("vocab-pad"))
+    assert (result.first.phase, result.first.label_a) == ("forward", "<model> output.0")
+    top = _top(result)
+    assert top.cause == "vocab-padding" and top.explained > 0.99
+    assert (top.details["vocab"], top.details["padded"], top.details["side"]) == (128, 136, "B")
+    assert "B's vocabulary is padded" in top.title and "8 padded logits take part in B's softmax" in top.title
+
+
+def test_padded_megatron_vocabulary_against_hf(gpt):
+    pytest.importorskip("transformers")
+    from tensordiff.mapping import RenameRules
+
+    # megatron-core padded to 136 against HF GPT-2 with the real 128 (and megatron's GELU): the loss differs
+    result = diff(gpt("vocab-pad"), gpt("none", 1, "--framework", "hf", "--hf-activation", "gelu"),
+                  DiffOptions(mapping=RenameRules.load("mcore-hf-gpt2", {"heads": "4"})))
+    assert result.first.phase == "loss"
+    top = _top(result)
+    assert top.cause == "vocab-padding" and top.explained > 0.99
+    assert (top.details["vocab"], top.details["padded"], top.details["side"]) == (128, 136, "A")
+
+
+def test_loss_over_all_tokens_instead_of_the_masked_ones(gpt):
+    # both runs mask the last 4 tokens of the last sample; B divides the masked sum by all 32 tokens, A by the 28 kept
+    result = diff(gpt("none", 1, "--pad-tokens", "4"), gpt("loss-mask", 1, "--pad-tokens", "4"))
+    assert result.first.phase == "loss"
+    assert [h.cause for h in result.hints] == ["loss-normalisation", "factor"]  # the named one first
+    top = result.hints[0]
+    assert top.details["a"] == "the mean over the tokens the loss mask keeps" and top.explained > 0.99
+    assert top.details["b"].startswith("the masked losses summed and divided by all tokens")
+    assert top.details["factor"] == pytest.approx(28 / 32, rel=1e-5)
+
+
+def test_loss_sum_per_sample_is_a_loss_normalisation(gpt):
+    result = diff(gpt("none"), gpt("loss-sum-per-sample"))
+    top = _top(result)
+    assert top.cause == "loss-normalisation" and top.explained > 0.99
+    assert top.details["b"] == "the mean over samples of each sample's sum over tokens"
+    assert top.details["factor"] == pytest.approx(16, rel=1e-5)  # the tokens per sample
 
 
 def test_rope_interleaved_pairs(llama):

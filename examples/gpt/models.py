@@ -51,8 +51,9 @@ def _gelu_tanh(x: Tensor) -> Tensor:
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": _gelu_tanh}
 
 
-def build_mcore_gpt(spec: GPTSpec, seed: int = 1234, activation: str = "gelu") -> Any:
-    """Megatron-core GPTModel (local layer spec, FP32, no dropout, tied embeddings like GPT-2)."""
+def build_mcore_gpt(spec: GPTSpec, seed: int = 1234, activation: str = "gelu", hidden_dropout: float = 0.0) -> Any:
+    """Megatron-core GPTModel (local layer spec, FP32, no dropout unless ``hidden_dropout``, tied embeddings like
+    GPT-2)."""
     init_megatron_cpu(seed)
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -63,7 +64,7 @@ def build_mcore_gpt(spec: GPTSpec, seed: int = 1234, activation: str = "gelu") -
         hidden_size=spec.hidden_size,
         num_attention_heads=spec.num_attention_heads,
         use_cpu_initialization=True,
-        hidden_dropout=0.0,
+        hidden_dropout=hidden_dropout,
         attention_dropout=0.0,
         params_dtype=torch.float32,
         init_method_std=spec.init_std,
@@ -161,8 +162,10 @@ def mcore_to_hf_gpt2_state(mcore_state_dict: dict[str, Tensor], spec: GPTSpec) -
     return out
 
 
-def build_hf_gpt2(spec: GPTSpec, mcore_state_dict: dict[str, Tensor], activation: str = "gelu_new") -> Any:
-    """HF GPT2LMHeadModel matching ``spec`` with converted megatron weights (strict load)."""
+def build_hf_gpt2(spec: GPTSpec, mcore_state_dict: dict[str, Tensor], activation: str = "gelu_new",
+                  dropout: float = 0.0) -> Any:
+    """HF GPT2LMHeadModel matching ``spec`` with converted megatron weights (strict load); ``dropout``: its
+    ``embd_pdrop``, ``resid_pdrop`` and ``attn_pdrop``."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
@@ -173,9 +176,9 @@ def build_hf_gpt2(spec: GPTSpec, mcore_state_dict: dict[str, Tensor], activation
         n_head=spec.num_attention_heads,
         layer_norm_epsilon=spec.layernorm_epsilon,
         activation_function=activation,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
         use_cache=False,
         tie_word_embeddings=True,
         attn_implementation="eager",

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import tensordiff
+from examples.gpt import models
 from examples.gpt.models import GPTSpec, build_hf_gpt2, build_mcore_gpt, hf_loss, make_batch, mcore_loss, use_split_qkv
 
 FAULTS: dict[str, str] = {
@@ -35,7 +36,16 @@ FAULTS: dict[str, str] = {
     "optimizer-wd": "optimizer: weight decay also applied to biases and LayerNorm weights",
     "optimizer-lr": "optimizer: the learning rate is 0.9x (a schedule or a scaling that differs)",
     "split-qkv": "equivalent rewrite, not a fault: q, k, v projections as three matmuls instead of one",
+    "dropout": "forward: hidden dropout 0.1 in training mode (megatron's embedding dropout and bias-dropout-add; with "
+               "--framework hf, GPT-2's embd/resid/attn_pdrop)",
+    "vocab-pad": f"the vocabulary padded {GPTSpec.vocab_size} -> {GPTSpec.vocab_size + 8} (a padded vocabulary size): 8 "
+                 "more embedding/output rows, initialised non-zero, whose logits take part in the softmax",
+    "loss-sum-per-sample": "loss: the mean over samples of each sample's sum over tokens, instead of the mean over tokens",
+    "loss-mask": "loss: the masked per-token losses averaged over all tokens instead of the ones the loss mask keeps "
+                 "(use with --pad-tokens)",
 }
+#: faults that also apply to --framework hf
+HF_FAULTS = ("none", "dropout")
 
 
 class _GeluTanhBackward(torch.autograd.Function):
@@ -59,8 +69,20 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def _padded_vocab(mcore: torch.nn.Module, spec: GPTSpec, seed: int, extra: int = 8) -> torch.nn.Module:
+    """The same model with ``extra`` more vocabulary rows (random, like a fresh init of a padded vocabulary)."""
+    padded_spec = GPTSpec(**{**spec.__dict__, "vocab_size": spec.vocab_size + extra})
+    padded = build_mcore_gpt(padded_spec, seed=seed)
+    state = {k: v for k, v in mcore.state_dict().items() if isinstance(v, torch.Tensor)}
+    key = "embedding.word_embeddings.weight"
+    g = torch.Generator().manual_seed(seed + 1)
+    state[key] = torch.cat([state[key], spec.init_std * torch.randn(extra, state[key].shape[1], generator=g)])
+    padded.load_state_dict(state, strict=False)
+    return padded
+
+
 def build(args: argparse.Namespace, spec: GPTSpec) -> tuple[torch.nn.Module, Callable]:
-    mcore = build_mcore_gpt(spec, seed=args.seed)
+    mcore = build_mcore_gpt(spec, seed=args.seed, hidden_dropout=0.1 if args.fault == "dropout" else 0.0)
     if args.load_ckpt:
         from safetensors.torch import load_file
 
@@ -74,7 +96,8 @@ def build(args: argparse.Namespace, spec: GPTSpec) -> tuple[torch.nn.Module, Cal
 
         save_file({k: v.contiguous() for k, v in mcore.state_dict().items() if isinstance(v, torch.Tensor)}, args.save_ckpt)
     if args.framework == "hf":
-        return build_hf_gpt2(spec, mcore.state_dict()), hf_loss
+        return build_hf_gpt2(spec, mcore.state_dict(), activation=args.hf_activation,
+                             dropout=0.1 if args.fault == "dropout" else 0.0), hf_loss
     layer1 = mcore.decoder.layers[min(1, spec.num_layers - 1)]
     if args.fault == "ln-eps":
         layer1.pre_mlp_layernorm.eps = 1e-2
@@ -89,7 +112,37 @@ def build(args: argparse.Namespace, spec: GPTSpec) -> tuple[torch.nn.Module, Cal
         layer1.mlp.linear_fc2.weight.register_hook(lambda g: g * 0.5)
     elif args.fault == "split-qkv":
         use_split_qkv(mcore)
+    elif args.fault == "vocab-pad":
+        mcore = _padded_vocab(mcore, spec, args.seed)
+    if args.pad_tokens or args.fault in ("loss-sum-per-sample", "loss-mask"):
+        return mcore, _masked_loss(spec, args.pad_tokens, args.fault)
     return mcore, mcore_loss
+
+
+def loss_mask(spec: GPTSpec, pad_tokens: int) -> torch.Tensor:
+    """1 where a token counts in the loss: the last ``pad_tokens`` positions of the last sample are padding."""
+    mask = torch.ones(spec.batch_size, spec.seq_length)
+    if pad_tokens:
+        mask[-1, -pad_tokens:] = 0
+    return mask
+
+
+def _masked_loss(spec: GPTSpec, pad_tokens: int, fault: str) -> Callable:
+    """megatron-core called with ``loss_mask=`` (recorded with the batch), its per-token losses reduced as ``fault``
+    says: the mean over the tokens the mask keeps (right), over all tokens, or over samples of per-sample sums."""
+    mask = loss_mask(spec, pad_tokens)
+
+    def loss(model: Any, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        b, s = tokens.shape
+        position_ids = torch.arange(s).unsqueeze(0).expand(b, s)
+        per_token = model(tokens, position_ids, models.causal_mask(s), labels=labels, loss_mask=mask).float() * mask
+        if fault == "loss-sum-per-sample":
+            return per_token.sum(1).mean()
+        if fault == "loss-mask":
+            return per_token.sum() / mask.numel()
+        return per_token.sum() / mask.sum()
+
+    return loss
 
 
 def optimizer_for(model: torch.nn.Module, fault: str, lr: float) -> torch.optim.Optimizer:
@@ -109,6 +162,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     p.add_argument("--seed", type=int, default=1234, help="seed of the initial weights")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--pad-tokens", type=int, default=0, help="the last N tokens of the last sample are padding, "
+                   "masked out of the loss (megatron-core called with loss_mask=)")
+    p.add_argument("--hf-activation", default="gelu_new", help="HF GPT-2's activation_function (gelu: megatron's)")
     p.add_argument("--save-ckpt", help="write the initial weights (safetensors)")
     p.add_argument("--load-ckpt", help="start from these weights (safetensors)")
     p.add_argument("--capture", help="capture file (tensordiff capture -o sets it instead)")
@@ -116,8 +172,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     p.add_argument("--capture-tensors", choices=("first", "all", "none"), default="first",
                    help="full tensors of the first captured step (default), of every step, or none")
     args = p.parse_args(argv)
-    if args.fault != "none" and args.framework != "mcore":
-        p.error("--fault applies to --framework mcore")
+    if args.fault not in HF_FAULTS and args.framework != "mcore":
+        p.error(f"--fault {args.fault} applies to --framework mcore")
     spec = GPTSpec(num_layers=args.layers)
     model, loss_fn = build(args, spec)
     opt = optimizer_for(model, args.fault, args.lr)

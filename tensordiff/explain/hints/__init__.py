@@ -11,9 +11,9 @@ reconstruction would be guesswork); one with nothing to test on at this site (no
 RoPE, no stored input, no bias) raises ``NotApplicable(reason)``, and ``run_checks`` returns a
 ``CheckStatus`` per cause: tested, or not and why. Hints are ranked by ``explained``; only those that
 explain at least half of the gap are reported. One module per cause, one page each in
-docs/hints/: ``activation``, ``norm``, ``rope``, ``dtype``, ``layout``, ``factor``,
-``checkpoint``, ``update`` (the optimizer step); ``base`` holds the site, the fit they share and
-``NotApplicable``. Framework-free: numpy on
+docs/hints/: ``activation``, ``norm``, ``rope``, ``dtype``, ``layout``, ``dropout``, ``loss``
+(loss normalisation), ``factor``, ``vocab`` (vocabulary padding), ``checkpoint``, ``update`` (the optimizer step);
+``base`` holds the site, the fit they share and ``NotApplicable``. Framework-free: numpy on
 captured arrays.
 """
 
@@ -28,14 +28,17 @@ from ...store import CaptureFile, open_capture
 from .activation import check_activation
 from .base import MIN_EXPLAINED, CheckStatus, Hint, NotApplicable, Site
 from .checkpoint import check_checkpoint
+from .dropout import check_dropout
 from .dtype import check_dtype
 from .factor import check_factor
 from .layout import check_layout, check_missing_bias
+from .loss import check_loss_normalisation
 from .norm import check_norm_epsilon
 from .parallel import check_partial_sum
 from .pipeline import check_pipeline
 from .rope import check_rope
 from .update import check_update
+from .vocab import check_vocab_padding
 
 __all__ = ["CHECKED", "CHECKS", "MIN_EXPLAINED", "CheckStatus", "Hint", "NotApplicable", "find_hints",
            "hints_for_row", "run_checks"]
@@ -45,13 +48,15 @@ __all__ = ["CHECKED", "CHECKS", "MIN_EXPLAINED", "CheckStatus", "Hint", "NotAppl
 #: the cause it tests in words. A check raises ``NotApplicable(reason)`` when it has nothing to test on here.
 #: A new cause is a new module here, an entry in CHECKS and CHECKED, and a page in docs/hints/.
 CHECKS: tuple[tuple[str, Callable[[Site], Iterator[Hint]]], ...] = (
-    ("RoPE", check_rope), ("activation", check_activation), ("norm epsilon", check_norm_epsilon),
-    ("dtype", check_dtype), ("layout", check_layout), ("bias", check_missing_bias), ("constant factor", check_factor),
+    ("dropout", check_dropout), ("RoPE", check_rope), ("activation", check_activation),
+    ("norm epsilon", check_norm_epsilon),
+    ("dtype", check_dtype), ("layout", check_layout), ("bias", check_missing_bias),
+    ("loss normalisation", check_loss_normalisation), ("constant factor", check_factor),
 )
 #: Every cause tested, in words, in the order reports name them; ``check_checkpoint`` (it needs the whole diff
 #: result) runs first.
-CHECKED = ("activation", "norm epsilon", "RoPE", "dtype", "layout", "bias", "constant factor", "checkpoint",
-           "optimizer step")
+CHECKED = ("activation", "norm epsilon", "RoPE", "dtype", "layout", "bias", "dropout", "loss normalisation",
+           "constant factor", "vocabulary padding", "checkpoint", "optimizer step")
 
 
 def _none_ran(reason: str) -> list[CheckStatus]:
@@ -92,10 +97,11 @@ def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
         checks.insert(0, ("pipeline stages", check_pipeline))  # ties: the handover before a factor of 0 or layout
         causes.insert(causes.index("checkpoint"), "pipeline stages")
     if result is not None:
+        checks.insert(0, ("vocabulary padding", lambda s: check_vocab_padding(s, result)))
         checks.append(("checkpoint", lambda s: check_checkpoint(s, result)))  # ties: the specific cause (layout) first
         checks.append(("optimizer step", lambda s: check_update(s, result)))
     else:
-        for cause in ("checkpoint", "optimizer step"):
+        for cause in ("vocabulary padding", "checkpoint", "optimizer step"):
             status[cause] = CheckStatus(cause, False, "needs the whole diff")
     for cause, check in checks:
         try:
