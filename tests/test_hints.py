@@ -182,6 +182,18 @@ def test_loss_sum_per_sample_is_a_loss_normalisation(gpt):
     assert top.details["factor"] == pytest.approx(16, rel=1e-5)  # the tokens per sample
 
 
+def test_hf_loss_sum_per_sample_against_megatron(gpt):
+    pytest.importorskip("transformers")
+    from tensordiff.mapping import RenameRules
+
+    # HF GPT-2 (the same weights) whose training script sums each sample's token losses, against megatron-core's mean
+    result = diff(gpt("none"), gpt("loss-sum-per-sample", 1, "--framework", "hf", "--hf-activation", "gelu"),
+                  DiffOptions(mapping=RenameRules.load("mcore-hf-gpt2", {"heads": "4"})))
+    top = _top(result)
+    assert top.cause == "loss-normalisation" and top.explained > 0.99
+    assert top.details["factor"] == pytest.approx(16, rel=1e-5)  # the tokens per sample
+
+
 def test_rope_interleaved_pairs(llama):
     top = _top(diff(llama("none"), llama("rope-interleaved")))
     assert top.cause == "rope"

@@ -24,7 +24,16 @@ import torch.nn.functional as F
 
 import tensordiff
 from examples.gpt import models
-from examples.gpt.models import GPTSpec, build_hf_gpt2, build_mcore_gpt, hf_loss, make_batch, mcore_loss, use_split_qkv
+from examples.gpt.models import (
+    GPTSpec,
+    build_hf_gpt2,
+    build_mcore_gpt,
+    hf_logits,
+    hf_loss,
+    make_batch,
+    mcore_loss,
+    use_split_qkv,
+)
 
 FAULTS: dict[str, str] = {
     "none": "no fault",
@@ -45,7 +54,7 @@ FAULTS: dict[str, str] = {
                  "(use with --pad-tokens)",
 }
 #: faults that also apply to --framework hf
-HF_FAULTS = ("none", "dropout")
+HF_FAULTS = ("none", "dropout", "loss-sum-per-sample")
 
 
 class _GeluTanhBackward(torch.autograd.Function):
@@ -97,7 +106,8 @@ def build(args: argparse.Namespace, spec: GPTSpec) -> tuple[torch.nn.Module, Cal
         save_file({k: v.contiguous() for k, v in mcore.state_dict().items() if isinstance(v, torch.Tensor)}, args.save_ckpt)
     if args.framework == "hf":
         return build_hf_gpt2(spec, mcore.state_dict(), activation=args.hf_activation,
-                             dropout=0.1 if args.fault == "dropout" else 0.0), hf_loss
+                             dropout=0.1 if args.fault == "dropout" else 0.0), (
+            hf_loss_sum_per_sample if args.fault == "loss-sum-per-sample" else hf_loss)
     layer1 = mcore.decoder.layers[min(1, spec.num_layers - 1)]
     if args.fault == "ln-eps":
         layer1.pre_mlp_layernorm.eps = 1e-2
@@ -117,6 +127,15 @@ def build(args: argparse.Namespace, spec: GPTSpec) -> tuple[torch.nn.Module, Cal
     if args.pad_tokens or args.fault in ("loss-sum-per-sample", "loss-mask"):
         return mcore, _masked_loss(spec, args.pad_tokens, args.fault)
     return mcore, mcore_loss
+
+
+def hf_loss_sum_per_sample(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """HF's logits, the cross-entropy summed over each sample's tokens, then averaged over samples (a per-sample
+    normalisation, as some training scripts write it)."""
+    logits = hf_logits(model, tokens).float()
+    per_token = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1),
+                                                  reduction="none")
+    return per_token.view(labels.shape).sum(dim=1).mean()
 
 
 def loss_mask(spec: GPTSpec, pad_tokens: int) -> torch.Tensor:
