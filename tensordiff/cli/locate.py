@@ -110,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     out = console(args)
     result = None
+    updates: list = []
+    lrs: tuple[dict[int, float], dict[int, float]] = ({}, {})
     if plan.state is not None:  # shared mode across frameworks: A's state written for B before anything runs
         out.print(f"converting A's state of iteration {plan.resume} for B into {plan.state.dst} ...")
         plan.state.convert()
