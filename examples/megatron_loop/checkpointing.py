@@ -84,11 +84,11 @@ def scheduler(args: argparse.Namespace, optimizer):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     gbs = args.batch
-    decay_iters = args.lr_decay_iters or args.steps
+    decay_iters = args.lr_decay_iters or max(args.steps, 1)  # --steps 0 (only --save-init) builds one too
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters * gbs,
         lr_decay_steps=decay_iters * gbs, lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
-        end_wd=args.weight_decay, wd_incr_steps=args.steps * gbs, wd_incr_style="constant",
+        end_wd=args.weight_decay, wd_incr_steps=max(args.steps, 1) * gbs, wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler)
 
