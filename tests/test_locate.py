@@ -85,11 +85,13 @@ def test_plan_only_writes_the_commands(example, capsys):
     code = cli(["locate", a, b, "--ckpt-a", os.path.join(example, "ckpt_a"), "--ckpt-b", os.path.join(example, "ckpt_b"),
                 "--cmd-a", "torchrun --nproc-per-node 8 pretrain_gpt.py --save /ck/a --save-interval 10 --train-iters 30",
                 "--cmd-b", "torchrun --nproc-per-node 8 pretrain_gpt.py --save /ck/b --train-iters 30",
-                "--step", "15", "--out", os.path.join(example, "plan"), "--no-color", "--width", "200"])
+                "--step", "15", "--out", os.path.join(example, "plan"), "--no-color", "--width", "200",
+                "--json", os.path.join(example, "plan.json")])
     text = capsys.readouterr().out
     assert code == 0 and "Looking at iteration 15 (asked for)" in text
-    assert "--load " + os.path.join(example, "ckpt_a") + " --ckpt-step 10 --exit-interval 16" in text
-    assert "--save" not in text.split("resume commands")[1]
+    doc = _json(example, "plan.json")
+    assert doc["a"]["command"].endswith("--load " + os.path.join(example, "ckpt_a") + " --ckpt-step 10 --exit-interval 16")
+    assert "--save" not in doc["a"]["command"] and "--save" not in doc["b"]["command"]
 
 
 def test_missing_checkpoint_folder_is_one_line(example, capsys):

@@ -108,7 +108,8 @@ def _diff(runs, b: str, capsys) -> tuple[int, dict]:
     report = os.path.join(base, f"diff_{b}.json")
     code = cli(["diff", os.path.join(base, "megatron.h5"), os.path.join(base, f"{b}.h5"), "--first-divergence",
                 "--json", report, "--no-color"])
-    capsys.readouterr()
+    said = capsys.readouterr()
+    assert os.path.exists(report), f"diff exited {code} without its report:\n{said.out[-3000:]}\n{said.err[-3000:]}"
     with open(report, encoding="utf-8") as fh:
         return code, json.load(fh)
 
