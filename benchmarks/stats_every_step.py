@@ -17,35 +17,24 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore")
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its sibling capture_overhead.py
+
+import capture_overhead  # noqa: E402
 import torch  # noqa: E402
 
-import tensordiff  # noqa: E402
-from examples.gpt.models import GPTSpec, build_mcore_gpt, make_batch, mcore_loss  # noqa: E402
+from examples.gpt.models import GPTSpec, build_mcore_gpt  # noqa: E402
 from tensordiff.store import CaptureFile  # noqa: E402
 
 
 def run(spec: GPTSpec, steps: int, path: str | None) -> list[float]:
-    """Step times of ``steps`` steps, captured on every step to ``path`` (statistics only) or not at all."""
-    model = build_mcore_gpt(spec, seed=1)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    batches = [make_batch(spec, seed=i) for i in range(steps)]
-    times = []
-    with tensordiff.capture(model, path, steps=steps, optimizer=opt, tensors="none") as cap:
-        for tokens, labels, _ in batches:
-            t0 = time.perf_counter()
-            loss = mcore_loss(model, tokens, labels)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            cap.step(loss)
-            times.append(time.perf_counter() - t0)
-    return times
+    """Step times of ``steps`` steps, captured on every step to ``path`` (statistics only) or not at all: the training
+    loop of capture_overhead.py."""
+    return capture_overhead.run(spec, steps, path, "none", steps)
 
 
 def measure(layers: int, args: argparse.Namespace, tmp: str) -> dict:

@@ -22,6 +22,20 @@ except ImportError:  # the core venv (make test-core) has no ml_dtypes: BF16/FP8
 #: Marks a test (or a parameter) that needs ml_dtypes arrays (BF16, FP8).
 needs_ml_dtypes = pytest.mark.skipif(ml_dtypes is None, reason="needs ml_dtypes (BF16/FP8 arrays)")
 
+#: tensordiff capture's settings handed to a program through the environment: a test's own subprocess never
+#: inherits them from an outer capture
+CAPTURE_ENV = ("TENSORDIFF_OUTPUT", "TENSORDIFF_STEPS", "TENSORDIFF_TENSORS", "TENSORDIFF_DISABLE", "TENSORDIFF_EVERY")
+
+
+def subprocess_env(root: str) -> dict[str, str]:
+    """The environment for a program a test runs: the repository importable, plain output, one thread, no capture
+    settings inherited."""
+    env = dict(os.environ, PYTHONPATH=root, NO_COLOR="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    for name in CAPTURE_ENV:
+        env.pop(name, None)
+    return env
+
+
 GOLDEN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 #: Set (``TENSORDIFF_UPDATE_GOLDENS=1 pytest tests/core/test_golden.py`` or ``python tests/core/test_golden.py``)
 #: to rewrite the golden files from the current output instead of comparing against them.

@@ -16,6 +16,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+from helpers import subprocess_env
+
 from tensordiff.ckpt import files as ckpt_files
 from tensordiff.ckpt import megatron_dir
 from tensordiff.cli import main
@@ -30,10 +32,7 @@ PARAMS = 15  # the tiny GPT of examples/distributed/mcore_train.py: 2 layers x 6
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=ROOT, NO_COLOR="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    for name in ("TENSORDIFF_OUTPUT", "TENSORDIFF_STEPS", "TENSORDIFF_TENSORS", "TENSORDIFF_DISABLE"):
-        env.pop(name, None)
-    return env
+    return subprocess_env(ROOT)
 
 
 @pytest.fixture(scope="module")

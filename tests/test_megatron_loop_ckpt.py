@@ -16,6 +16,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+from helpers import subprocess_env
+
 from tensordiff.cli import main as td_main
 from tensordiff.store import CaptureFile
 
@@ -27,10 +29,7 @@ SCHEDULE = ["--lr-decay-style", "cosine", "--lr-warmup-iters", "1", "--min-lr", 
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=ROOT, NO_COLOR="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    for name in ("TENSORDIFF_OUTPUT", "TENSORDIFF_STEPS", "TENSORDIFF_TENSORS", "TENSORDIFF_DISABLE"):
-        env.pop(name, None)
-    return env
+    return subprocess_env(ROOT)
 
 
 def _lines(text: str) -> dict[int, str]:

@@ -17,6 +17,8 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
+from helpers import subprocess_env
+
 from tensordiff.record import Record
 from tensordiff.runs.drift import departure, first_departure, layer_drift, layer_of
 
@@ -27,10 +29,7 @@ STEPS, FAULT_STEP, FAULT_LAYER = 30, 15, 2
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=ROOT, NO_COLOR="1", PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    for name in ("TENSORDIFF_OUTPUT", "TENSORDIFF_STEPS", "TENSORDIFF_TENSORS", "TENSORDIFF_DISABLE"):
-        env.pop(name, None)
-    return env
+    return subprocess_env(ROOT)
 
 
 @pytest.fixture(scope="module")
