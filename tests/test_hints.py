@@ -109,6 +109,53 @@ def test_weight_decay_on_norms_is_an_optimizer_step(gpt):
     assert top.explained > 0.99
 
 
+def test_adam_epsilon_is_named(gpt):
+    # B's AdamW has eps 1e-4: Adam rebuilt from the fresh moments and each side's gradients names it (the betas
+    # cannot show at Adam's first step, and the report says so)
+    result = diff(gpt("none", 2), gpt("optimizer-eps", 2))
+    assert (result.first.step, result.first.phase) == (1, "weights")
+    top = _top(result)
+    assert top.cause == "optimizer-step" and top.details["fit"] == "adam" and top.explained > 0.99
+    assert list(top.details["differs"]) == ["eps"]
+    assert top.details["b"]["eps"] == pytest.approx(1e-4, rel=0.05) and top.details["a"]["eps"] == pytest.approx(
+        1e-8, rel=0.05)
+    assert "B's epsilon is 0.0001 where A's is 1e-08" in top.title
+    assert top.details["consistent"]["A"].startswith("β1 any, β2 any")
+
+
+@pytest.mark.parametrize("framework", ["mcore", "hf"])
+def test_adam_betas_are_named(gpt, framework):
+    # betas (0.9, 0.95) against (0.9, 0.999): equal first steps (bias correction), apart from Adam's second step on
+    extra = () if framework == "mcore" else ("--framework", "hf")
+    result = diff(gpt("none", 3, *extra), gpt("optimizer-betas", 3, *extra))
+    assert (result.first.step, result.first.phase) == (2, "weights")
+    top = _top(result)
+    assert top.cause == "optimizer-step" and top.details["fit"] == "adam" and top.details["adam_step"] == 2
+    assert top.details["differs"] == {"beta2": {"A": [0.999], "B": [0.95]}}
+    assert "B's β2 is 0.95 where A's is 0.999" in top.title and top.explained > 0.99
+
+
+@pytest.mark.parametrize("framework", ["mcore", "hf"])
+def test_missing_bias_correction_is_named(gpt, framework):
+    # AdamW without bias correction (MindSpore's nn.AdamWeightDecay computes it so): Adam's term is 1/(1-0.9)·√(1-0.999)
+    # = 3.16228 × A's at the first step while the weight decay is A's; a learning rate would scale both
+    extra = () if framework == "mcore" else ("--framework", "hf")
+    result = diff(gpt("none", 2, *extra), gpt("optimizer-bias-correction", 2, *extra))
+    assert (result.first.step, result.first.phase) == (1, "weights")
+    top = _top(result)
+    assert top.cause == "optimizer-step" and top.details["fit"] == "bias-correction" and top.details["side"] == "B"
+    assert top.details["factor"] == pytest.approx(0.1 / 0.001 ** 0.5, rel=1e-4)
+    assert top.details["betas"] == [0.9, 0.999] and top.explained > 0.99
+
+
+def test_learning_rate_fit_holds_over_three_steps(gpt):
+    # the Adam rebuild finds one setting for both sides: the learning-rate fit names the factor, as before
+    result = diff(gpt("none", 3), gpt("optimizer-lr", 3))
+    top = _top(result)
+    assert top.cause == "optimizer-step" and top.details["fit"] == "lr"
+    assert top.details["factor"] == pytest.approx(0.9, rel=1e-4)
+
+
 def test_no_optimizer_hint_where_the_forward_differs(gpt):
     result = diff(gpt("none", 2), gpt("ln-eps", 2))
     assert (result.first.step, result.first.phase) == (0, "forward")

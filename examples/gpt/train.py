@@ -44,6 +44,9 @@ FAULTS: dict[str, str] = {
     "grad-scale": "parameter gradient: decoder.layers.1.mlp.linear_fc2.weight's gradient is halved (a missing average)",
     "optimizer-wd": "optimizer: weight decay also applied to biases and LayerNorm weights",
     "optimizer-lr": "optimizer: the learning rate is 0.9x (a schedule or a scaling that differs)",
+    "optimizer-eps": "optimizer: Adam's epsilon is 1e-4 instead of 1e-8",
+    "optimizer-betas": "optimizer: Adam's betas are (0.9, 0.95) instead of (0.9, 0.999) (shows from the third step)",
+    "optimizer-bias-correction": "optimizer: AdamW without bias correction (as MindSpore's nn.AdamWeightDecay)",
     "split-qkv": "equivalent rewrite, not a fault: q, k, v projections as three matmuls instead of one",
     "dropout": "forward: hidden dropout 0.1 in training mode (megatron's embedding dropout and bias-dropout-add; with "
                "--framework hf, GPT-2's embd/resid/attn_pdrop)",
@@ -54,7 +57,8 @@ FAULTS: dict[str, str] = {
                  "(use with --pad-tokens)",
 }
 #: faults that also apply to --framework hf
-HF_FAULTS = ("none", "dropout", "loss-sum-per-sample")
+HF_FAULTS = ("none", "dropout", "loss-sum-per-sample", "optimizer-lr", "optimizer-wd", "optimizer-eps",
+             "optimizer-betas", "optimizer-bias-correction")
 
 
 class _GeluTanhBackward(torch.autograd.Function):
@@ -164,19 +168,48 @@ def _masked_loss(spec: GPTSpec, pad_tokens: int, fault: str) -> Callable:
     return loss
 
 
+class AdamWNoBiasCorrection(torch.optim.Optimizer):
+    """AdamW without bias correction, as MindSpore's ``nn.AdamWeightDecay`` computes it:
+    ``W -= lr · (m / (√v + ε) + wd · W)``."""
+
+    def __init__(self, params: Any, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                state["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.addcdiv_(state["m"], state["v"].sqrt().add_(group["eps"]), value=-group["lr"])
+
+
 def optimizer_for(model: torch.nn.Module, fault: str, lr: float) -> torch.optim.Optimizer:
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         (no_decay if p.ndim == 1 and fault != "optimizer-wd" else decay).append(p)
-    groups = [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr * (0.9 if fault == "optimizer-lr" else 1.0))
+    groups = [g for g in ({"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0})
+              if g["params"]]
+    lr *= 0.9 if fault == "optimizer-lr" else 1.0
+    if fault == "optimizer-bias-correction":
+        return AdamWNoBiasCorrection(groups, lr=lr)
+    return torch.optim.AdamW(groups, lr=lr, eps=1e-4 if fault == "optimizer-eps" else 1e-8,
+                             betas=(0.9, 0.95) if fault == "optimizer-betas" else (0.9, 0.999))
 
 
 def main(argv: list[str] | None = None) -> list[float]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--framework", choices=("mcore", "hf"), default="mcore", help="megatron-core GPTModel or HF transformers "
                                                                                  "GPT-2")
-    p.add_argument("--fault", choices=sorted(FAULTS), default="none", help="inject one fault (megatron-core only)")
+    p.add_argument("--fault", choices=sorted(FAULTS), default="none", help="inject one fault (HF_FAULTS with --framework hf)")
     p.add_argument("--train-steps", type=int, default=2, help="training steps to run")
     p.add_argument("--seed", type=int, default=1234, help="seed of the initial weights")
     p.add_argument("--lr", type=float, default=1e-3)

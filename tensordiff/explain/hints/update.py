@@ -27,10 +27,14 @@ import numpy as np
 
 from ...diff.metrics import rel_l2
 from ...diff.result import DiffResult, Row
+from .adam import AdamSetting, adam_update, bias_correction_factor, describe, fit_adam
 from .base import Hint, NotApplicable, Site, explained_share
 
 #: a fitted factor or decay must rebuild B's update this closely (relative L2) for every parameter to be named
 _FIT = 0.02
+#: Adam (``adam.fit_adam``) must rebuild each side's whole update this closely to name its settings
+_ADAM_FIT = 1e-3
+_NAMES = {"beta1": "β1", "beta2": "β2", "eps": "epsilon"}
 
 
 def _weights(result: DiffResult, step: int, site: Any) -> dict[str, tuple[Row, np.ndarray, np.ndarray]]:
@@ -104,6 +108,110 @@ def fit_updates(result: DiffResult, ca: Any, cb: Any) -> list[UpdateFit]:
     return out
 
 
+def _grads(site: Site, result: DiffResult, p: int) -> tuple[dict[str, list[dict[tuple[str, str], np.ndarray]]], int] | None:
+    """Each side's parameter gradients (B's in A's layout, keyed by A's module and slot) of every captured step up
+    to ``p``, oldest first, and the first step: when the capture holds every step from its first on with the
+    gradients stored; else None."""
+    steps = [t for t in result.steps if t <= p]
+    if not steps or steps != list(range(steps[0], p + 1)):
+        return None
+    out: dict[str, list[dict[tuple[str, str], np.ndarray]]] = {"A": [], "B": []}
+    for t in steps:
+        a: dict[tuple[str, str], np.ndarray] = {}
+        b: dict[tuple[str, str], np.ndarray] = {}
+        for r in result.rows:
+            if r.step != t or r.phase != "param_grad" or r.pair.a is None or r.pair.b is None or r.pair.a.kind != "grad":
+                continue
+            try:
+                xa, xb = r.pair.a_tensor(site.ca.array), r.pair.b_tensor(site.cb.array)
+            except Exception:
+                continue
+            if xa is not None and xb is not None and np.shape(xa) == np.shape(xb):
+                a[(r.pair.a.module, r.pair.a.slot)] = np.asarray(xa, np.float64)
+                b[(r.pair.a.module, r.pair.a.slot)] = np.asarray(xb, np.float64)
+        if not a:
+            return None
+        out["A"].append(a)
+        out["B"].append(b)
+    return out, steps[0]
+
+
+def _adam_hint(site: Site, result: DiffResult, p: int, common: list[str], before: dict, after: dict,
+               da: dict[str, np.ndarray], db: dict[str, np.ndarray], rebuilt: Any) -> Hint | None:
+    """Adam rebuilt from a fresh start and A's gradients: the betas or epsilon that differ, or bias correction
+    (B's Adam term scaled, its weight decay not); None when Adam from a fresh start does not reproduce both
+    updates (moments resumed, clipping, another optimizer) or the sides share a setting (the simpler fits
+    name the learning rate or the weight decay)."""
+    got = _grads(site, result, p)
+    if got is None:
+        return None
+    grads, first = got
+    where = {k: (before[k][0].pair.a.module, before[k][0].pair.a.slot) for k in common}
+    keys = [k for k in common if all(where[k] in g for g in grads["A"]) and np.any(da[k])]
+    if not keys or site.a.label not in keys:
+        return None
+    keys = [k for k in keys if all(where[k] in g for g in grads["B"])]
+    g_by = {side: [{k: g[where[k]] for k in keys} for g in grads[side]] for side in grads}
+    w0 = {k: before[k][1] for k in keys}
+    fits = fit_adam({"A": (g_by["A"], w0, {k: da[k] for k in keys}),
+                     "B": (g_by["B"], {k: before[k][2] for k in keys}, {k: db[k] for k in keys})})
+    fa, fb = fits["A"], fits["B"]
+    if fa.best_residual > _ADAM_FIT or fb.best_residual > _ADAM_FIT:
+        return None
+    sa, sb = fa.consistent(), fb.consistent()
+    key, k = site.a.label, fa.k
+    source = (f"Adam from fresh moments at step {first} and each side's gradients of steps {first}..{p} (Adam's step k = "
+              f"{k})")
+    (lr_a, d2a, d1a), (lr_b, d2b, d1b) = fa.coefficients[fa.best], fb.coefficients[fb.best]
+    r = lr_b / lr_a if lr_a else float("nan")
+    floor = 1e-4 * abs(lr_a)  # a decay fitted below this is no decay (rounding)
+    decay_same = all(abs(x - y) <= 2e-3 * max(abs(x), abs(y)) + floor for x, y in ((d2a, d2b), (d1a, d1b)))
+    decays = any(abs(x) > floor for x in (d2a, d2b, d1a, d1b))
+    bc = bias_correction_factor(r, k) if abs(r - 1) > 1e-3 else None
+    if decays and decay_same and bc is not None:  # Adam's term scaled, the decay not: bias correction
+        side = "B" if bc[2] else "A"
+        after_err = rebuilt({key: adam_update([g[key] for g in g_by["B"]], before[key][2], fb.best,
+                                              fb.coefficients[fb.best])})
+        return Hint("optimizer-step", f"The optimizer step of step {p} differs by bias correction: {side} runs Adam "
+                    f"without it (B's Adam term is {r:.6g} × A's, its weight decay is A's; (1-β1^k)/√(1-β2^k) = "
+                    f"{r if bc[2] else 1 / r:.6g} for betas ({bc[0]:g}, {bc[1]:g}) at Adam's step k = {k})",
+                    explained_share(site.before, after_err), site.before, after_err,
+                    f"{source} reproduces A's update with {describe(sa)}, lr {lr_a:.6g}, lr·wd {d2a:.3g} (residual "
+                    f"{fa.best_residual:.1e}) and B's with {describe(sb)}, lr {lr_b:.6g}, lr·wd {d2b:.3g} (residual "
+                    f"{fb.best_residual:.1e}){_lr_evidence(site, p)}",
+                    {"step": p, "fit": "bias-correction", "adam_step": k, "side": side, "factor": r,
+                     "betas": [bc[0], bc[1]], "consistent": {"A": describe(sa), "B": describe(sb)}})
+    if sa & sb:
+        return None  # one setting reproduces both: the learning-rate and weight-decay fits say the rest
+    named = [(c, sorted({getattr(x, c) for x in sa}), sorted({getattr(x, c) for x in sb}))
+             for c in ("beta1", "beta2", "eps")]
+    disjoint = [n for n in named if set(n[1]).isdisjoint(n[2])]
+    if not disjoint:  # only a combination differs: the best settings' components
+        disjoint = [(c, [getattr(fa.best, c)], [getattr(fb.best, c)]) for c in ("beta1", "beta2", "eps")
+                    if getattr(fa.best, c) != getattr(fb.best, c)]
+
+    def values(v: list[float], c: str) -> str:
+        shown = sorted({float(f"{x:.2g}") for x in v} if c == "eps" else v)  # ε refined between the grid's values
+        return f"{shown[0]:g}" if len(shown) == 1 else f"{shown[0]:g}..{shown[-1]:g}"
+
+    what = "; ".join(f"B's {_NAMES[c]} is {values(vb, c)} where A's is {values(va, c)}" for c, va, vb in disjoint)
+    after_err = rebuilt({key: adam_update([g[key] for g in g_by["B"]], before[key][2], fb.best,
+                                          fb.coefficients[fb.best])})
+    return Hint("optimizer-step", f"The optimizer step of step {p} differs in Adam's settings: {what}",
+                explained_share(site.before, after_err), site.before, after_err,
+                f"{source} reproduces A's update with {describe(sa)} (residual {fa.best_residual:.1e}) and B's "
+                f"with {describe(sb)} (residual {fb.best_residual:.1e}); no setting reproduces both"
+                f"{_lr_evidence(site, p)}",
+                {"step": p, "fit": "adam", "adam_step": k,
+                 "differs": {c: {"A": va, "B": vb} for c, va, vb in disjoint},
+                 "a": _setting(fa.best), "b": _setting(fb.best), "consistent": {"A": describe(sa), "B": describe(sb)},
+                 "residual": {"A": fa.best_residual, "B": fb.best_residual}})
+
+
+def _setting(x: AdamSetting) -> dict[str, float]:
+    return {"beta1": x.beta1, "beta2": x.beta2, "eps": x.eps}
+
+
 def check_update(site: Site, result: DiffResult) -> Iterator[Hint]:
     """The update of the step before the diverged parameter differs: which of learning rate, weight decay or the
     rest of the step reproduces B's update from A's."""
@@ -130,6 +238,10 @@ def check_update(site: Site, result: DiffResult) -> Iterator[Hint]:
     def rebuilt(update: dict[str, np.ndarray]) -> float:
         return rel_l2(w0[key] + update[key], wb) if wb.size else float("nan")
 
+    adam = _adam_hint(site, result, p, common, before, after, da, db, rebuilt)
+    if adam is not None:
+        yield adam
+        return
     # 1. one factor on every update: the learning rate
     num = sum(float(np.vdot(da[k], db[k])) for k in common)
     den = sum(float(np.vdot(da[k], da[k])) for k in common)
@@ -138,9 +250,15 @@ def check_update(site: Site, result: DiffResult) -> Iterator[Hint]:
         fits = [rel_l2(r * da[k], db[k]) for k in common if np.any(da[k])]
         if fits and max(fits) <= _FIT and abs(r - 1) > 1e-6:
             after_err = rebuilt({k: r * da[k] for k in common})
+            k = p - result.steps[0] + 1  # Adam's step number, if the capture began with the run
+            bc = bias_correction_factor(r, k)
+            also = "" if bc is None else (
+                f", or {'B' if bc[2] else 'A'} runs Adam without bias correction (its factor "
+                f"(1-β1^k)/√(1-β2^k) at Adam's step k = {k} is {r if bc[2] else 1 / r:.6g} for betas ({bc[0]:g}, "
+                f"{bc[1]:g}))")
             yield Hint("optimizer-step", f"The optimizer step of step {p} differs by one factor: B's update is "
                        f"{r:.6g} × A's for every parameter, as a different learning rate makes it (schedule, "
-                       "warm-up, scaling)", explained_share(site.before, after_err), site.before, after_err,
+                       f"warm-up, scaling){also}", explained_share(site.before, after_err), site.before, after_err,
                        f"forward and gradients of step {p} agree; {len(common)} parameters' updates fit ΔB = r·ΔA "
                        f"(worst residual {max(fits):.1e}){evidence_lr}", {"factor": r, "step": p, "fit": "lr"})
             return
