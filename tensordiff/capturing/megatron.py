@@ -37,7 +37,7 @@ import torch
 
 from .auto import ProgramCapture, TrainingCapture
 from .options import report_status
-from .recorder import open_recorders
+from .recorder import open_recorders, optimizer_scalars
 
 __all__ = ["MegatronCapture", "reported_loss"]
 
@@ -254,7 +254,7 @@ class MegatronCapture(ProgramCapture):
         scalars: dict[str, Any] = {}
         if grad_norm is not None:
             scalars["grad_norm"] = grad_norm
-        scalars.update(_optimizer_scalars(optimizer))
+        scalars.update(optimizer_scalars(optimizer))
         if iteration is not None:
             cap._iteration = iteration - 1  # the per-step scalars of iteration N land where the log's N is
         cap.iteration = cap._iteration + 1  # counted from 1, as Megatron-LM's log does
@@ -301,18 +301,3 @@ class MegatronCapture(ProgramCapture):
 def _grad_norm(out: Any) -> Any:
     """The grad norm from what a megatron-core optimizer's ``step()`` returns: (success, grad norm, zeros)."""
     return out[1] if isinstance(out, tuple) and len(out) > 1 else None
-
-
-def _optimizer_scalars(optimizer: Any) -> dict[str, float]:
-    """The learning rate (of the first parameter group, as Megatron-LM logs it) and the loss scale."""
-    out: dict[str, float] = {}
-    if optimizer is None:
-        return out
-    with contextlib.suppress(Exception):
-        groups = optimizer.param_groups
-        if groups:
-            out["lr"] = float(groups[0]["lr"])
-    with contextlib.suppress(Exception):
-        scale = optimizer.get_loss_scale()
-        out["loss_scale"] = float(scale.item() if hasattr(scale, "item") else scale)
-    return out

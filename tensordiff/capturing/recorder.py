@@ -70,6 +70,7 @@ class Recorder:
         self._done = False
         self._failed = False
         self._iteration = 0  # step() calls: the training step in flight, for scalars
+        self._optimizer_scalars: dict[str, float] = {}  # the optimizer's settings of the step in flight
         self._resting = False  # every=N: a step between the captured ones (every hook does nothing)
         self._step_iteration = 0  # the training step the captured step in flight is
         self._closed = False
@@ -145,7 +146,10 @@ class Recorder:
 
         ``loss`` and any keyword scalars (``grad_norm=``, ``lr=``, ``val_loss=`` ...) are also
         appended to the file's per-step scalars, for every step of the run, including those
-        after the captured ones: ``tensordiff runs`` reads them."""
+        after the captured ones: ``tensordiff runs`` reads them. The optimizer's settings seen at its step
+        (``optimizer_scalars``: lr, betas, epsilon, weight decay) come with them."""
+        scalars = {**self._optimizer_scalars, **scalars}
+        self._optimizer_scalars = {}
         if loss is not None:
             self.loss(loss)
             scalars = {"loss": self._loss if self._loss is not None else loss, **scalars}
@@ -484,3 +488,27 @@ class NullCapture:
     @property
     def active(self) -> bool:
         return False
+
+
+def optimizer_scalars(optimizer: Any) -> dict[str, float]:
+    """The learning rate (of the first parameter group, as Megatron-LM logs it), Adam's betas and epsilon and the
+    weight decay of that group, and the loss scale, as per-step scalars (``lr``, ``adam_beta1``, ``adam_beta2``,
+    ``adam_eps``, ``weight_decay``, ``loss_scale``); what the optimizer does not have is left out."""
+    out: dict[str, float] = {}
+    if optimizer is None:
+        return out
+    with contextlib.suppress(Exception):
+        groups = optimizer.param_groups
+        if groups:
+            group = groups[0]
+            out["lr"] = float(group["lr"])
+            betas = group.get("betas")
+            if isinstance(betas, (tuple, list)) and len(betas) == 2:
+                out["adam_beta1"], out["adam_beta2"] = float(betas[0]), float(betas[1])
+            for key, name in (("eps", "adam_eps"), ("weight_decay", "weight_decay")):
+                if isinstance(group.get(key), (int, float)):
+                    out[name] = float(group[key])
+    with contextlib.suppress(Exception):
+        scale = optimizer.get_loss_scale()
+        out["loss_scale"] = float(scale.item() if hasattr(scale, "item") else scale)
+    return out

@@ -36,7 +36,7 @@ from . import torch_parallel as parallel
 from .backend import TensorBackend
 from .model_config import model_config_attr
 from .options import CaptureOptions, base_attrs, rank_path
-from .recorder import Recorder
+from .recorder import Recorder, optimizer_scalars
 from .torch_dp import LocalGrads, data_parallel_size
 
 
@@ -184,6 +184,8 @@ class TorchCapture(Recorder):
                 self._fail(err)
 
     def _optimizer_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.active and self._in_step:
+            self._optimizer_scalars = optimizer_scalars(optimizer)  # the settings this step runs with
         if self.active and self._in_step and not self._grads_taken:
             try:
                 self._take_param_grads()

@@ -13,6 +13,7 @@ A diff can only vouch for what it compared. Three rules keep it from passing sil
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 from ..record import PHASES, Record, module_label
 from .result import COMPARED, DiffResult, Outcome, PhaseCoverage, Row
@@ -173,9 +174,10 @@ def judge_outcome(result: DiffResult) -> tuple[Outcome, list[str]]:
             reasons.append(f"{phase}: {cov.shape} pair(s) found but not compared: their shapes differ (a mapping or "
                            "layout transform is missing or wrong; see the SHAPE rows)")
         if cov.stats_only:
-            reasons.append(f"{phase}: {cov.stats_only} pair(s) not compared: statistics cannot follow their layout "
-                           "transform (or a data-parallel mean of local gradients); capture with --tensors all to "
-                           "compare them")
+            why = Counter(r.note for r in result.rows if r.phase == phase and r.verdict == "skipped" and r.note)
+            reasons.append(f"{phase}: {cov.stats_only} pair(s) not compared from statistics: " + (
+                "; ".join(f"{note} ({n})" for note, n in why.most_common(2)) if why else
+                "statistics cannot follow their layout transform; capture with --tensors all to compare them"))
         if cov.uncertain:
             reasons.append(f"{phase}: {cov.uncertain} pair(s) matched by order only differ (see the 'uncertain' rows)")
         if cov.recorded_a and not cov.compared:

@@ -93,8 +93,12 @@ def measure_pair(ca: CaptureFile, cb: CaptureFile, pair: Pair, ulp_k: int) -> Me
             note = ""
         return compare_arrays(xa, xb, judged, ulp_k), "", note
     if not (a.stats_known and all(r.stats_known for r in pair.b_records)):
-        return None, "skipped", ("statistics of a data-parallel mean cannot be merged from each rank's "
-                                 "statistics; store tensors (--tensors all) to compare this step")
+        side = "A" if not a.stats_known else "B"
+        if not dtypes.is_float((a if side == "A" else b).dtype):
+            return None, "skipped", (f"{side} holds no statistics of these integer or bool tensors (msprobe gives "
+                                     "them no mean or norm); store tensors (msprobe: task tensor) to compare them")
+        return None, "skipped", (f"{side} holds no statistics of these tensors (a data-parallel mean merged from "
+                                 "each rank's statistics has none); store tensors (--tensors all) to compare them")
     if pair.bias_a is not None or pair.bias_b is not None:
         return _stats_with_bias(a, b, pair)
     st = pair.b_stats()

@@ -57,14 +57,19 @@ def _weights(result: DiffResult, step: int, site: Any) -> dict[str, tuple[Row, n
 
 
 def _lr_evidence(site: Site, step: int) -> str:
-    """'learning rate at step p: A 1e-3, B 9.3e-4' from the captured per-step scalars, or ''."""
+    """'; the captured settings of step p: lr A 0.001, B 0.0009; adam_eps A 1e-08, B 0.0001' from the per-step
+    scalars the captures recorded at the optimizer's step (the learning rate always, Adam's betas and epsilon and
+    the weight decay where they differ), or ''."""
     try:
-        la, lb = site.ca.scalars().get("lr", {}), site.cb.scalars().get("lr", {})
+        sa, sb = site.ca.scalars(), site.cb.scalars()
     except Exception:
         return ""
-    if step in la and step in lb:
-        return f"; the captured learning rates of step {step}: A {la[step]:.6g}, B {lb[step]:.6g}"
-    return ""
+    shown = []
+    for name in ("lr", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay"):
+        a, b = sa.get(name, {}), sb.get(name, {})
+        if step in a and step in b and (name == "lr" or a[step] != b[step]):
+            shown.append(f"{name} A {a[step]:.6g}, B {b[step]:.6g}")
+    return f"; the captured settings of step {step}: {'; '.join(shown)}" if shown else ""
 
 
 @dataclass
