@@ -51,6 +51,7 @@ def build_mcore_moe(spec: MoESpec, seed: int = 1234, aux_coeff: float = 0.0, z_c
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
+        moe_ffn_hidden_size=spec.ffn_hidden_size,
         num_attention_heads=spec.num_attention_heads,
         use_cpu_initialization=True,
         hidden_dropout=0.0,

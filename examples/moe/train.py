@@ -41,6 +41,7 @@ FAULTS: dict[str, str] = {
     "aux-loss-reported": "megatron-core: moe_aux_loss_coeff as aux-loss, and the reported loss adds the tracked "
                          "load-balancing losses (as MindFormers' reported loss does)",
     "z-loss": "megatron-core: the router z-loss × --aux-coeff (moe_z_loss_coeff), a gradient added in backward",
+    "loss-scale": "megatron-core: the loss × 1.05, no auxiliary loss (another loss fault, for contrast)",
 }
 HF_FAULTS = ("none", "aux-loss")
 
@@ -58,6 +59,8 @@ def build(args: argparse.Namespace, spec: MoESpec) -> tuple[torch.nn.Module, Cal
             return mcore_loss(m, tokens, labels) + mcore_tracked_aux_loss(m)
 
         return model, reported
+    if args.fault == "loss-scale":
+        return model, lambda m, tokens, labels: 1.05 * mcore_loss(m, tokens, labels)
     return model, mcore_loss
 
 
@@ -90,13 +93,13 @@ def main(argv: list[str] | None = None) -> list[float]:
                             tensors=args.capture_tensors) as cap:
         for step in range(args.train_steps):
             tokens, labels = make_batch(spec, seed=step)
+            if args.framework == "mcore":
+                clear_aux_loss_tracker()  # this step's aux losses only (a training loop clears after logging)
             loss = loss_fn(model, tokens, labels)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             cap.step(loss)
-            if args.framework == "mcore":
-                clear_aux_loss_tracker()
             losses.append(loss.item())
             print(f"step {step}: loss {loss.item():.6f}", flush=True)
     return losses

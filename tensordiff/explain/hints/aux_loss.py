@@ -343,7 +343,8 @@ def check_aux_loss(site: Site, result: DiffResult | None = None) -> Iterator[Hin
         title = (f"B's loss = A's loss + {c:.4g} × {words}, computed from A's router logits ({where}): B adds an "
                  "auxiliary loss that A leaves out (or weighs it otherwise); add it on both sides, or leave it out of "
                  "both (HF: output_router_logits; megatron-core: moe_aux_loss_coeff, moe_z_loss_coeff), to compare")
-        evidence = (f"{key} of A's {sum(len(cl.z) for cl in calls)} routed tokens = "
+        evidence = (f"{key} of A's router logits ({len(calls)} router calls, {sum(len(cl.z) for cl in calls)} "
+                    "token rows) = "
                     f"{float(site.xb.ravel()[0] - site.xa.ravel()[0]) / c:.6g}; A's loss + {c:.6g} × it = B's loss "
                     f"{float(site.xb.ravel()[0]):.6g}")
         if confirmed is not None:
