@@ -97,7 +97,7 @@ def test_mcore_aux_loss_in_backward(moe):
     assert d["coefficient"] == pytest.approx(0.01, rel=1e-3)
     assert d["routers"] == ["decoder.layers.1.mlp.router"]  # the router whose input that gradient is
     assert (d["experts"], d["topk"]) == (4, 2)
-    assert "switch_load_balancing_loss_func" in top.title and "through decoder.layers.1.mlp.router" in top.title
+    assert "switch_load_balancing_loss_func" in top.title and "through A's router decoder.layers.1.mlp.router" in top.title
 
 
 def test_mcore_z_loss_is_told_from_load_balancing(moe):

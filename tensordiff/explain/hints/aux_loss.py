@@ -290,10 +290,10 @@ def check_aux_loss(site: Site, result: DiffResult | None = None) -> Iterator[Hin
     at_loss = _is_loss(site)
     if not at_loss and a.phase not in ("backward", "param_grad"):
         return  # ruled out: a forward tensor is computed before any loss
-    routers = _router_modules(site)
-    if not routers:
+    found = _router_modules(site)
+    if not found:
         return  # ruled out: no module of A routes tokens to experts
-    calls = _calls(site, routers)
+    calls = _calls(site, found)
     if not calls:
         raise NotApplicable("no router logits captured (the routers' inputs or weights are not stored)")
     ks = _topk(site, calls)
@@ -338,29 +338,30 @@ def check_aux_loss(site: Site, result: DiffResult | None = None) -> Iterator[Hin
     share, after, key, words, k, c, confirmed = best
     if share < MIN_EXPLAINED:
         return
-    where = f"{_names(calls)} ({calls[-1].module_class or '?'}; {e} experts, top-{k})"
+    kind = f"{calls[-1].module_class or '?'}; {e} experts, top-{k}"
     if at_loss:
-        title = (f"B's loss = A's loss + {c:.4g} × {words}, computed from A's router logits ({where}): B adds an "
-                 "auxiliary loss that A leaves out (or weighs it otherwise); add it on both sides, or leave it out of "
-                 "both (HF: output_router_logits; megatron-core: moe_aux_loss_coeff, moe_z_loss_coeff), to compare")
-        evidence = (f"{key} of A's router logits ({len(calls)} router calls, {sum(len(cl.z) for cl in calls)} "
-                    "token rows) = "
-                    f"{float(site.xb.ravel()[0] - site.xa.ravel()[0]) / c:.6g}; A's loss + {c:.6g} × it = B's loss "
-                    f"{float(site.xb.ravel()[0]):.6g}")
+        aux = float(site.xb.ravel()[0] - site.xa.ravel()[0]) / c
+        title = (f"B's loss = A's loss + {c:.4g} × {words}, computed from the logits of A's routers {_names(calls)} "
+                 f"({kind}): B adds an auxiliary loss that A leaves out (or weighs it otherwise); add it on both "
+                 "sides, or leave it out of both (HF: output_router_logits; megatron-core: moe_aux_loss_coeff, "
+                 "moe_z_loss_coeff), to compare")
+        evidence = (f"{key} of A's router logits ({len(calls)} router calls, {sum(len(cl.z) for cl in calls)} token "
+                    f"rows) = {aux:.6g}; A's loss + {c:.6g} × it = B's loss {float(site.xb.ravel()[0]):.6g}")
         if confirmed is not None:
-            evidence += (f"; and {calls[-1].module}'s weight gradient = A's + {c:.4g} × the term's gradient "
-                         f"explains {confirmed:.1%} of B's")
+            evidence += (f"; {calls[-1].module}'s weight gradient: A's + {c:.4g} × the term's gradient explains "
+                         f"{confirmed:.1%} of the gap to B's")
         else:
             evidence += "; the router's weight gradients are not stored to confirm it"
+        routers = list(dict.fromkeys(cl.module for cl in calls))
     else:
-        where = f"{', '.join(through)} ({calls[-1].module_class or '?'}; {e} experts, top-{k})"
-        title = (f"B's {a.label} = A's + {c:.4g} × the gradient of {words} through {where}, computed from A's "
-                 f"router logits: B trains with an auxiliary loss that A leaves out (or weighs it otherwise); "
+        title = (f"B's {a.label} = A's + {c:.4g} × the gradient of {words}, through A's router {', '.join(through)} "
+                 f"({kind}): B trains with an auxiliary loss that A leaves out (or weighs it otherwise); "
                  "megatron-core adds it in backward only (moe_aux_loss_coeff, moe_z_loss_coeff), the loss value "
                  "unchanged")
         evidence = (f"A's + {c:.6g} × the gradient of the {key} term there reproduces B to rel L2 {after:.1e} "
                     f"(c fitted by least squares over {site.xa.size} elements)")
+        routers = through
     others = {t[2]: round(t[0], 4) for t in sorted(tried, key=lambda t: -t[0]) if t[2] != key}
     yield Hint("aux-loss", title, share, site.before, after, evidence,
-               {"term": key, "coefficient": c, "routers": through or list(dict.fromkeys(cl.module for cl in calls)),
+               {"term": key, "coefficient": c, "routers": routers,
                 "experts": e, "topk": k, "gradient_explained": confirmed, "other_terms": others})
