@@ -132,3 +132,62 @@ def test_not_on_another_loss_fault(moe):
     assert top.cause == "factor" and top.details["factor"] == pytest.approx(1.05, rel=1e-4)
     assert all(h.cause != "aux-loss" for h in result.hints)
     assert next(c for c in result.checks if c.cause == "aux loss").ran
+
+
+def _qwen2_moe(path, output_router_logits):
+    """HF Qwen2-MoE: a gate per layer beside a shared expert and its one-column shared_expert_gate (no router)."""
+    import torch
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    import tensordiff
+
+    torch.manual_seed(0)
+    config = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=4, num_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+                            initializer_range=0.2, output_router_logits=output_router_logits, router_aux_loss_coef=0.05,
+                            attn_implementation="eager", use_cache=False)
+    model = Qwen2MoeForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with tensordiff.capture(model, path, steps=1, tensors="all", optimizer=opt) as cap:
+        loss = model(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        opt.step()
+        cap.step(loss)
+    return path
+
+
+def test_hf_qwen2_moe_aux_loss(tmp_path):
+    result = diagnose(_qwen2_moe(str(tmp_path / "a.h5"), False), _qwen2_moe(str(tmp_path / "b.h5"), True))
+    top = _top(result)
+    assert top.cause == "aux-loss" and top.explained > 0.99
+    assert top.details["routers"] == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    assert top.details["coefficient"] == pytest.approx(0.05, rel=1e-3)
+    assert top.details["term"] == "load-balancing (all layers)"
+
+
+def test_router_not_stored_says_why(tmp_path):
+    """The gates' tensors left out of the capture (tensors_match): the check cannot run, and says so."""
+    import torch
+
+    import tensordiff
+    from examples.moe.models import MoESpec, build_hf_mixtral, hf_loss, make_batch
+
+    def run(path, on):
+        spec = MoESpec()
+        model = build_hf_mixtral(spec, aux_coeff=0.02, output_router_logits=on)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tokens, _ = make_batch(spec)
+        with tensordiff.capture(model, path, steps=1, tensors="all", optimizer=opt, tensors_match=r"^(?!.*gate)") as cap:
+            loss = hf_loss(model, tokens, tokens)
+            loss.backward()
+            opt.step()
+            cap.step(loss)
+        return path
+
+    result = diagnose(run(str(tmp_path / "a.h5"), False), run(str(tmp_path / "b.h5"), True))
+    assert result.first.label_a == "<model> output.loss"
+    assert all(h.cause != "aux-loss" for h in result.hints)
+    status = next(c for c in result.checks if c.cause == "aux loss")
+    assert not status.ran and status.reason.startswith("no router logits captured")

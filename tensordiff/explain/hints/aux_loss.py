@@ -42,7 +42,8 @@ from .base import MIN_EXPLAINED, Hint, NotApplicable, Site, explained_share, rel
 #: the largest coefficient of an auxiliary loss taken for one (the usual ones are 1e-4 ... 0.1)
 _MAX_COEFF = 1.0
 #: the router's selection is taken as A's when the rebuilt logits' top-k give its routing map
-_NUMBERED = re.compile(r"^(.*\.)?(local_)?experts\.(\d+)(\.|$)")
+#: an expert module: ``P.experts.N`` (HF), ``P.experts.local_experts.N`` (megatron-core's SequentialMLP)
+_EXPERT = re.compile(r"^(?P<parent>.*?)\.(?:experts\.)?(?:local_)?experts\.(?P<n>\d+)$")
 
 
 @dataclass
@@ -140,20 +141,19 @@ TERMS: tuple[tuple[str, str, Term], ...] = (
 
 
 # ----------------------------------------------------------------------------- the routers
-def _experts_under(recs: list[Record], parent: str) -> dict[int, list[Record]]:
-    """A's forward input records of numbered experts (``experts.N``, ``local_experts.N``) directly under ``parent``'s
-    subtree, by expert number (their first input of each call)."""
-    out: dict[int, list[Record]] = {}
-    prefix = parent + "." if parent else ""
-    for r in recs:
-        if r.phase != "forward" or not r.module.startswith(prefix):
+def _experts(site: Site) -> dict[str, dict[int, list[Record]]]:
+    """A's numbered experts by the module holding them (``P.experts.N``, ``P.experts.local_experts.N``: P): each
+    expert's first forward inputs (one per call). One pass over A's records."""
+    out: dict[str, dict[int, list[Record]]] = {}
+    for r in site.recs_a:
+        if r.phase != "forward" or "experts." not in r.module:
             continue
-        m = _NUMBERED.match(r.module[len(prefix):])
-        if m is None or m.group(4) == ".":
-            continue  # a submodule of an expert
-        out.setdefault(int(m.group(3)), [])
+        m = _EXPERT.match(r.module)
+        if m is None:
+            continue
+        inputs = out.setdefault(m.group("parent"), {}).setdefault(int(m.group("n")), [])
         if r.kind == "input" and r.slot == "0":
-            out[int(m.group(3))].append(r)
+            inputs.append(r)
     return out
 
 
@@ -165,12 +165,13 @@ def _looks_like_router(module: str, module_class: str) -> bool:
 def _router_modules(site: Site) -> dict[str, tuple[Record, int]]:
     """Modules that route tokens to experts, by structure: the ``weight`` record [E, H] of each, with E."""
     out: dict[str, tuple[Record, int]] = {}
+    experts = _experts(site)
     for r in site.recs_a:
         if r.phase != "weights" or r.slot != "weight" or len(r.shape) != 2 or not 2 <= r.shape[0] <= 4096:
             continue
         e = r.shape[0]
         parent = r.module.rsplit(".", 1)[0] if "." in r.module else ""
-        if len(_experts_under(site.recs_a, parent)) == e or _looks_like_router(r.module, r.module_class):
+        if len(experts.get(parent, ())) == e or _looks_like_router(r.module, r.module_class):
             out[r.module] = (r, e)
     return out
 
@@ -178,12 +179,16 @@ def _router_modules(site: Site) -> dict[str, tuple[Record, int]]:
 def _calls(site: Site, routers: dict[str, tuple[Record, int]]) -> list[_Call]:
     """Every call of the routers in A's step, in forward order, with the logits rebuilt from input and weight."""
     calls = []
+    forward: dict[str, list[Record]] = {}
+    for r in site.recs_a:
+        if r.phase == "forward" and r.module in routers:
+            forward.setdefault(r.module, []).append(r)
     for module, (wrec, e) in routers.items():
         w = site.array(wrec)
         if w is None:
             continue
         bias = site.weights(module).get("bias")
-        recs = [r for r in site.recs_a if r.phase == "forward" and r.module == module]
+        recs = forward.get(module, [])
         for call in sorted({r.call for r in recs}):
             ins = [r for r in recs if r.call == call and r.kind == "input" and r.shape and r.shape[-1] == w.shape[1]]
             x = site.array(ins[0]) if ins else None
@@ -214,7 +219,7 @@ def _topk(site: Site, calls: list[_Call]) -> list[int]:
                 return [int(per_token[0])]
     c = calls[-1]
     parent = c.module.rsplit(".", 1)[0] if "." in c.module else ""
-    experts = _experts_under(site.recs_a, parent)
+    experts = _experts(site).get(parent, {})
     rows = [r.shape[0] for recs in experts.values() for r in recs if r.call == c.call and r.shape]
     e = c.z.shape[1]
     if experts and max(experts) < e and rows and sum(rows) % len(c.z) == 0 and 0 < sum(rows) // len(c.z) < e:
