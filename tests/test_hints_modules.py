@@ -129,10 +129,11 @@ def test_a_check_that_cannot_run_says_why(tmp_path):
     assert not status["RoPE"].ran and "2-D" in status["RoPE"].reason
     assert not status["bias"].ran and status["bias"].reason == "the module has no bias"
     assert result.checked == ("activation", "norm epsilon", "dtype", "layout", "dropout", "loss normalisation",
-                              "constant factor", "vocabulary padding", "checkpoint", "optimizer step")
+                              "aux loss", "constant factor", "vocabulary padding", "checkpoint", "optimizer step")
     text = " ".join(render(DiffReport(result, first_only=True)).split())
     assert ("No known cause explains this divergence (tested: activation, norm epsilon, dtype, layout, dropout, "
-            "loss normalisation, constant factor, vocabulary padding, checkpoint, optimizer step). Not tested here: "
+            "loss normalisation, aux loss, constant factor, vocabulary padding, checkpoint, optimizer step). Not "
+            "tested here: "
             "RoPE (needs q/k (4-D) or an attention output (3-D), "
             "this one is 2-D); bias (the module "
             "has no bias). See docs/hints.md.") in text

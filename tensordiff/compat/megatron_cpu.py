@@ -28,6 +28,11 @@ with ``device="cuda"`` -- pass an explicit bool mask ``[1, 1, S, S]`` (True = ma
    (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")``, an index) to the CPU; the exact original
    objects are put back on exit.
 
+4. MoE router without Transformer Engine: megatron-core 0.16.1's ``RouterGatingLinearFunction`` tests
+   ``te_general_gemm is not None``, a name ``moe_utils`` binds only when Transformer Engine imports
+   (``NameError`` otherwise). ``init_megatron_cpu`` binds it to ``None`` where it is missing, so the router
+   takes its ``torch.mm`` path.
+
 torch and megatron are imported lazily; importing this module costs nothing.
 """
 from __future__ import annotations
@@ -98,14 +103,18 @@ def init_megatron_cpu(seed: int = 1234) -> None:
     """Idempotently prepare megatron-core for single-process use (CPU-safe).
 
     Creates a one-process gloo group (in-process store, no network port) if none,
-    initialises model parallelism (TP=PP=1), sets up the RNG tracker, seeds torch and
-    enables shim 1 (left enabled; call ``disable()`` to restore ``torch.cuda.current_device``).
+    initialises model parallelism (TP=PP=1), sets up the RNG tracker, seeds torch, binds the MoE router's
+    missing Transformer Engine GEMM (shim 4) and enables shim 1 (left enabled; call ``disable()`` to restore
+    ``torch.cuda.current_device``).
     """
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.transformer.moe import moe_utils
 
     enable()
+    if not hasattr(moe_utils, "te_general_gemm"):  # shim 4: no Transformer Engine, the router's torch.mm path
+        moe_utils.te_general_gemm = None
     if not dist.is_initialized():
         # an in-process store: no port to pick, nothing left in os.environ for child processes to trip on
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

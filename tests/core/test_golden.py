@@ -294,15 +294,15 @@ def test_diff_report_no_known_cause():
     res = diagnose(a, b)
     assert (res.first.module_a, res.first.kind) == ("mlp.linear_fc2", "output") and res.hints == []
     # activation: tested (a SwiGLU of the 8-wide input would be 4 wide); a norm keeps the shape: not tested
-    assert res.checked == ("activation", "dtype", "layout", "bias", "dropout", "loss normalisation", "constant factor",
-                           "vocabulary padding", "checkpoint", "optimizer step")
+    assert res.checked == ("activation", "dtype", "layout", "bias", "dropout", "loss normalisation", "aux loss",
+                           "constant factor", "vocabulary padding", "checkpoint", "optimizer step")
     assert [(c.cause, c.reason) for c in res.not_checked] == [
         ("norm epsilon", "no input of a fitting shape"),
         ("RoPE", "needs q/k (4-D) or an attention output (3-D), this one is 2-D")]
     checks = DiffReport(res).to_dict()["checks"]
     assert [c["cause"] for c in checks] == ["activation", "norm epsilon", "RoPE", "dtype", "layout", "bias", "dropout",
-                                            "loss normalisation", "constant factor", "vocabulary padding", "checkpoint",
-                                            "optimizer step"]
+                                            "loss normalisation", "aux loss", "constant factor", "vocabulary padding",
+                                            "checkpoint", "optimizer step"]
     assert checks[1] == {"cause": "norm epsilon", "ran": False, "reason": "no input of a fitting shape"}
     golden("diff_report_no_cause.txt", DiffReport(res, first_only=True))
 

@@ -12,7 +12,8 @@ RoPE, no stored input, no bias) raises ``NotApplicable(reason)``, and ``run_chec
 ``CheckStatus`` per cause: tested, or not and why. Hints are ranked by ``explained``; only those that
 explain at least half of the gap are reported. One module per cause, one page each in
 docs/hints/: ``activation``, ``norm``, ``rope``, ``dtype``, ``layout``, ``dropout``, ``loss``
-(loss normalisation), ``factor``, ``vocab`` (vocabulary padding), ``checkpoint``, ``update`` (the optimizer step);
+(loss normalisation), ``aux_loss`` (a router's auxiliary loss in one side's loss or gradients), ``factor``,
+``vocab`` (vocabulary padding), ``checkpoint``, ``update`` (the optimizer step);
 ``base`` holds the site, the fit they share and ``NotApplicable``. Framework-free: numpy on
 captured arrays.
 """
@@ -26,6 +27,7 @@ import numpy as np
 from ...diff.result import DiffResult, Row
 from ...store import CaptureFile, open_capture
 from .activation import check_activation
+from .aux_loss import check_aux_loss
 from .base import MIN_EXPLAINED, CheckStatus, Hint, NotApplicable, Site
 from .checkpoint import check_checkpoint
 from .dropout import check_dropout
@@ -51,12 +53,12 @@ CHECKS: tuple[tuple[str, Callable[[Site], Iterator[Hint]]], ...] = (
     ("dropout", check_dropout), ("RoPE", check_rope), ("activation", check_activation),
     ("norm epsilon", check_norm_epsilon),
     ("dtype", check_dtype), ("layout", check_layout), ("bias", check_missing_bias),
-    ("loss normalisation", check_loss_normalisation), ("constant factor", check_factor),
+    ("loss normalisation", check_loss_normalisation), ("aux loss", check_aux_loss), ("constant factor", check_factor),
 )
 #: Every cause tested, in words, in the order reports name them; ``check_checkpoint`` (it needs the whole diff
 #: result) runs first.
 CHECKED = ("activation", "norm epsilon", "RoPE", "dtype", "layout", "bias", "dropout", "loss normalisation",
-           "constant factor", "vocabulary padding", "checkpoint", "optimizer step")
+           "aux loss", "constant factor", "vocabulary padding", "checkpoint", "optimizer step")
 
 
 def _none_ran(reason: str) -> list[CheckStatus]:
@@ -97,6 +99,7 @@ def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
         checks.insert(0, ("pipeline stages", check_pipeline))  # ties: the handover before a factor of 0 or layout
         causes.insert(causes.index("checkpoint"), "pipeline stages")
     if result is not None:
+        checks = [(c, (lambda s: check_aux_loss(s, result)) if c == "aux loss" else f) for c, f in checks]
         checks.insert(0, ("vocabulary padding", lambda s: check_vocab_padding(s, result)))
         checks.append(("checkpoint", lambda s: check_checkpoint(s, result)))  # ties: the specific cause (layout) first
         checks.append(("optimizer step", lambda s: check_update(s, result)))
