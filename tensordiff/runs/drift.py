@@ -17,7 +17,10 @@ beyond their own noise, from statistics-only captures (``tensors="none"``, every
 * Records are grouped by **layer** (``decoder.layers.17``; outside the numbered layers, the top module such as
   ``embedding``, ``decoder.final_layernorm``, ``output_layer``), named by A's side, and **kind**: ``weights``,
   ``forward`` (module outputs), ``backward`` (gradients of module outputs and inputs), ``param_grad``. A cell's ratio
-  is its largest record ratio.
+  is its largest record ratio; a forward cell's is its layer's own output's (else its last compared record's: an inner tensor
+  whose difference the layer's output does not carry, such as a key-bias shift that the softmax removes, which
+  Adam grows from a zero gradient's rounding, is not the layer departing; the departing record is still named
+  from all of the layer's records).
 * **First drift** of a (layer, kind): the first step after the baseline whose ratio exceeds 1 and exceeds it again at
   at least 2 of the next 3 logged steps (all of them when fewer follow), so that a one-off spike is not a drift.
   The earliest-drifting layer is the one with the smallest first drift step; at a tie, the one whose departing
@@ -430,7 +433,8 @@ def layer_drift(ca: CaptureFile, cb: CaptureFile, baseline: int = DEFAULT_BASELI
             if s is None:
                 s = series[a.key] = {"layer": layer, "kind": kind, "floor": _floor(a.dtype, p.b.dtype, run_dtype),
                                      "dep": np.full(n, np.nan), "seq": np.full(n, np.iinfo(np.int64).max, np.int64),
-                                     "label": a.label}
+                                     "label": a.label, "out": kind == "forward" and a.module == layer
+                                     and a.kind == "output"}
             key = (0 if kind == "forward" else 1, a.seq)
             if key < order.get(layer, (2, 0)):
                 order[layer] = key
@@ -464,7 +468,12 @@ def layer_drift(ca: CaptureFile, cb: CaptureFile, baseline: int = DEFAULT_BASELI
                                 f"{worst_base[1]}): the tolerance there measures a difference, not noise; compare "
                                 "the first steps with `tensordiff diff`")
     for (layer, kind), members in groups.items():
-        stack = np.vstack([m["ratio"] for m in members])
+        # a layer's forward departs where its output does: an inner tensor over its tolerance whose difference the
+        # layer's output does not carry (a key-bias shift that the softmax removes) is not the layer departing
+        outputs = [m for m in members if m["out"]] if kind == "forward" else members
+        if kind == "forward" and not outputs:  # the layer's output not compared: its last record compared instead
+            outputs = [max(members, key=lambda m: int(m["seq"].min()))]
+        stack = np.vstack([m["ratio"] for m in outputs])
         with np.errstate(invalid="ignore"):
             all_nan = np.all(np.isnan(stack), axis=0)
             ratios = np.where(all_nan, np.nan, np.nanmax(np.where(np.isnan(stack), -np.inf, stack), axis=0))
