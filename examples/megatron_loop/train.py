@@ -24,6 +24,7 @@ Checkpoints and the learning-rate schedule take Megatron-LM's flags (``checkpoin
     ... --ckpt-format torch | --exit-interval N | --no-load-optim | --no-load-rng | --finetune
     ... --lr-decay-style {constant,linear,cosine} --lr-warmup-iters N --lr-decay-iters N --min-lr X --weight-decay X
     ... --decay-norms      # a fault: weight decay on the norms and biases too (megatron-core exempts them)
+    ... --save-wgrads-interval N       # Megatron-LM's parameter-gradient files under --save (grads.py)
 
 The learning rate follows megatron-core's ``OptimizerParamScheduler`` (counted in samples, as Megatron-LM does); the
 log shows the rate after the iteration's scheduler step, as Megatron-LM's does. A run resumed from iteration J prints
@@ -45,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from examples.distributed.mcore_train import SEQ, VOCAB, build, full_weights, shard, stage_layer_names
-from examples.megatron_loop import checkpointing
+from examples.megatron_loop import checkpointing, grads
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -104,6 +105,7 @@ def main() -> None:
     p.add_argument("--direct", metavar="FILE", help="capture through tensordiff.capture(model, FILE, ...) instead")
     p.add_argument("--direct-steps", type=int, default=2)
     checkpointing.add_arguments(p)
+    grads.add_arguments(p)
     args = p.parse_args()
     checkpointing.megatron_lm_args(args)
 
@@ -183,10 +185,15 @@ def main() -> None:
         model.zero_grad_buffer()
         optimizer.zero_grad()
         data = [tuple(t.to(device) for t in mb) for mb in micro_batches(args, dp_rank, dp, step)]
+        wgrads = args.save and grads.due(args.save_wgrads_interval, iteration)
+        model.force_all_reduce = bool(wgrads)  # Megatron-LM's way: whole gradients on every rank for the wgrads
         with optimizer_cpu():
             reported = schedule(forward_step_func=forward_step, data_iterator=iter(data), model=[model],
                                 num_microbatches=args.microbatches, seq_length=SEQ,
                                 micro_batch_size=data[0][0].shape[0], forward_only=False)
+            if wgrads:
+                grads.write(args.save, "wgrads", iteration, grads.weight_grads(model.module))
+            model.force_all_reduce = False
             _, grad_norm, _ = optimizer.step()
         used_lr = optimizer.param_groups[0]["lr"]
         sched.step(increment=args.batch)  # Megatron-LM counts the schedule in samples: the global batch

@@ -64,12 +64,23 @@ def not_recorded(attrs: dict) -> frozenset[str]:
     return frozenset(k.strip() for k in value.split(",")) & SKIPPABLE_KINDS
 
 
+def not_recorded_phases(attrs: dict) -> frozenset[str]:
+    """The phases a source says it never holds (``not_recorded_phases``: Megatron-LM's gradient files hold no
+    weights, forward or loss), as a reader of that format declares them."""
+    value = attrs.get("not_recorded_phases", "")
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    return frozenset(p.strip() for p in value.split(",")) & frozenset(PHASES) if isinstance(value, str) else frozenset()
+
+
 def mark_unmatched(rows: list[Row], skip_a: frozenset[str] = frozenset(),
-                   skip_b: frozenset[str] = frozenset()) -> None:
+                   skip_b: frozenset[str] = frozenset(), phases_a: frozenset[str] = frozenset(),
+                   phases_b: frozenset[str] = frozenset()) -> None:
     """Mark the records with no counterpart that need none: ``Row.linked`` when the tensor was compared under another
     record of the same side (a cell's output that is the next module's input: recorded twice, compared once);
     ``Row.not_recorded`` for A's records of a kind B says it never records (``skip_b``: B's ``not_recorded``), and
-    the reverse. Runs before ``accounting.account``, which looks at the rest."""
+    the reverse, and for A's records of a phase B's source never holds (``phases_b``: ``not_recorded_phases``). Runs
+    before ``accounting.account``, which looks at the rest."""
     seen_a = {r.pair.a.tensor_id for r in rows if r.verdict in COMPARED and r.pair.a is not None}
     seen_b = {x.tensor_id for r in rows if r.verdict in COMPARED for x in r.pair.b_records}
     input_only_a, input_only_b = _input_only_partners(rows)
@@ -79,8 +90,10 @@ def mark_unmatched(rows: list[Row], skip_a: frozenset[str] = frozenset(),
         a, b = row.pair.a, row.pair.b
         if (a is not None and a.tensor_id in seen_a) or (b is not None and b.tensor_id in seen_b):
             row.linked = True
-        elif ((a is not None and (a.kind in skip_b or ("grad_input" in skip_b and _tensor_of(a) in input_only_a)))
-              or (b is not None and (b.kind in skip_a or ("grad_input" in skip_a and _tensor_of(b) in input_only_b)))):
+        elif ((a is not None and (a.phase in phases_b or a.kind in skip_b
+                                  or ("grad_input" in skip_b and _tensor_of(a) in input_only_a)))
+              or (b is not None and (b.phase in phases_a or b.kind in skip_a
+                                     or ("grad_input" in skip_a and _tensor_of(b) in input_only_b)))):
             row.not_recorded = True
 
 
@@ -180,7 +193,7 @@ def judge_outcome(result: DiffResult) -> tuple[Outcome, list[str]]:
                 "statistics cannot follow their layout transform; capture with --tensors all to compare them"))
         if cov.uncertain:
             reasons.append(f"{phase}: {cov.uncertain} pair(s) matched by order only differ (see the 'uncertain' rows)")
-        if cov.recorded_a and not cov.compared:
+        if cov.recorded_a and not cov.compared and cov.not_recorded_a < cov.recorded_a:
             reasons.append(f"{phase}: A recorded {cov.recorded_a} record(s), B {cov.recorded_b}, and no pair was compared"
                            + ("" if cov.recorded_b else " (B did not record this phase)")
                            + (_PARAM_GRAD_FIX if phase == "param_grad" and not cov.recorded_b else "")

@@ -20,7 +20,7 @@ from ..store.fanout import ENV_JOBS
 from .accounting import account
 from .align import Pair, align_step
 from .autoselect import pick_mapping
-from .coverage import coverage, judge_outcome, mark_uncertain, mark_unmatched, not_recorded
+from .coverage import coverage, judge_outcome, mark_uncertain, mark_unmatched, not_recorded, not_recorded_phases
 from .divergence import find_first_divergence
 from .exactness import apply_exactness, parallel_of, reproducible, same_stack
 from .judge import Measured, compare_pair, compute_dtype, measure_pair, tensor_key
@@ -92,7 +92,7 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
             judge_against_reference(rows, ca, cb, common, options)
         mark_uncertain(rows)
         skip_a, skip_b = not_recorded(ca.attrs), not_recorded(cb.attrs)
-        mark_unmatched(rows, skip_a, skip_b)
+        mark_unmatched(rows, skip_a, skip_b, not_recorded_phases(ca.attrs), not_recorded_phases(cb.attrs))
         findings = account(rows, {"A": records_a, "B": records_b}, {"A": ca.array, "B": cb.array})
         covered = coverage(rows)
         first = find_first_divergence(rows, records_a, options.jump, records_b)

@@ -165,7 +165,8 @@ class PhaseCoverage:
                 "linked_b": self.linked_b,
                 "share_a": round(self.share_a, 6), "share_b": round(self.share_b, 6), "only_a": self.only_a,
                 "only_b": self.only_b, "accounted_a": self.accounted_a, "accounted_b": self.accounted_b,
-                "shape": self.shape, "stats_only": self.stats_only, "uncertain": self.uncertain}
+                "not_recorded_a": self.not_recorded_a, "not_recorded_b": self.not_recorded_b, "shape": self.shape,
+                "stats_only": self.stats_only, "uncertain": self.uncertain}
 
 
 @dataclass

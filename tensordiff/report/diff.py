@@ -74,11 +74,11 @@ class DiffReport:
         else:
             skipped = any(c.not_recorded_a or c.not_recorded_b for c in res.coverage.values())
             accounted = any(c.accounted_a or c.accounted_b for c in res.coverage.values())
+            why = _not_recorded_why(res)
             yield Text("No divergence: every record of both runs was compared, or ignored on purpose by the mapping"
                        + (", or accounted for by a rule of structure and value (the 'accounted' lines)"
                           if accounted else "")
-                       + (", or is of a kind the other side never records (graph mode: gradients of cell inputs)"
-                          if skipped else "")
+                       + (f", or is of a kind the other side never records ({why})" if skipped else "")
                        + ", and every pair is within its tolerance.", style="tensordiff.ok")
 
     def _table(self, step: int, phase: str, rows: list[Row], first_key: Any, width: int) -> Table | Group:
@@ -250,7 +250,8 @@ class DiffReport:
                         style="tensordiff.dim")
         skipped = [sum(getattr(c, f"not_recorded_{s}") for c in res.coverage.values()) for s in "ab"]
         if any(skipped):
-            text.append(f"; not recorded by the other side on purpose (graph mode: gradients of cell inputs): "
+            why = _not_recorded_why(res)
+            text.append(f"; not recorded by the other side on purpose ({why}): "
                         f"{skipped[0]} of A's, {skipped[1]} of B's", style="tensordiff.dim")
         if res.count("drift"):
             text.append(f", {res.count('drift')} drifted without effect", style="tensordiff.drift")
@@ -410,3 +411,10 @@ def _accounted_lines(rows: list[Row]) -> list[str]:
         shown = ", ".join(names[:3]) + (f" (+{len(names) - 3})" if len(names) > 3 else "")
         out.append(f"    {side}: {plural(len(items), 'record', 'records')} accounted ({rule}): {shown}: {why}")
     return out
+
+
+def _not_recorded_why(res: DiffResult) -> str:
+    """Why records of one side have no counterpart on purpose: a source's own words (Megatron-LM's gradient files
+    hold gradients only), else graph mode's."""
+    return "; ".join(str(attrs["not_recorded_why"]) for attrs in (res.attrs_a, res.attrs_b)
+                     if attrs.get("not_recorded_why")) or "graph mode: gradients of cell inputs"

@@ -5,12 +5,14 @@
 * ``reader``: ``CaptureFile``, a streaming reader (one tensor in memory at a time);
 * ``opener``: ``open_capture(path)``: a file, or a glob of one distributed run's rank files merged on read
   (``merged``: ``MergedCapture``, tensor and data parallel; ``pipeline``: ``PipelineCapture``, its stages joined);
-* ``msprobe``: ``MsprobeDump``, msprobe's dumps read as captures (``torch_file``: a ``.pt`` tensor read without unpickling).
+* ``msprobe``: ``MsprobeDump``, msprobe's dumps read as captures (``torch_file``: a ``.pt`` tensor read without unpickling);
+* ``megatron_grads``: ``MegatronGradDump``, Megatron-LM's ``--save-wgrads-interval`` / ``--save-dgrads-interval`` files.
 
 Needs numpy and h5py only. See docs/format.md.
 """
 
 from .format import FORMAT_VERSION
+from .megatron_grads import MegatronGradDump
 from .merged import MergedCapture
 from .msprobe import MsprobeDump
 from .opener import open_capture
@@ -21,5 +23,5 @@ from .writer import CaptureWriter
 #: The reader's earlier name (``tensordiff.store.Capture``), kept for scripts that use it.
 Capture = CaptureFile
 
-__all__ = ["FORMAT_VERSION", "Capture", "CaptureFile", "CaptureWriter", "MergedCapture", "MsprobeDump", "PipelineCapture",
-           "open_capture"]
+__all__ = ["FORMAT_VERSION", "Capture", "CaptureFile", "CaptureWriter", "MegatronGradDump", "MergedCapture", "MsprobeDump",
+           "PipelineCapture", "open_capture"]

@@ -1,7 +1,9 @@
 """``open_capture(path)``: what every reader calls. A capture file, or a glob (``'run.rank*.h5'``) naming the rank
 files of one distributed run, read as one capture in the single-device space: ``MergedCapture`` (tensor and data
 parallel, ``merged.py``), or ``PipelineCapture`` when the files are pipeline stages (``pipeline.py``). An msprobe dump
-folder (or its ``dump.json``) is read as a capture too: ``MsprobeDump`` (``msprobe.py``)."""
+folder (or its ``dump.json``) is read as a capture too: ``MsprobeDump`` (``msprobe.py``), and so is a Megatron-LM
+``--save`` folder holding ``--save-wgrads-interval`` / ``--save-dgrads-interval`` files: ``MegatronGradDump``
+(``megatron_grads.py``)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import glob
 import re
 
 from ..errors import CaptureFileError
+from .megatron_grads import MegatronGradDump, is_megatron_grads
 from .merged import MergedCapture
 from .msprobe import MsprobeDump, is_msprobe_dump
 from .pipeline import PipelineCapture, pipeline_stages
@@ -22,6 +25,8 @@ def open_capture(path: str) -> CaptureFile:
     if not _GLOB.search(path):
         if is_msprobe_dump(path):
             return MsprobeDump(path)  # msprobe's dump folder (or its dump.json), read as a capture
+        if not path.endswith((".h5", ".hdf5")) and is_megatron_grads(path):
+            return MegatronGradDump(path)  # Megatron-LM's wgrads/dgrads files, read as a capture
         return CaptureFile(path)
     paths = sorted(glob.glob(path))
     if not paths:

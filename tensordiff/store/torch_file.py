@@ -41,7 +41,8 @@ _REBUILD = ("torch._utils", "_rebuild_tensor_v2")
 _ORDERED_DICT = ("collections", "OrderedDict")
 _PLAIN = {"PROTO", "FRAME", "BINPUT", "LONG_BINPUT", "MEMOIZE", "BINGET", "LONG_BINGET", "MARK", "TUPLE", "TUPLE1",
           "TUPLE2", "TUPLE3", "EMPTY_TUPLE", "BINUNICODE", "SHORT_BINUNICODE", "BININT", "BININT1", "BININT2", "LONG1",
-          "NEWFALSE", "NEWTRUE", "NONE", "EMPTY_DICT", "GLOBAL", "STACK_GLOBAL", "BINPERSID", "REDUCE", "STOP"}
+          "NEWFALSE", "NEWTRUE", "NONE", "EMPTY_DICT", "GLOBAL", "STACK_GLOBAL", "BINPERSID", "REDUCE", "STOP",
+          "SETITEM", "SETITEMS"}
 
 
 class _Global:
@@ -63,13 +64,15 @@ class _Mark:
     pass
 
 
-def _refuse(path: str, problem: str) -> CaptureFileError:
-    return CaptureFileError(f"{path}: refused: {problem}; tensordiff reads a .pt file only when it holds one plain "
-                            "tensor as torch.save writes it (nothing in it is run); re-create the dump with msprobe")
+def _refuse(path: str, problem: str, what: str = "one plain tensor", fix: str = "re-create the dump with msprobe"
+            ) -> CaptureFileError:
+    return CaptureFileError(f"{path}: refused: {problem}; tensordiff reads a .pt file only when it holds {what} as "
+                            f"torch.save writes it (nothing in it is run); {fix}")
 
 
-def _program(path: str, data: bytes) -> _Tensor:
-    """The tensor the pickle ``data`` describes, found by walking its opcodes (nothing is called)."""
+def _program(path: str, data: bytes) -> Any:
+    """The tensor (or the dict of dicts of tensors) the pickle ``data`` describes, found by walking its opcodes
+    (nothing is called)."""
     stack: list[Any] = []
     memo: dict[int, Any] = {}
     try:
@@ -115,6 +118,14 @@ def _program(path: str, data: bytes) -> _Tensor:
             stack.append({"NEWFALSE": False, "NEWTRUE": True, "NONE": None}[name])
         elif name == "EMPTY_DICT":
             stack.append({})
+        elif name in ("SETITEM", "SETITEMS"):
+            items = [stack.pop(), stack.pop()][::-1] if name == "SETITEM" else pop_mark()
+            if not stack or not isinstance(stack[-1], dict) or len(items) % 2:
+                raise _refuse(path, "its data.pkl sets items on something that is not a dict")
+            for k, v in zip(items[::2], items[1::2]):
+                if not isinstance(k, str) or not isinstance(v, (dict, _Tensor)):
+                    raise _refuse(path, "its dict holds something other than tensors under names")
+                stack[-1][k] = v
         elif name in ("GLOBAL", "STACK_GLOBAL"):
             if name == "GLOBAL":
                 module, _, attr = str(arg).partition(" ")
@@ -144,7 +155,7 @@ def _program(path: str, data: bytes) -> _Tensor:
                 raise _refuse(path, f"its data.pkl calls {func.module}.{func.name} with arguments a tensor does not have")
         elif name == "STOP":
             break
-    if len(stack) != 1 or not isinstance(stack[0], _Tensor):
+    if len(stack) != 1 or not isinstance(stack[0], (_Tensor, dict)):
         raise _refuse(path, "it holds something other than one tensor")
     return stack[0]
 
@@ -155,42 +166,92 @@ def _ints(value: Any) -> bool:
 
 def read_tensor(path: str) -> tuple[np.ndarray, str]:
     """The tensor of a ``torch.save`` file as ``(array, logical dtype)``: BF16 comes back as its raw uint16 bits."""
-    try:
-        with zipfile.ZipFile(path) as zf:
-            names = zf.namelist()
-            pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
-            if len(pkl) != 1:
-                raise _refuse(path, "it is a zip archive without one data.pkl")
-            root = pkl[0][: -len("data.pkl")]
-            order = zf.read(root + "byteorder").decode("ascii", "replace").strip() if root + "byteorder" in names \
-                else "little"
-            spec = _program(path, zf.read(pkl[0]))
-            key = f"{root}data/{spec.storage.key}"
-            if key not in names:
-                raise _refuse(path, f"its storage {spec.storage.key!r} is missing from the archive")
-            raw = zf.read(key)
-    except zipfile.BadZipFile:
-        raise CaptureFileError(f"{path}: not a torch.save zip archive (truncated, or saved with "
-                               "_use_new_zipfile_serialization=False); re-create the dump") from None
-    except OSError as err:
-        raise CaptureFileError(f"{path}: cannot be read ({err.strerror or err}); check the file") from None
-    logical, dtype = STORAGES[spec.storage.type_name]
-    if order not in ("little", "big"):
-        raise _refuse(path, f"its byteorder is {order!r}")
-    if order != sys.byteorder and dtype.itemsize > 1:
-        dtype = dtype.newbyteorder(">" if order == "big" else "<")
-    count = len(raw) // dtype.itemsize
-    if count < spec.storage.numel:
-        raise CaptureFileError(f"{path}: its storage holds {count} elements, the file says {spec.storage.numel}; "
-                               "the file is truncated, re-create the dump")
-    flat = np.frombuffer(raw, dtype=dtype, count=spec.storage.numel)
-    last = spec.offset + sum((s - 1) * st for s, st in zip(spec.size, spec.stride)) if all(spec.size) else spec.offset - 1
-    if spec.offset < 0 or (last >= spec.storage.numel and all(spec.size)):
-        raise _refuse(path, f"its tensor {list(spec.size)} (offset {spec.offset}, stride {list(spec.stride)}) reaches "
-                            f"past its storage of {spec.storage.numel} elements")
-    if not all(spec.size):
-        out = np.empty(spec.size, dtype=dtype)
-    else:
-        out = np.lib.stride_tricks.as_strided(flat[spec.offset:], shape=spec.size,
-                                              strides=tuple(st * dtype.itemsize for st in spec.stride)).copy()
-    return out.astype(dtype.newbyteorder("=")) if not dtype.isnative else out, logical
+    archive = TorchArchive(path)
+    if archive.single is None:
+        raise _refuse(path, "it holds something other than one tensor")
+    return archive.array(())
+
+
+class TorchArchive:
+    """A ``torch.save`` file holding one tensor, or dicts (nested) of tensors under names: ``keys`` (tuples of the
+    names down to each tensor, ``()`` for a lone tensor), ``shape(key)``, ``dtype(key)`` and ``array(key)``, read when
+    asked (the storage last read is kept: tensors that are views of one buffer share it). Nothing is unpickled."""
+
+    def __init__(self, path: str, what: str = "one plain tensor", fix: str = "re-create the dump with msprobe"):
+        self.path = path
+        self._refuse = lambda problem: _refuse(path, problem, what, fix)
+        try:
+            with zipfile.ZipFile(path) as zf:
+                names = zf.namelist()
+                pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+                if len(pkl) != 1:
+                    raise self._refuse("it is a zip archive without one data.pkl")
+                self._root = pkl[0][: -len("data.pkl")]
+                self._names = set(names)
+                self._order = zf.read(self._root + "byteorder").decode("ascii", "replace").strip() \
+                    if self._root + "byteorder" in names else "little"
+                top = _program(path, zf.read(pkl[0]))
+        except zipfile.BadZipFile:
+            raise CaptureFileError(f"{path}: not a torch.save zip archive (truncated, or saved with "
+                                   "_use_new_zipfile_serialization=False); re-create the file") from None
+        except OSError as err:
+            raise CaptureFileError(f"{path}: cannot be read ({err.strerror or err}); check the file") from None
+        if self._order not in ("little", "big"):
+            raise self._refuse(f"its byteorder is {self._order!r}")
+        self.tensors: dict[tuple[str, ...], _Tensor] = {}
+        self._walk(top, ())
+        self.single = top if isinstance(top, _Tensor) else None
+        self._cache: tuple[str, bytes] | None = None
+
+    def _walk(self, node: Any, at: tuple[str, ...]) -> None:
+        if isinstance(node, _Tensor):
+            self.tensors[at] = node
+        else:
+            for k, v in node.items():
+                self._walk(v, (*at, k))
+
+    @property
+    def keys(self) -> list[tuple[str, ...]]:
+        return list(self.tensors)
+
+    def shape(self, key: tuple[str, ...]) -> tuple[int, ...]:
+        return tuple(self.tensors[key].size)
+
+    def dtype(self, key: tuple[str, ...]) -> str:
+        return STORAGES[self.tensors[key].storage.type_name][0]
+
+    def array(self, key: tuple[str, ...]) -> tuple[np.ndarray, str]:
+        """One tensor as ``(array, logical dtype)`` (BF16 as its raw uint16 bits)."""
+        spec = self.tensors[key]
+        path = self.path
+        name = f"{self._root}data/{spec.storage.key}"
+        if name not in self._names:
+            raise self._refuse(f"its storage {spec.storage.key!r} is missing from the archive")
+        cache = self._cache  # one read of the shared slot: the diff reads tensors from several threads at once
+        if cache is None or cache[0] != name:
+            try:
+                with zipfile.ZipFile(path) as zf:
+                    cache = (name, zf.read(name))
+            except (zipfile.BadZipFile, OSError) as err:
+                raise CaptureFileError(f"{path}: cannot be read ({err}); check the file") from None
+            self._cache = cache
+        raw = cache[1]
+        logical, dtype = STORAGES[spec.storage.type_name]
+        if self._order != sys.byteorder and dtype.itemsize > 1:
+            dtype = dtype.newbyteorder(">" if self._order == "big" else "<")
+        count = len(raw) // dtype.itemsize
+        if count < spec.storage.numel:
+            raise CaptureFileError(f"{path}: its storage holds {count} elements, the file says {spec.storage.numel}; "
+                                   "the file is truncated, re-create it")
+        flat = np.frombuffer(raw, dtype=dtype, count=spec.storage.numel)
+        last = spec.offset + sum((s - 1) * st for s, st in zip(spec.size, spec.stride)) if all(spec.size) \
+            else spec.offset - 1
+        if spec.offset < 0 or (last >= spec.storage.numel and all(spec.size)):
+            raise self._refuse(f"its tensor {list(spec.size)} (offset {spec.offset}, stride {list(spec.stride)}) "
+                               f"reaches past its storage of {spec.storage.numel} elements")
+        if not all(spec.size):
+            out = np.empty(spec.size, dtype=dtype)
+        else:
+            out = np.lib.stride_tricks.as_strided(flat[spec.offset:], shape=spec.size,
+                                                  strides=tuple(st * dtype.itemsize for st in spec.stride)).copy()
+        return out.astype(dtype.newbyteorder("=")) if not dtype.isnative else out, logical

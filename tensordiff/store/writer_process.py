@@ -35,7 +35,7 @@ from .._warn import warn as _warn
 from .writer import CaptureWriter
 
 _LEN = struct.Struct("<Q")
-START_ENV = "TENSORDIFF_WRITER_START_TIMEOUT"  # seconds the child has to open the file (default 60)
+START_ENV = "TENSORDIFF_WRITER_START_TIMEOUT"  # seconds the child has to open the file (default 60; 0: never the child)
 _READY = b"ready\n"
 
 
@@ -117,7 +117,8 @@ class ProcessWriter(CaptureWriter):
         assert self._proc.stdout is not None
         answered = True  # something came (the answer, or the end of the pipe), or reading failed
         try:
-            ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+            # a timeout of 0 or less: never the child (this process writes the file; what the tests use)
+            ready, _, _ = select.select([self._proc.stdout], [], [], timeout) if timeout > 0 else ([], [], [])
             answered = bool(ready)
             answer = os.read(self._proc.stdout.fileno(), len(_READY)) if ready else b""
         except OSError:
