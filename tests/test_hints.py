@@ -156,6 +156,18 @@ def test_learning_rate_fit_holds_over_three_steps(gpt):
     assert top.details["factor"] == pytest.approx(0.9, rel=1e-4)
 
 
+def test_a_clean_rewrite_agrees_over_two_adam_steps(gpt):
+    # q, k, v as three matmuls instead of one: the key bias's true gradient is 0 (the softmax ignores it), so Adam
+    # turns its rounding noise into +-lr updates; the keys shift by one vector per head, the scores by a constant per
+    # query row, and the softmax removes it: those rows drift without effect, the pair agrees
+    result = diff(gpt("none", 2), gpt("split-qkv", 2))
+    assert result.first is None and result.outcome == "agree", result.reasons
+    for r in result.rows:
+        if r.verdict != "ok":
+            assert r.verdict == "drift" and r.step == 1, (r.phase, r.pair.a.label, r.verdict)
+            assert r.phase == "weights" or ".self_attention." in r.pair.a.module, r.pair.a.label
+
+
 def test_no_optimizer_hint_where_the_forward_differs(gpt):
     result = diff(gpt("none", 2), gpt("ln-eps", 2))
     assert (result.first.step, result.first.phase) == (0, "forward")

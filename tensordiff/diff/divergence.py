@@ -509,13 +509,17 @@ def find_first_divergence(rows: list[Row], records_a: dict[int, list[Record]], j
         st = lookups[step]
         prev = lookups[steps[i - 1]] if i > 0 else None
         candidates = [r for r in by_step[step] if r.verdict == "diverged" and r.pair.a is not None]
-        if step > 0 and not any(r.phase != "weights" for r in candidates):
-            # Weights that drifted apart in the optimizer step without changing anything this
-            # step computes: e.g. Adam turning the pure-noise gradient of attention's key bias
-            # (softmax ignores it) into +-lr updates. Shown as 'drift', not a divergence.
+        if step > 0 and any(r.phase == "weights" for r in candidates) and all(
+                r.phase == "weights" or _absorbed(r.pair.a, st) for r in candidates):  # type: ignore[arg-type]
+            # Weights that drifted apart in the optimizer step without changing anything this step computes
+            # beyond tensors whose difference a module absorbs (its outputs agree): e.g. Adam turning the
+            # pure-noise gradient of attention's key bias into +-lr updates, which shift each head's keys by
+            # one vector; the scores move by a constant per query row and the softmax removes it. Shown as
+            # 'drift', not a divergence.
             for r in candidates:
                 r.verdict = "drift"
-                r.note = "differs, but nothing computed in this step differs"
+                r.note = ("differs, but nothing computed in this step differs" if r.phase == "weights" else
+                          "differs, but the module it runs in gives the same output (a difference it absorbs)")
             candidates = []
         # local gradients (before the data-parallel reduction) before the reduced ones, as a run records them
         candidates.sort(key=lambda r: (PHASE_RANK[r.phase], not _is_local(r), r.pair.a.seq))  # type: ignore[union-attr]
@@ -529,6 +533,20 @@ def find_first_divergence(rows: list[Row], records_a: dict[int, list[Record]], j
         row, query, prev, st = first_drift
         return _make(row, st, prev, query.full(), False)
     return None
+
+
+def _absorbed(a: Record, st: _Step) -> bool:
+    """A forward tensor whose difference a module call absorbs: a call that encloses it (for an input, its own
+    module's call too) has every output compared and within its tolerance."""
+    if a.phase != "forward":
+        return False
+    calls: dict[tuple[str, int], list[Record]] = {}
+    for o in st.ordered:
+        if (o.phase == "forward" and o.kind == "output" and o.seq > a.seq and 0 <= o.enter <= a.seq
+                and (is_inside(a.module, o.module) or (a.kind == "input" and o.module == a.module))):
+            calls.setdefault((o.module, o.enter), []).append(o)
+    return any(all((st.verdict.get(o.seq) or st.verdict.get(st.canonical(o))) == "ok" for o in outs)
+               for outs in calls.values())
 
 
 def _b_source(b: Record, records_b: list[Record] | None) -> Record | None:
