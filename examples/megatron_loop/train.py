@@ -98,6 +98,9 @@ def main() -> None:
     p.add_argument("--clip", type=float, default=1.0, help="gradient clipping (0: none)")
     p.add_argument("--eps", type=float, default=1e-6, help="the RMSNorm epsilon (a fault: another value on one side)")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    p.add_argument("--adam-beta1", type=float, default=0.9)
+    p.add_argument("--adam-beta2", type=float, default=0.999)
+    p.add_argument("--adam-eps", type=float, default=1e-8)
     p.add_argument("--data", metavar="BATCH", help="a tensordiff batch file: every iteration trains on it")
     p.add_argument("--save-init", metavar="FILE", help="write the starting weights here (safetensors, rank 0)")
     p.add_argument("--no-distributed-optimizer", action="store_true")
@@ -159,7 +162,8 @@ def main() -> None:
             for bucket in group.buckets:
                 bucket.gradient_scaling_factor = 1.0
     with optimizer_cpu():  # on the CPU: the optimizer allocates on "cuda" and checks for CUDA tensors
-        config = OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+        config = OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, adam_beta1=args.adam_beta1,
+                                 adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
                                  weight_decay=args.weight_decay, sgd_momentum=0.0,
                                  use_distributed_optimizer=distributed, clip_grad=args.clip, bf16=False, fp16=False)
         # megatron-core exempts 1-D parameters and biases from weight decay; --decay-norms (a fault): no exemption

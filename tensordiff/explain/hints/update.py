@@ -17,6 +17,7 @@ See docs/hints/optimizer-step.md. Framework-free: numpy on captured arrays.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import pairwise
@@ -34,7 +35,7 @@ from .base import Hint, NotApplicable, Site, explained_share
 _FIT = 0.02
 #: Adam (``adam.fit_adam``) must rebuild each side's whole update this closely to name its settings
 _ADAM_FIT = 1e-3
-_NAMES = {"beta1": "β1", "beta2": "β2", "eps": "epsilon"}
+_NAMES = {"beta1": "β1", "beta2": "β2", "eps": "epsilon", "clip": "gradient clip"}
 
 
 def _weights(result: DiffResult, step: int, site: Any) -> dict[str, tuple[Row, np.ndarray, np.ndarray]]:
@@ -158,8 +159,10 @@ def _adam_hint(site: Site, result: DiffResult, p: int, common: list[str], before
     keys = [k for k in keys if all(where[k] in g for g in grads["B"])]
     g_by = {side: [{k: g[where[k]] for k in keys} for g in grads[side]] for side in grads}
     w0 = {k: before[k][1] for k in keys}
+    # each step's global gradient norm, over every parameter gradient the side recorded (what a clip measures)
+    norms = {side: [math.sqrt(sum(float(np.vdot(x, x)) for x in g.values())) for g in grads[side]] for side in grads}
     fits = fit_adam({"A": (g_by["A"], w0, {k: da[k] for k in keys}),
-                     "B": (g_by["B"], {k: before[k][2] for k in keys}, {k: db[k] for k in keys})})
+                     "B": (g_by["B"], {k: before[k][2] for k in keys}, {k: db[k] for k in keys})}, norms)
     fa, fb = fits["A"], fits["B"]
     if fa.best_residual > _ADAM_FIT or fb.best_residual > _ADAM_FIT:
         return None
@@ -176,7 +179,7 @@ def _adam_hint(site: Site, result: DiffResult, p: int, common: list[str], before
     if decays and decay_same and bc is not None:  # Adam's term scaled, the decay not: bias correction
         side = "B" if bc[2] else "A"
         after_err = rebuilt({key: adam_update([g[key] for g in g_by["B"]], before[key][2], fb.best,
-                                              fb.coefficients[fb.best])})
+                                              fb.coefficients[fb.best], norms["B"])})
         return Hint("optimizer-step", f"The optimizer step of step {p} differs by bias correction: {side} runs Adam "
                     f"without it (B's Adam term is {r:.6g} × A's, its weight decay is A's; (1-β1^k)/√(1-β2^k) = "
                     f"{r if bc[2] else 1 / r:.6g} for betas ({bc[0]:g}, {bc[1]:g}) at Adam's step k = {k})",
@@ -188,20 +191,22 @@ def _adam_hint(site: Site, result: DiffResult, p: int, common: list[str], before
                      "betas": [bc[0], bc[1]], "consistent": {"A": describe(sa), "B": describe(sb)}})
     if sa & sb:
         return None  # one setting reproduces both: the learning-rate and weight-decay fits say the rest
-    named = [(c, sorted({getattr(x, c) for x in sa}), sorted({getattr(x, c) for x in sb}))
-             for c in ("beta1", "beta2", "eps")]
+    named = [(c, sorted({getattr(x, c) for x in sa}, key=_order), sorted({getattr(x, c) for x in sb}, key=_order))
+             for c in ("beta1", "beta2", "eps", "clip")]
     disjoint = [n for n in named if set(n[1]).isdisjoint(n[2])]
     if not disjoint:  # only a combination differs: the best settings' components
-        disjoint = [(c, [getattr(fa.best, c)], [getattr(fb.best, c)]) for c in ("beta1", "beta2", "eps")
+        disjoint = [(c, [getattr(fa.best, c)], [getattr(fb.best, c)]) for c in ("beta1", "beta2", "eps", "clip")
                     if getattr(fa.best, c) != getattr(fb.best, c)]
 
-    def values(v: list[float], c: str) -> str:
+    def values(v: list[Any], c: str) -> str:
+        if c == "clip":
+            return " or ".join("none" if x is None else f"{x:g}" for x in v)
         shown = sorted({float(f"{x:.2g}") for x in v} if c == "eps" else v)  # ε refined between the grid's values
         return f"{shown[0]:g}" if len(shown) == 1 else f"{shown[0]:g}..{shown[-1]:g}"
 
     what = "; ".join(f"B's {_NAMES[c]} is {values(vb, c)} where A's is {values(va, c)}" for c, va, vb in disjoint)
     after_err = rebuilt({key: adam_update([g[key] for g in g_by["B"]], before[key][2], fb.best,
-                                          fb.coefficients[fb.best])})
+                                          fb.coefficients[fb.best], norms["B"])})
     return Hint("optimizer-step", f"The optimizer step of step {p} differs in Adam's settings: {what}",
                 explained_share(site.before, after_err), site.before, after_err,
                 f"{source} reproduces A's update with {describe(sa)} (residual {fa.best_residual:.1e}) and B's "
@@ -213,8 +218,12 @@ def _adam_hint(site: Site, result: DiffResult, p: int, common: list[str], before
                  "residual": {"A": fa.best_residual, "B": fb.best_residual}})
 
 
-def _setting(x: AdamSetting) -> dict[str, float]:
-    return {"beta1": x.beta1, "beta2": x.beta2, "eps": x.eps}
+def _setting(x: AdamSetting) -> dict[str, float | None]:
+    return {"beta1": x.beta1, "beta2": x.beta2, "eps": x.eps, "clip": x.clip}
+
+
+def _order(x: float | None) -> tuple[bool, float]:
+    return x is not None, x or 0.0
 
 
 def check_update(site: Site, result: DiffResult) -> Iterator[Hint]:
@@ -253,8 +262,8 @@ def check_update(site: Site, result: DiffResult) -> Iterator[Hint]:
     if den > 0:
         r = num / den
         fits = [rel_l2(r * da[k], db[k]) for k in common if np.any(da[k])]
-        if fits and max(fits) <= _FIT and abs(r - 1) > 1e-6:
-            after_err = rebuilt({k: r * da[k] for k in common})
+        after_err = rebuilt({k: r * da[k] for k in common}) if fits else math.nan
+        if fits and max(fits) <= _FIT and abs(r - 1) > 1e-6 and explained_share(site.before, after_err) >= 0.5:
             k = p - result.steps[0] + 1  # Adam's step number, if the capture began with the run
             bc = bias_correction_factor(r, k)
             also = "" if bc is None else (
