@@ -21,17 +21,8 @@ set -uo pipefail
 OUT=${1:?usage: ckpt_variants_gpu.sh OUT}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-export CUDA_DEVICE_MAX_CONNECTIONS=1 RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1
-ARGS=(
-  --transformer-impl local --no-gradient-accumulation-fusion --no-rope-fusion --no-persist-layer-norm
-  --no-masked-softmax-fusion --no-bias-swiglu-fusion
-  --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --seq-length 16
-  --max-position-embeddings 16 --hidden-dropout 0 --attention-dropout 0
-  --tokenizer-type NullTokenizer --vocab-size 127 --make-vocab-size-divisible-by 128 --mock-data --split 1,0,0
-  --micro-batch-size 2 --global-batch-size 2 --train-iters 6 --seed 1234
-  --lr 1e-3 --lr-decay-style constant --min-lr 0 --lr-warmup-iters 0
-  --save-interval 3 --eval-iters 0 --eval-interval 1000 --log-interval 1
-)
+source "$(dirname "$0")/tiny_gpt.sh"
+ARGS=("${TINY_GPT[@]}" --train-iters 6 --save-interval 3)
 run() {  # run PORT NAME [flags...]: one pretrain_gpt.py in the background, its log in OUT/NAME.log
   local port=$1 name=$2; shift 2
   MASTER_PORT=$port "$PY" "$MEGATRON_LM/pretrain_gpt.py" "${ARGS[@]}" --save "$OUT/$name" "$@" \

@@ -134,12 +134,7 @@ def _fit_one(grads: Sequence[Mapping[str, np.ndarray]], weights: Mapping[str, np
     mine: list[AdamSetting] = []
 
     def moments(b1: float, b2: float) -> tuple[np.ndarray, np.ndarray]:
-        m = np.zeros_like(w)
-        v = np.zeros_like(w)
-        for gi in g:
-            m = b1 * m + (1 - b1) * gi
-            v = b2 * v + (1 - b2) * gi * gi
-        return m / (1 - b1 ** k), np.sqrt(v / (1 - b2 ** k))
+        return _moments(g, b1, b2)
 
     def solve(setting: AdamSetting, m_hat: np.ndarray, root_v: np.ndarray) -> float:
         u = m_hat / (root_v + setting.eps)
@@ -188,21 +183,26 @@ def bias_correction_factor(r: float, k: int) -> tuple[float, float, bool] | None
     return None
 
 
+def _moments(grads: Sequence[np.ndarray], b1: float, b2: float) -> tuple[np.ndarray, np.ndarray]:
+    """Adam's bias-corrected moments after ``grads`` from zero: ``m̂`` and ``√v̂``."""
+    m = np.zeros(np.shape(grads[0]))
+    v = np.zeros(np.shape(grads[0]))
+    for g in grads:
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+    k = len(grads)
+    return m / (1 - b1 ** k), np.sqrt(v / (1 - b2 ** k))
+
+
 def adam_update(grads: Sequence[np.ndarray], w: np.ndarray, setting: AdamSetting,
                 coefficients: tuple[float, float, float], norms: Sequence[float] | None = None) -> np.ndarray:
     """The update ``ΔW`` of one parameter under ``setting`` and the fitted coefficients (``fit_adam``'s model);
     ``norms``: each step's global gradient norm, for a setting that clips."""
-    m = np.zeros(np.shape(w))
-    v = np.zeros(np.shape(w))
-    b1, b2 = setting.beta1, setting.beta2
-    for i, g in enumerate(grads):
-        g = np.asarray(g, np.float64)
-        if setting.clip is not None and norms is not None:
-            g = g * min(1.0, setting.clip / (norms[i] + 1e-6))
-        m = b1 * m + (1 - b1) * g
-        v = b2 * v + (1 - b2) * g * g
-    k = len(grads)
-    u = (m / (1 - b1 ** k)) / (np.sqrt(v / (1 - b2 ** k)) + setting.eps)
+    scaled = [np.asarray(g, np.float64) * (min(1.0, setting.clip / (norms[i] + 1e-6))
+                                           if setting.clip is not None and norms is not None else 1.0)
+              for i, g in enumerate(grads)]
+    m_hat, root_v = _moments(scaled, setting.beta1, setting.beta2)
+    u = m_hat / (root_v + setting.eps)
     lr, wd2, wd1 = coefficients
     return -(lr * u + (wd2 if np.ndim(w) >= 2 else wd1) * np.asarray(w, np.float64))
 
