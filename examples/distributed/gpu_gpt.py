@@ -210,7 +210,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(trainer: Trainer, n: int, device: torch.device, cap=None) -> list[float]:
+HOST: dict[str, list[float]] = {}  # --time: the host's own time per step (before the closing sync), per phase
+
+
+def timed(trainer: Trainer, n: int, device: torch.device, cap=None, phase: str = "") -> list[float]:
     out = []
     for _ in range(n):
         sync(device)
@@ -218,9 +221,28 @@ def timed(trainer: Trainer, n: int, device: torch.device, cap=None) -> list[floa
         loss = trainer.step()
         if cap is not None:
             cap.step(loss)
+        t1 = time.perf_counter()
         sync(device)
         out.append(time.perf_counter() - t0)
+        if phase:
+            HOST.setdefault(phase, []).append(t1 - t0)
     return out
+
+
+def kernel_profile(trainer: Trainer, device: torch.device, cap, path: str) -> None:
+    """--kernels: the GPU time by kernel of one plain and one captured step (torch.profiler), to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lines = []
+    for what, c in (("plain", None), ("captured", cap)):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            timed(trainer, 1, device, c)
+        events = prof.key_averages()
+        total = sum(e.self_device_time_total for e in events) / 1e3
+        lines.append(f"== {what} step: GPU kernel time {total:.1f} ms")
+        lines.append(events.table(sort_by="self_device_time_total", row_limit=25))
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
 
 
 def timing(trainer: Trainer, args: argparse.Namespace, device: torch.device, rank: int) -> None:
@@ -228,12 +250,14 @@ def timing(trainer: Trainer, args: argparse.Namespace, device: torch.device, ran
     for _ in range(args.warmup):
         trainer.step()
     sync(device)
-    plain = timed(trainer, args.time, device)
+    plain = timed(trainer, args.time, device, phase="plain")
     path = args.capture or f"/tmp/gpu_gpt_timing_{os.getpid()}.h5"
     t0 = time.perf_counter()
-    with tensordiff.capture(trainer.model, path, steps=args.time + 3, optimizer=trainer.opt, tensors="none") as cap:
+    with tensordiff.capture(trainer.model, path, steps=args.time + 6, optimizer=trainer.opt, tensors="none") as cap:
         first = timed(trainer, 1, device, cap)  # step 0 of the capture also records the weights' statistics
-        captured = timed(trainer, args.time, device, cap)
+        captured = timed(trainer, args.time, device, cap, phase="captured")
+        if args.kernels and rank == 0:
+            kernel_profile(trainer, device, cap, args.kernels)
         if args.profile and rank == 0:  # where the host time of a captured step goes (after the timed steps)
             import cProfile
             import io
@@ -289,12 +313,16 @@ def timing(trainer: Trainer, args: argparse.Namespace, device: torch.device, ran
         "capture_file_bytes": os.path.getsize(tensordiff_rank_path(path)) if os.path.exists(tensordiff_rank_path(path))
         else None,
         "steps_s": {"plain": plain, "captured": captured, "plain_after": after},
+        "host_s": HOST,
         "full_tensors": full,
     }
     if args.report:
         out = tensordiff_rank_path(args.report)
         with open(out, "w") as f:
             json.dump(report, f, indent=1)
+    host = {k: statistics.median(v) * 1e3 for k, v in HOST.items()}
+    print(f"rank {rank}: host time per step (median, before the sync): "
+          + ", ".join(f"{k} {v:.1f} ms" for k, v in host.items()), flush=True)
     print(f"rank {rank}: step median plain {med['plain'] * 1e3:.1f} ms, stats-only capture {med['captured'] * 1e3:.1f} "
           f"ms ({report['overhead_pct_vs_plain']:+.1f}%), plain after {med['plain_after'] * 1e3:.1f} ms; capture's "
           f"first step {first[0] * 1e3:.1f} ms, close {close_s * 1e3:.1f} ms", flush=True)
@@ -337,6 +365,8 @@ def main() -> None:
     p.add_argument("--time-full", action="store_true",
                    help="--time: also capture one step's full tensors, then two steps of statistics (times, bytes)")
     p.add_argument("--report", help="--time: JSON report per rank")
+    p.add_argument("--kernels", help="--time: GPU time by kernel of a plain and a captured step (torch.profiler), "
+                                     "to this file")
     p.add_argument("--profile", help="--time: cProfile of two captured steps on rank 0, top 30 by own time, to this file")
     args = p.parse_args()
     for key, value in SIZES[args.size].items():
