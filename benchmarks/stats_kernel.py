@@ -4,8 +4,8 @@
 
 Prints host microseconds per call (the time the training thread spends starting the reduction), total
 microseconds per call after a synchronize, and the bandwidth it reaches; then the host cost of one plain
-``torch.add_`` launch on the same machine, for scale. Needs a CUDA GPU (Triton for the fused kernel;
-``TENSORDIFF_NO_TRITON=1`` measures the eager fallback).
+``torch.add_`` launch on the same machine, for scale. Needs a CUDA GPU. ``TENSORDIFF_STATS_KERNEL=nvrtc`` (the
+default: the CUDA C kernel launched through ctypes), ``triton`` or ``eager`` chooses the kernel measured.
 """
 
 from __future__ import annotations
@@ -35,6 +35,11 @@ def main() -> int:
         x = torch.randn(n, device="cuda", dtype=torch.float32).to(DTYPES[args.dtype])
         handles = [collector.add(x) for _ in range(5)]
         collector.collect(handles)
+        if n == 4096:
+            from tensordiff.frameworks.torch_cuda_stats import fast_stats_why
+
+            used = "nvrtc" if collector._fast not in (None, False) else ("triton" if triton_available() else "eager")
+            print(f"kernel: {used} {fast_stats_why()}")
         reps = args.reps if n < (1 << 22) else 20
         torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -11,6 +11,7 @@ import resource
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -377,3 +378,75 @@ def test_under_torchrun_the_ranks_stopped_after_one_fails_keep_every_returned_st
         assert c.steps[: returned + 1] == list(range(returned + 1)), (returned, c.steps[-3:])
     with CaptureFile(str(tmp_path / "run.rank1.h5")) as c:
         assert c.steps == list(range(13))  # the failing rank: every step it returned, closed on the way out
+
+
+UNDER_WAY = r"""
+import os, signal, sys, threading
+import numpy as np
+from tensordiff.capturing.recorder import Deferred
+from tensordiff.store import writer_process
+
+writer_process.PIECE = 1 << 20  # several pieces for the one tensor
+path, mode = sys.argv[1], sys.argv[2]
+
+
+def row(seq, same_as=-1, has_data=1):
+    return {"seq": seq, "phase": "forward", "module": "lin", "call": 0, "kind": "output", "slot": str(seq),
+            "module_class": "Linear", "dtype": "float32", "shape": "3000000", "min": 0.0, "max": 2999999.0,
+            "mean": 1499999.5, "l2": 1.0, "nan": 0, "inf": 0, "numel": 3000000, "has_data": has_data,
+            "same_as": same_as, "grad_of": -1, "enter": 0, "parent": ""}
+
+
+arr = np.arange(3_000_000, dtype=np.float32)
+host = np.ones(4, dtype=np.float32)
+gate = threading.Event()
+
+
+def copy():  # a GPU copy still on its way to the host until the gate opens
+    gate.wait()
+    return arr
+
+
+w = writer_process.ProcessWriter(path, {"framework": "torch"}, durable=True)
+small = dict(row(2), shape="4", numel=4)
+w.submit(0, [row(0), row(1, same_as=0), small], {0: Deferred(copy, arr.nbytes, gate.is_set), 2: host}, {})
+print("returned 0", flush=True)  # while the copy is under way
+w.submit(1, [row(0, has_data=0)], {}, {})
+print("returned 1", flush=True)
+if mode == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+gate.set()
+w.close()
+"""
+
+
+@pytest.mark.parametrize("mode", ["finish", "kill"])
+def test_a_step_returns_before_its_gpu_copies_and_a_kill_keeps_their_statistics(tmp_path, mode):
+    """The writer process takes a step's records (and the tensors already on the host) when ``step()`` ends and its
+    tensors still on their way from the GPU after it: the next step is handed over while they are under way. When
+    the training process dies before they arrive, the step is still written, those records keep their statistics
+    (``has_data`` 0, their links too), the step says ``tensors_lost``, and the writer says so once."""
+    import signal
+    import time
+
+    path = str(tmp_path / "underway.h5")
+    proc = subprocess.run([sys.executable, "-c", UNDER_WAY, path, mode], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, TENSORDIFF_WRITER_START_TIMEOUT="60"))
+    assert proc.stdout.split("\n")[:2] == ["returned 0", "returned 1"], proc.stderr
+    deadline = time.time() + 60
+    while _writer_alive(path) and time.time() < deadline:
+        time.sleep(0.1)
+    with CaptureFile(path) as c:
+        assert c.steps == [0, 1]
+        recs = {r.seq: r for r in c.records(0)}
+        assert c.array(recs[2]).tolist() == [1.0] * 4  # on the host at step(): handed over with the step
+        if mode == "finish":
+            assert proc.returncode == 0, proc.stderr
+            assert recs[0].has_data == 1 and recs[1].has_data == 1
+            np.testing.assert_array_equal(c.array(recs[0]), np.arange(3_000_000, dtype=np.float32))
+            assert "tensors_lost" not in c.step_attrs(0)
+        else:
+            assert proc.returncode == -signal.SIGKILL
+            assert recs[0].has_data == 0 and recs[1].has_data == 0 and recs[0].max == 2999999.0
+            assert int(c.step_attrs(0)["tensors_lost"]) == 1
+            assert proc.stderr.count("did not reach the writer") == 1, proc.stderr

@@ -53,6 +53,11 @@ class TensorBackend(ABC):
         """The bytes of a host copy (what the writer's queue counts)."""
         return int(getattr(copy, "nbytes", 0))
 
+    def copy_ready(self, copy: Any) -> bool:
+        """Whether a host copy is complete (the writer hands a step's complete copies over with the step itself and
+        streams the rest after it)."""
+        return True
+
     def close(self) -> None:
         """Release what the backend holds (after the writer has taken every copy)."""
         return None

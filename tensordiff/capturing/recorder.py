@@ -409,7 +409,8 @@ class Recorder:
                 for key in STAT_KEYS + ("has_data",):
                     row[key] = src[key]
         # resolved on the writer's thread: a copy still on its way to the host never holds up the training step
-        data = {seq: Deferred(partial(self._t.to_numpy, t), self._t.copy_nbytes(t)) for seq, t in self._data.items()}
+        data = {seq: Deferred(partial(self._t.to_numpy, t), self._t.copy_nbytes(t), partial(self._t.copy_ready, t))
+                for seq, t in self._data.items()}
         attrs: dict[str, Any] = {"wall_time": time.perf_counter() - self._t0}
         if self._loss is not None:
             attrs["loss"] = self._loss
@@ -417,8 +418,9 @@ class Recorder:
             attrs["interrupted"] = self._interrupted
         attrs.update(self._step_attrs())
         # step() returns once the writer holds the step (its process, or its thread's flushed write): a SIGKILL after
-        # it loses nothing (docs/reliability.md); a GPU model's full tensors are waited for too (their copies to the
-        # host, then the handover), which costs the device that one step's copy (benchmarks/capture_overhead.py)
+        # it loses nothing (docs/reliability.md). The writer process takes a GPU model's full tensors still on their
+        # way to the host after the step: training never waits for them; a SIGKILL before they arrive loses those
+        # tensors (the step keeps their statistics and says so: tensors_lost)
         every = self.options.every
         # every=N: stored under its training step number (0, N, 2N, ...), so that runs and diff line steps up
         self._writer.submit(self._step if every == 1 else self._step_iteration, rows, data, attrs)
@@ -447,13 +449,18 @@ def _itemsize(dtype: str | None) -> int:
 
 
 class Deferred:
-    """A full tensor handed to the writer before it reached the host: ``nbytes`` now, the array when called."""
+    """A full tensor handed to the writer before it reached the host: ``nbytes`` now, the array when called;
+    ``ready()`` says whether calling it would not wait (the copy is on the host)."""
 
-    __slots__ = ("_get", "nbytes")
+    __slots__ = ("_get", "_ready", "nbytes")
 
-    def __init__(self, get: Callable[[], np.ndarray], nbytes: int):
+    def __init__(self, get: Callable[[], np.ndarray], nbytes: int, ready: Callable[[], bool] | None = None):
         self._get = get
+        self._ready = ready
         self.nbytes = nbytes
+
+    def ready(self) -> bool:
+        return self._ready is None or bool(self._ready())
 
     def __call__(self) -> np.ndarray:
         return self._get()

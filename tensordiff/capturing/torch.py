@@ -67,6 +67,9 @@ class TorchTensors(TensorBackend):
     def to_numpy(self, copy: HostCopy) -> np.ndarray:
         return to_numpy(copy.result())
 
+    def copy_ready(self, copy: HostCopy) -> bool:
+        return copy.done()
+
     def close(self) -> None:
         self._copier.close()
 

@@ -4,9 +4,11 @@ At hook time a CUDA tensor is cloned on the device (ordered on the current strea
 memory bandwidth, so later in-place changes by the model cannot reach the copy). A background
 thread waits for each clone, moves it to host memory through two reused pinned bounce buffers
 on its own stream, and frees the clone. Clones in flight are bounded by a staging budget in
-device memory (``TENSORDIFF_STAGING_GB``; default a quarter of the memory free when capture
-starts, at most 8 GiB): a copy that would go over it waits for the copier to catch up, and a
-tensor larger than the whole budget is copied synchronously, as before.
+device memory (``TENSORDIFF_STAGING_GB``; default half the device memory free at the first copy,
+so that a whole step of a 1B model stages at device speed and the training thread never waits
+for PCIe): a copy that would go over it waits for the copier to catch up, a tensor larger than
+the whole budget is copied synchronously, and a clone the device has no memory for (out of
+memory) is copied synchronously too: the step is slower, the run never fails for it.
 
 A copy is a ``HostCopy``: ``result()`` gives the host tensor, waiting for the copier if needed
 (the capture writer calls it on its own thread, so ``cap.step()`` never waits for the copies).
@@ -26,7 +28,7 @@ __all__ = ["HostCopier", "HostCopy"]
 
 ENV_STAGING = "TENSORDIFF_STAGING_GB"
 BOUNCE = 64 << 20  # bytes per pinned bounce buffer
-DEFAULT_MAX_STAGING = 8 << 30
+STAGING_SHARE = 0.5  # of the device memory free at the first copy, when TENSORDIFF_STAGING_GB does not say
 
 
 class HostCopy:
@@ -45,6 +47,10 @@ class HostCopy:
     def _set(self, value: torch.Tensor | None, error: BaseException | None = None) -> None:
         self._value, self._error = value, error
         self._done.set()
+
+    def done(self) -> bool:
+        """Whether the copy has reached the host (or failed)."""
+        return self._done.is_set()
 
     def result(self) -> torch.Tensor:
         self._done.wait()
@@ -66,6 +72,7 @@ class HostCopier:
         self._streams: dict[torch.device, Any] = {}
         self._bounce: dict[torch.device, list[torch.Tensor]] = {}
         self.waited = 0  # copies that waited for staging room (reported by benchmarks)
+        self.oom = 0  # clones the device had no memory for (copied synchronously instead)
 
     def copy(self, t: torch.Tensor) -> HostCopy:
         x = t.detach()
@@ -84,7 +91,7 @@ class HostCopier:
                 self._budget = None
             if self._budget is None:
                 free, _ = torch.cuda.mem_get_info(device)
-                self._budget = min(DEFAULT_MAX_STAGING, free // 4)
+                self._budget = int(free * STAGING_SHARE)
         return self._budget
 
     def _copy_cuda(self, x: torch.Tensor) -> HostCopy:
@@ -97,7 +104,13 @@ class HostCopier:
                 self.waited += 1
                 self._lock.wait()
             self._staged += nbytes
-        clone = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        try:
+            clone = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        except torch.cuda.OutOfMemoryError:  # the run needs the memory: this one now, synchronously
+            with self._lock:
+                self._staged -= nbytes
+                self.oom += 1
+            return HostCopy(nbytes, x.to("cpu", copy=True))
         clone.copy_(x)  # on the current stream: ordered after the op that made x, before any later change to it
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(x.device))

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..stats import host_stats
+from .torch_cuda_stats import ENV_KERNEL, fast_stats
 
 __all__ = ["StatsCollector", "cpu_stats", "reduce_stats_eager", "triton_available"]
 
@@ -112,9 +113,17 @@ except Exception:  # pragma: no cover - no Triton (CPU builds of torch)
     _TRITON = False
 
 
+def _kernel_choice() -> str:
+    """``TENSORDIFF_STATS_KERNEL``: nvrtc (default), triton or eager; ``TENSORDIFF_NO_TRITON=1`` means eager."""
+    choice = os.environ.get(ENV_KERNEL, "").strip().lower() or "nvrtc"
+    if os.environ.get(_ENV_NO_TRITON, "") not in ("", "0"):
+        return "eager"
+    return choice if choice in ("nvrtc", "triton", "eager") else "nvrtc"
+
+
 def triton_available() -> bool:
     """True when CUDA tensors get the fused Triton reduction (Triton importable, not switched off)."""
-    return _TRITON and os.environ.get(_ENV_NO_TRITON, "") in ("", "0") and torch.cuda.is_available()
+    return _TRITON and _kernel_choice() != "eager" and torch.cuda.is_available()
 
 
 def reduce_stats_eager(t: torch.Tensor) -> torch.Tensor:
@@ -174,18 +183,52 @@ class StatsCollector:
 
     def __init__(self) -> None:
         self._triton = triton_available()
+        # the NVRTC kernel launched through ctypes (torch_cuda_stats.py): None until the first CUDA tensor, False when
+        # it is not to be had (Triton, then eager reductions, take over)
+        self._fast: Any = None if torch.cuda.is_available() and _kernel_choice() == "nvrtc" else False
         self._chunks: dict[torch.device, list[torch.Tensor]] = {}  # float64 [ROWS, 6] result rows, kept across steps
         self._used: dict[torch.device, int] = {}
         self._parts: dict[tuple[torch.device, int], torch.Tensor] = {}  # per-stream scratch for partial rows
         self._programs: dict[torch.device, int] = {}
 
     def add(self, t: torch.Tensor) -> Any:
-        if t.device.type == "cpu":
+        if t.is_cuda:
+            if self._fast is not False and t.dtype in _FLOATS:
+                handle = self._add_fast(t)
+                if handle is not None:
+                    return handle
+        elif t.device.type == "cpu":
             return cpu_stats(t)  # detaches once (a detach costs several microseconds)
         x = t.detach()
         if self._triton and x.is_cuda and x.dtype in _FLOATS and x.numel() > 0:
             return self._add_triton(x)
         return reduce_stats_eager(x)
+
+    def _add_fast(self, t: torch.Tensor) -> tuple[torch.device, int] | None:
+        """The NVRTC kernel (``torch_cuda_stats.py``): one launch through ctypes, a few microseconds of host time."""
+        index = t.get_device()
+        fast = self._fast
+        if fast is None or index not in fast._devices:
+            fast = fast_stats(index)
+            if fast is None:
+                self._fast = False
+                return None
+            self._fast = fast
+        if t.numel() == 0:
+            return None
+        if not t.is_contiguous():
+            t = t.contiguous()  # freed after the launch: the allocator reuses it in stream order
+        device = t.device
+        row = self._used.get(device, 0)
+        chunks = self._chunks.get(device)
+        if chunks is None:
+            chunks = self._chunks[device] = []
+        if row // ROWS >= len(chunks):
+            chunks.append(torch.empty((ROWS, 6), dtype=torch.float64, device=device))
+        self._used[device] = row + 1
+        local = row % ROWS
+        fast.launch(t, index, chunks[row // ROWS].data_ptr(), local)
+        return device, row
 
     def _add_triton(self, x: torch.Tensor) -> tuple[torch.device, int]:
         if not x.is_contiguous():

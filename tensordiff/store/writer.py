@@ -156,23 +156,39 @@ class CaptureWriter:
             return
         behind = 0
         with self._holding():
-            if nbytes and self.policy == "drop" and not self._room(nbytes):
-                behind = self._pending_bytes
-                rows, data, attrs = _without_tensors(rows, data, attrs)
-                nbytes = 0
-            while self.error is None and not (self._room(nbytes) and self._count_ok()):
-                if self._on_wait is not None:
-                    self._on_wait()
-                self._cv.wait()
+            rows, data, attrs, nbytes, behind = self._admit(step, rows, data, attrs, nbytes)
             if self.error is not None:
                 return
-            self._steps.append((step, rows, data, attrs, nbytes))
-            self._pending_bytes += nbytes
-            self._submitted += 1
+            self._enqueue((step, rows, data, attrs, nbytes))
             ticket = self._submitted
-            self._cv.notify_all()
             while self.durable and self.error is None and self._finished < ticket:
                 self._cv.wait()  # the step is flushed when this returns: a SIGKILL after it cannot lose it
+        self._said_dropped(step, behind)
+
+    def _admit(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any],
+               nbytes: int) -> tuple[list[dict[str, Any]], dict[int, Any], dict[str, Any], int, int]:
+        """Room in the queue for ``nbytes`` of full tensors (the caller holds the condition): the ``drop`` policy
+        takes the tensors out of a step that does not fit (the bytes the writer is behind by, else 0), ``wait``
+        waits."""
+        behind = 0
+        if nbytes and self.policy == "drop" and not self._room(nbytes):
+            behind = self._pending_bytes
+            rows, data, attrs = _without_tensors(rows, data, attrs)
+            nbytes = 0
+        while self.error is None and not (self._room(nbytes) and self._count_ok()):
+            if self._on_wait is not None:
+                self._on_wait()
+            self._cv.wait()
+        return rows, data, attrs, nbytes, behind
+
+    def _enqueue(self, job: tuple) -> None:
+        """A job for the writer's thread (the caller holds the condition): (step, rows, data, attrs, nbytes)."""
+        self._steps.append(job)
+        self._pending_bytes += job[4]
+        self._submitted += 1
+        self._cv.notify_all()
+
+    def _said_dropped(self, step: int, behind: int) -> None:
         if behind:
             if not self.dropped_steps:
                 _warn(f"tensordiff: writer behind by {behind / 1e9:.1f} GB; full tensors of step {step} dropped, "
@@ -414,11 +430,16 @@ def _filters(ds: h5py.Dataset) -> list[int]:
     return [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
 
 
+def without_data(rows: list[dict[str, Any]], seqs: Any) -> list[dict[str, Any]]:
+    """``rows`` with the full tensors of ``seqs`` gone: rows that held one (or linked to one) say ``has_data`` 0
+    (their statistics stay)."""
+    return [dict(row, has_data=0) if row["seq"] in seqs or row["same_as"] in seqs else row for row in rows]
+
+
 def _without_tensors(rows: list[dict[str, Any]], data: dict[int, np.ndarray],
                      attrs: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[int, np.ndarray], dict[str, Any]]:
     """The step with its full tensors dropped: rows that held one (or linked to one) say ``has_data`` 0."""
-    rows = [dict(row, has_data=0) if row["seq"] in data or row["same_as"] in data else row for row in rows]
-    return rows, {}, {**attrs, "tensors_dropped": len(data)}
+    return without_data(rows, data), {}, {**attrs, "tensors_dropped": len(data)}
 
 
 def _env_number(name: str, kind: type, default: Any, low: float) -> Any:

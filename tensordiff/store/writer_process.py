@@ -7,12 +7,19 @@ thread holds it inside h5py: measured on an H200 at 1B parameters, the step afte
 each step through a pipe (``os.write`` releases the GIL) to ``python -m tensordiff.store.writer_process``, which
 writes the file with an ordinary ``CaptureWriter``.
 
-Frames on the pipe: 8 bytes of length, then JSON; a step's frame is followed by the raw bytes of its arrays in the
-order it lists them. Nothing is pickled. The child ignores SIGINT, SIGTERM and SIGHUP and writes until the pipe
-closes: when the training process dies, even by SIGKILL, the child still completes and closes the steps it has
-received. ``step()`` waits until its step is in the pipe (the handover), so every step whose ``step()`` returned
-is written whatever happens to the training process after it. Per-step scalars are handed over the same way, by the
-calling thread itself: ``submit_scalars`` returns once they are in the pipe.
+Frames on the pipe: 8 bytes of length, then JSON; a step's frame is followed by the raw bytes of the arrays it lists.
+Nothing is pickled. The child ignores SIGINT, SIGTERM and SIGHUP and writes until the pipe closes: when the
+training process dies, even by SIGKILL, the child still completes and closes the steps it has received.
+
+The handover. ``submit`` (the training thread, at ``step()``) writes the step's records and statistics into the pipe
+itself, with the full tensors already on the host (a CPU model's); it returns once they are there, so every step
+whose ``step()`` returned is written whatever happens to the training process after it. Full tensors still on
+their way from a GPU follow from the writer's thread, in pieces of at most ``PIECE`` bytes (``array`` frames, then
+``end``): training never waits for them, and the next step's handover waits for one piece at most. A step whose
+tensors did not all arrive (the training process died first) is written with the ones that did; the others keep
+their statistics (``has_data`` 0) and the step says how many were lost (``tensors_lost``), with one warning.
+Per-step scalars are handed over as records are, by the calling thread: ``submit_scalars`` returns once they are in
+the pipe.
 """
 
 from __future__ import annotations
@@ -32,9 +39,10 @@ import numpy as np
 
 from .. import dtypes
 from .._warn import warn as _warn
-from .writer import CaptureWriter
+from .writer import CaptureWriter, without_data
 
 _LEN = struct.Struct("<Q")
+PIECE = 32 << 20  # bytes of a tensor per frame, streamed after its step's records
 START_ENV = "TENSORDIFF_WRITER_START_TIMEOUT"  # seconds the child has to open the file (default 60; 0: never the child)
 _READY = b"ready\n"
 
@@ -184,27 +192,71 @@ class ProcessWriter(CaptureWriter):
         self._pipe.write(frame)
         self._pipe.flush()
 
-    def _write(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any]) -> None:
+    def submit(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any]) -> None:
+        """The step's records, statistics and host-side tensors into the pipe now (this thread); tensors still on
+        their way to the host (``ready()`` false) to the writer's thread, which streams them after."""
+        if self.error is not None or self._closed:
+            return
         self._ready()
         if self._fallback:
-            CaptureWriter._write(self, step, rows, data, attrs)
+            CaptureWriter.submit(self, step, rows, data, attrs)
             return
-        arrays = []
-        for seq, array in data.items():
-            if callable(array):  # a copy still on its way to the host (capturing/recorder.py Deferred)
-                array = array()
-            raw, _ = dtypes.to_storage(np.ascontiguousarray(array))
-            arrays.append((seq, raw))
-        head = {"t": "step", "step": step, "rows": rows, "attrs": attrs,
-                "arrays": [[seq, raw.dtype.str, list(raw.shape)] for seq, raw in arrays]}
-        with self._pipe_lock:
+        under_way = {seq: a for seq, a in data.items() if not _is_ready(a)}
+        now = {seq: a for seq, a in data.items() if seq not in under_way}
+        nbytes = sum(int(a.nbytes) for a in under_way.values())
+        with self._holding():  # the queue bounds the bytes under way (the drop policy takes them out of the step)
+            rows, later, attrs, nbytes, behind = self._admit(step, rows, under_way, attrs, nbytes)
+            if self.error is not None:
+                return
+            with self._pipe_lock:
+                self._write_guarded((step, rows, {"now": now, "later": list(later)}, attrs))
+            if later and self.error is None:
+                self._enqueue((step, None, later, {}, nbytes))
+        self._said_dropped(step, behind)
+
+    def _write(self, step: int, rows: list[dict[str, Any]] | None, data: dict[Any, Any], attrs: dict[str, Any]) -> None:
+        if self._fallback:
+            CaptureWriter._write(self, step, rows, data, attrs)  # type: ignore[arg-type]
+            return
+        if rows is not None:  # the step itself: the calling thread, holding the pipe's lock
+            arrays = [(seq, _raw(array)) for seq, array in data["now"].items()]
+            head = {"t": "step", "step": step, "rows": rows, "attrs": attrs, "later": data["later"],
+                    "arrays": [[seq, raw.dtype.str, list(raw.shape)] for seq, raw in arrays]}
             self._pipe.write(_frame(head))
             for _, raw in arrays:
                 if raw.nbytes:
                     self._pipe.write(raw.reshape(-1).view(np.uint8).data)  # released GIL while the pipe takes it
             self._pipe.flush()
+        else:  # its tensors that were still on their way to the host: the writer's thread, a piece at a time
+            for seq, array in data.items():
+                raw = _raw(array)
+                flat = raw.reshape(-1).view(np.uint8)
+                for start in range(0, max(flat.nbytes, 1), PIECE):
+                    piece = flat[start:start + PIECE]
+                    with self._pipe_lock:
+                        self._pipe.write(_frame({"t": "array", "step": step, "seq": seq, "dtype": raw.dtype.str,
+                                                 "shape": list(raw.shape), "at": start, "n": int(piece.nbytes)}))
+                        if piece.nbytes:
+                            self._pipe.write(piece.data)
+                        self._pipe.flush()
+            with self._pipe_lock:
+                self._send(_frame({"t": "end", "step": step}))
         if self._proc.poll() is not None:
             raise OSError(f"the writer process ended (exit code {self._proc.returncode})")
+
+
+def _is_ready(array: Any) -> bool:
+    """Whether a step's array is on the host (a ``Deferred`` copy may still be under way)."""
+    if not callable(array):
+        return True
+    ready = getattr(array, "ready", None)
+    return ready is None or bool(ready())
+
+
+def _raw(array: Any) -> np.ndarray:
+    if callable(array):  # a copy on its way to the host (capturing/recorder.py Deferred): waits for it
+        array = array()
+    return dtypes.to_storage(np.ascontiguousarray(array))[0]
 
 
 def _read_exact(f: BinaryIO, n: int) -> bytes | None:
@@ -249,13 +301,26 @@ def main() -> int:
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, sys.stdout.fileno())  # the parent has closed its end: nothing else goes there
     os.close(null)
+    open_steps: dict[int, _Open] = {}
     try:
         while True:
             msg = _read_frame(f)
             if msg is None or msg["t"] == "close":
                 break
-            if msg["t"] == "scalars":
+            kind = msg["t"]
+            if kind == "scalars":
                 writer.submit_scalars(int(msg["step"]), msg["values"])
+                continue
+            step = int(msg["step"])
+            if kind == "array":
+                entry = open_steps.get(step)
+                if entry is None or not entry.read_piece(f, msg):
+                    return 3  # cut short (or out of order): the steps before it are complete
+                continue
+            if kind == "end":
+                entry = open_steps.pop(step, None)
+                if entry is not None:
+                    entry.submit(writer)
                 continue
             data: dict[int, np.ndarray] = {}
             for seq, dtype, shape in msg["arrays"]:
@@ -263,10 +328,49 @@ def main() -> int:
                 if not _read_into(f, arr.reshape(-1).view(np.uint8).data):
                     return 3  # cut short: the step is not written, the ones before it are complete
                 data[int(seq)] = arr
-            writer.submit(int(msg["step"]), msg["rows"], data, msg["attrs"])
+            entry = _Open(step, msg["rows"], msg["attrs"], data, msg.get("later") or [])
+            if entry.later:
+                open_steps[step] = entry
+            else:
+                entry.submit(writer)
     finally:
+        for step in sorted(open_steps):  # the training process ended before their tensors all came
+            open_steps[step].submit(writer)
         writer.close()
     return 0  # a write that failed was said by the writer itself, once (its one warning): nothing more to report
+
+
+class _Open:
+    """A step whose records came, waiting for the tensors that were still on their way to the host."""
+
+    def __init__(self, step: int, rows: list[dict[str, Any]], attrs: dict[str, Any], data: dict[int, np.ndarray],
+                 later: list[int]):
+        self.step, self.rows, self.attrs, self.data = step, rows, attrs, data
+        self.later = {int(seq) for seq in later}
+        self.partial: dict[int, np.ndarray] = {}
+
+    def read_piece(self, f: BinaryIO, msg: dict[str, Any]) -> bool:
+        seq, at, n = int(msg["seq"]), int(msg["at"]), int(msg["n"])
+        arr = self.partial.get(seq)
+        if arr is None:
+            arr = self.partial[seq] = np.empty(msg["shape"], dtype=np.dtype(msg["dtype"]))
+        flat = arr.reshape(-1).view(np.uint8)
+        if at + n > flat.nbytes or not _read_into(f, flat[at:at + n].data):
+            return False
+        if at + n >= flat.nbytes:
+            self.data[seq] = self.partial.pop(seq)
+            self.later.discard(seq)
+        return True
+
+    def submit(self, writer: CaptureWriter) -> None:
+        rows, attrs = self.rows, self.attrs
+        if self.later:
+            lost = set(self.later)
+            rows = without_data(rows, lost)
+            attrs = {**attrs, "tensors_lost": len(lost)}
+            _warn(f"tensordiff: {len(lost)} full tensor(s) of step {self.step} did not reach the writer (the training "
+                  f"process ended first): {writer.path} keeps their statistics")
+        writer.submit(self.step, rows, self.data, attrs)
 
 
 if __name__ == "__main__":
