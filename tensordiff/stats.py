@@ -32,8 +32,9 @@ def host_stats(x: np.ndarray) -> Row:
         a = a.view(a.real.dtype) if a.flags.c_contiguous else np.stack([a.real, a.imag], -1).reshape(-1)
     if a.dtype.kind in "biu":
         a = a.astype(np.float64)
-    with np.errstate(invalid="ignore"):  # NaN: counted below
-        mn, mx = float(np.minimum.reduce(a)), float(np.maximum.reduce(a))
+    # fmin/fmax skip NaN without a warning (an errstate per call costs more than a small tensor's reduction): a NaN
+    # shows in the float64 sum instead, and is counted then
+    mn, mx = float(np.fmin.reduce(a)), float(np.fmax.reduce(a))
     nan = inf = 0.0
     if not (math.isfinite(mn) and math.isfinite(mx)):  # rare: count, then keep the finite values only
         bad_nan, bad_inf = np.isnan(a), np.isinf(a)
@@ -42,11 +43,20 @@ def host_stats(x: np.ndarray) -> Row:
         if a.size == 0:
             return (0.0, 0.0, 0.0, 0.0, nan, inf)
         mn, mx = float(np.minimum.reduce(a)), float(np.maximum.reduce(a))
+    total, squares = _sums(a)
+    if math.isnan(total):  # NaN among finite values (min and max skipped them)
+        bad_nan = np.isnan(a)
+        nan = float(np.count_nonzero(bad_nan))
+        total, squares = _sums(a[~bad_nan])
+    return (mn, mx, total, math.sqrt(squares), nan, inf)
+
+
+def _sums(a: np.ndarray) -> tuple[float, float]:
+    """The float64 sum and sum of squares of ``a``, in chunks (no BLAS)."""
     n = a.size
     if n <= CHUNK:
         d = a.astype(np.float64)  # a copy of our own: squared in place
-        total = float(d.sum())
-        return (mn, mx, total, math.sqrt(float(np.multiply(d, d, out=d).sum())), nan, inf)
+        return float(d.sum()), float(np.multiply(d, d, out=d).sum())
     buf = np.empty(CHUNK, dtype=np.float64)
     total = squares = 0.0
     for start in range(0, n, CHUNK):  # no numpy.dot: no BLAS threads next to the training run's own
@@ -54,4 +64,4 @@ def host_stats(x: np.ndarray) -> Row:
         b[...] = a[start:start + CHUNK]
         total += float(b.sum())
         squares += float(np.multiply(b, b, out=b).sum())
-    return (mn, mx, total, math.sqrt(squares), nan, inf)
+    return total, squares
