@@ -280,9 +280,9 @@ class StatsCollector:
             for device, used in self._used.items():
                 chunks = self._chunks[device][: (used + ROWS - 1) // ROWS]
                 torch.cuda.synchronize(device)  # the kernels ran on whichever stream the hooks were called on
-                rows[device] = torch.cat(chunks).cpu().numpy()
+                rows[device] = torch.cat(chunks).cpu().numpy()[:used].tolist()  # one list of rows: no numpy per row
             for i, h in enumerate(handles):
                 if isinstance(h, tuple) and len(h) == 2:
-                    out[i] = _no_finite(rows[h[0]][h[1]].tolist())
+                    out[i] = _no_finite(rows[h[0]][h[1]])
         self._used = {}
         return out
