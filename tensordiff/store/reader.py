@@ -166,6 +166,38 @@ class CaptureFile:
     def nbytes(self) -> int:
         return os.path.getsize(self.path)
 
+    def same_stored(self, record: Record, other: CaptureFile, other_record: Record) -> bool:
+        """Whether ``record``'s tensor here and ``other_record``'s in ``other`` are stored as the same bytes: the same
+        dtype, shape, chunks and filters, and every stored chunk byte for byte the same (compressed chunks are compared
+        as they are, never decoded: a pair written by the same program twice compares at the speed of the disk).
+        False when they differ or when it cannot tell cheaply (then the tensors are read and compared)."""
+        if not (record.has_data and other_record.has_data and type(other) is CaptureFile and type(self) is CaptureFile):
+            return False
+        try:
+            ds_a = self._dataset(record)
+            ds_b = other._dataset(other_record)
+            if ds_a is None or ds_b is None or ds_a.dtype != ds_b.dtype or ds_a.shape != ds_b.shape:
+                return False
+            if ds_a.chunks is None or ds_a.chunks != ds_b.chunks:
+                return ds_a.size * ds_a.dtype.itemsize <= (1 << 20) and \
+                    np.asarray(ds_a[()]).tobytes() == np.asarray(ds_b[()]).tobytes()  # small contiguous data
+            pa, pb = ds_a.id.get_create_plist(), ds_b.id.get_create_plist()
+            if [pa.get_filter(i)[0] for i in range(pa.get_nfilters())] != \
+                    [pb.get_filter(i)[0] for i in range(pb.get_nfilters())]:
+                return False
+            ida, idb = ds_a.id, ds_b.id
+            for offset in codec.grid(ds_a.shape, ds_a.chunks):
+                if ida.read_direct_chunk(offset) != idb.read_direct_chunk(offset):  # (filter mask, bytes)
+                    return False
+            return True
+        except Exception:  # anything unusual (unwritten chunks, another layout): read and compare as usual
+            return False
+
+    def _dataset(self, record: Record) -> h5py.Dataset | None:
+        seq = record.same_as if record.same_as >= 0 else record.seq
+        group = self._file[step_group_name(record.step)].get("data")
+        return None if group is None else group.get(str(seq))
+
 
 def read_dataset(ds: h5py.Dataset) -> np.ndarray:
     """The whole of ``ds``, as ``ds[()]`` reads it; chunks that the codec can decode are inflated without holding

@@ -87,8 +87,11 @@ def test_a_tensor_recorded_under_two_names_is_read_once(captures, monkeypatch, j
     links = [r for r in result.rows if r.pair.a is not None and r.pair.a.same_as >= 0]
     assert len(links) == 2 * (LAYERS - 1) and all(r.verdict in ("ok", "diverged") for r in links)
     assert len(reads) == len(set(reads))                      # no tensor read twice on either side
-    compared = [r for r in result.rows if r.metrics is not None]
-    assert len(reads) == 2 * (len(compared) - len(links))     # every compared row's tensors, the links' once
+    from tensordiff.diff.judge import IDENTICAL
+
+    compared = [r for r in result.rows if r.metrics is not None and r.metrics != IDENTICAL]  # identical: never read
+    linked = [r for r in links if r.metrics != IDENTICAL]
+    assert len(reads) == 2 * (len(compared) - len(linked))    # every compared row's tensors, the links' once
     for link in links:                                        # a link's row carries its source's numbers
         (source,) = [r for r in result.rows if r.pair.a is not None and r.pair.a.step == link.pair.a.step
                      and r.pair.a.seq == link.pair.a.same_as]
@@ -126,3 +129,33 @@ def test_the_cli_passes_jobs_to_the_compare(captures, capsys):
     assert capsys.readouterr().out == serial
     assert main(["diff", *captures, "--jobs", "0"]) == 2
     assert "--jobs 0" in capsys.readouterr().err
+
+
+def test_pairs_stored_as_the_same_bytes_are_identical_without_decoding(tmp_path, monkeypatch):
+    """Two captures holding the same tensors (a rerun of a deterministic program): every stored pair is found
+    identical from its compressed chunks, never decoded, with the metrics the elementwise compare gives identical
+    tensors; one element changed in one chunk of a large tensor is read and compared as usual, and diverges."""
+    import tensordiff.diff.judge as judge
+    from tensordiff.store import reader
+
+    rng = np.random.default_rng(3)
+    big = rng.standard_normal(3_000_000).astype(np.float32)  # several compressed chunks
+    steps_a = [chain_step({}, 0) + [T("forward", "head", "output", "0", big, module_class="Linear")]]
+    steps_b = [chain_step({}, 0) + [T("forward", "head", "output", "0", big, module_class="Linear")]]
+    a = write_capture(str(tmp_path / "a.h5"), steps_a)
+    b = write_capture(str(tmp_path / "b.h5"), steps_b)
+    decoded = []
+    monkeypatch.setattr(reader, "read_dataset", lambda ds, real=reader.read_dataset: decoded.append(ds.name) or real(ds))
+    same = diff(a, b, DiffOptions(jobs=1))
+    assert same.outcome == "agree" and decoded == []
+    compared = [r for r in same.rows if r.metrics is not None and r.metrics.source == "tensor"]
+    assert compared and all(r.metrics == judge.IDENTICAL for r in compared)
+
+    changed = big.copy()
+    changed[2_500_000] += 1.0
+    c = write_capture(str(tmp_path / "c.h5"), [chain_step({}, 0) + [T("forward", "head", "output", "0", changed,
+                                                                     module_class="Linear")]])
+    other = diff(a, c, DiffOptions(jobs=1))
+    head = next(r for r in other.rows if r.pair.a is not None and r.pair.a.module == "head")
+    assert 0 < head.metrics.rel_l2 < 1e-3 and head.metrics.max_abs == pytest.approx(1.0, rel=1e-6)
+    assert len(decoded) == 2  # only the head's two tensors were read
