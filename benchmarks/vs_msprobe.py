@@ -245,11 +245,18 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     write_s = time.perf_counter() - t_end
     peak_rss = _status_kib("VmHWM") * 1024
     written, files = dir_bytes(out)
+    records = 0
+    if setting.startswith("td-") and os.path.exists(os.path.join(out, "capture.h5")):
+        from tensordiff.store import CaptureFile
+
+        with CaptureFile(os.path.join(out, "capture.h5")) as c:  # records a step (the last one: statistics)
+            records = len(c.records(c.steps[-1])) if c.steps else 0
     result: dict[str, Any] = {
         "setting": setting, "describe": job.describe, "params": job.params, "weight_bytes": job.weight_bytes,
         "warmup": args.warmup, "steps": args.steps, "step_s": times, "median_s": statistics.median(times),
         "step_cpu_s": cpu, "median_cpu_s": statistics.median(cpu),
-        "first_s": times[0], "setup_s": setup_s, "write_s": write_s, "bytes": written, "files": files,
+        "first_s": times[0], "after_first_s": statistics.median(times[1:]) if len(times) > 1 else times[0],
+        "records": records, "setup_s": setup_s, "write_s": write_s, "bytes": written, "files": files,
         "rss_before": rss0, "peak_rss": peak_rss, "peak_rss_delta": peak_rss - rss0,
         "peak_rss_since": "warm-up end" if rss_reset else "process start (clear_refs not writable)",
     }
@@ -358,7 +365,8 @@ def _mb(n: float) -> str:
 
 
 def table(rows: list[dict[str, Any]], base: dict[str, Any] | None, cuda: bool) -> str:
-    head = ["setting", "step ms (median)", "x plain", "CPU x plain", "first step x", "MB written", "MB / step",
+    head = ["setting", "step ms (median)", "x plain", "CPU x plain", "first step x", "after it x", "records / step",
+            "host µs / record", "MB written", "MB / step",
             "x weights / step", "peak RSS +MiB"] + (["peak device +MiB"] if cuda else []) + ["write s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     plain = base["median_s"] if base and "median_s" in base else None
@@ -374,6 +382,9 @@ def table(rows: list[dict[str, Any]], base: dict[str, Any] | None, cuda: bool) -
                  f"{r['median_s'] / plain:.2f}" if plain else "",
                  f"{r['median_cpu_s'] / base['median_cpu_s']:.2f}" if plain and base else "",
                  f"{r['first_s'] / plain:.2f}" if plain else "",
+                 f"{r.get('after_first_s', r['median_s']) / plain:.2f}" if plain else "",
+                 str(r.get("records") or ""),
+                 f"{(r['median_s'] - plain) / r['records'] * 1e6:.1f}" if plain and r.get("records") else "",
                  _mb(r["bytes"]), _mb(per_step), f"{per_step / r['weight_bytes']:.2f}",
                  f"{r['peak_rss_delta'] / 2**20:.0f}"]
         if cuda:
@@ -401,7 +412,8 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if not ok:
         return runs[0]
     out = dict(ok[0])
-    for key in ("median_s", "median_cpu_s", "first_s", "write_s", "peak_rss_delta", "peak_device_delta", "setup_s"):
+    for key in ("median_s", "median_cpu_s", "first_s", "after_first_s", "write_s", "peak_rss_delta", "peak_device_delta",
+                "setup_s"):
         if key in out:
             out[key] = statistics.median(r[key] for r in ok)
     out["repeats"] = len(ok)
