@@ -86,3 +86,23 @@ def test_every_zero_is_refused(tmp_path):
                            "--", sys.executable, "-c", "pass"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "tensordiff: error: --every 0: expected 1 (every step) or more"
+
+
+def test_steps_all_records_every_step_until_the_run_ends(tmp_path):
+    """``--steps all --tensors none``: statistics always on, every iteration of the run recorded (the loop runs 6),
+    the file closed when the run ends; a word that is neither a number nor 'all' is one line, exit 2."""
+    out = str(tmp_path / "all.h5")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "tensordiff", "capture", "--megatron", "-o", out, "--tensors", "none",
+                           "--steps", "all", "--", sys.executable,
+                           os.path.join(ROOT, "examples", "megatron_loop", "train.py"), "--train-iters", "6"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with CaptureFile(out) as cap:
+        assert cap.steps == list(range(6))
+        assert {r.phase for s in cap.steps for r in cap.records(s) if r.has_data} == {"loss"}  # the loss value only
+    bad = subprocess.run([sys.executable, "-m", "tensordiff", "capture", "-o", out, "--steps", "many", "--",
+                          sys.executable, "-c", "pass"], capture_output=True, text=True, env=env)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
+    assert bad.stderr.strip() == "tensordiff: error: --steps 'many': give a whole number of steps, or 'all'"

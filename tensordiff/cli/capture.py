@@ -53,7 +53,9 @@ def add_parsers(sub: Any) -> None:
     c.add_argument("--mindformers", action="store_true",
                    help="a MindFormers Trainer command with --config x.yaml (run_mindformer.py, under python or msrun): "
                         "run on a copy of the YAML with the TensordiffCapture callback added (docs/mindformers-trainer.md)")
-    c.add_argument("--steps", type=int, default=1, help="training steps to capture (default 1)")
+    c.add_argument("--steps", default="1",
+                   help="training steps to capture (default 1); 'all': every step until the run ends (statistics "
+                        "always on, with --tensors none)")
     c.add_argument("--every", type=int, default=1, metavar="N",
                    help="capture every Nth training step (0, N, 2N, ...; --steps of them): statistics of a whole run "
                         "for the layer drift table of tensordiff runs, at 1/N of the cost (default 1: every step)")
@@ -89,6 +91,7 @@ def run_capture(args: argparse.Namespace) -> int:
     cmd = command_after_dashes(args.cmd)
     if not cmd:
         raise UsageError("no training command given; put it after '--', e.g. tensordiff capture -o run.h5 -- python train.py")
+    args.steps = _steps(str(args.steps))
     if args.steps < 1:
         raise UsageError(f"--steps {args.steps}: capture at least 1 step")
     script = next((part for part in cmd if part.endswith(".py")), cmd[0])
@@ -306,3 +309,17 @@ def run_noise(args: argparse.Namespace) -> int:
     noises.save(args.output, measured, paths, how)
     console().print(NoiseSummary(args.output, measured, how))
     return 0
+
+
+#: ``--steps all``: more steps than any run has (the capture ends with the run).
+ALL_STEPS = 10**12
+
+
+def _steps(text: str) -> int:
+    """``--steps``: a whole number, or 'all'."""
+    if text.strip().lower() == "all":
+        return ALL_STEPS
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"--steps {text!r}: give a whole number of steps, or 'all'") from None
