@@ -54,8 +54,8 @@ class TensorBackend(ABC):
         return int(getattr(copy, "nbytes", 0))
 
     def copy_ready(self, copy: Any) -> bool:
-        """Whether a host copy is complete (the writer hands a step's complete copies over with the step itself and
-        streams the rest after it)."""
+        """Whether a copy was taken in host memory at hook time: the writer process takes such copies with their
+        step; copies from an accelerator's memory follow the step (the training thread never waits for them)."""
         return True
 
     def close(self) -> None:

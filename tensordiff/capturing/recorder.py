@@ -456,7 +456,8 @@ def _itemsize(dtype: str | None) -> int:
 
 class Deferred:
     """A full tensor handed to the writer before it reached the host: ``nbytes`` now, the array when called;
-    ``ready()`` says whether calling it would not wait (the copy is on the host)."""
+    ``ready()`` says whether it was taken in host memory at hook time (else it is a copy from an accelerator, which
+    the writer process streams after its step)."""
 
     __slots__ = ("_get", "_ready", "nbytes")
 

@@ -68,7 +68,7 @@ class TorchTensors(TensorBackend):
         return to_numpy(copy.result())
 
     def copy_ready(self, copy: HostCopy) -> bool:
-        return copy.done()
+        return not copy.from_device  # a GPU's tensors follow their step (training never pipes them itself)
 
     def close(self) -> None:
         self._copier.close()

@@ -34,10 +34,11 @@ STAGING_SHARE = 0.5  # of the device memory free at the first copy, when TENSORD
 class HostCopy:
     """A host copy that may still be under way."""
 
-    __slots__ = ("_done", "_error", "_value", "nbytes")
+    __slots__ = ("_done", "_error", "_value", "from_device", "nbytes")
 
-    def __init__(self, nbytes: int, value: torch.Tensor | None = None):
+    def __init__(self, nbytes: int, value: torch.Tensor | None = None, from_device: bool = False):
         self.nbytes = nbytes
+        self.from_device = from_device  # a copy of an accelerator's tensor (the writer streams it after its step)
         self._value = value
         self._error: BaseException | None = None
         self._done = threading.Event()
@@ -79,7 +80,7 @@ class HostCopier:
         if x.device.type == "cpu":
             return HostCopy(x.numel() * x.element_size(), x.clone(memory_format=torch.contiguous_format))
         if x.device.type != "cuda":
-            return HostCopy(x.numel() * x.element_size(), x.to("cpu", copy=True))
+            return HostCopy(x.numel() * x.element_size(), x.to("cpu", copy=True), from_device=True)
         return self._copy_cuda(x)
 
     def _budget_for(self, device: torch.device) -> int:
@@ -98,7 +99,7 @@ class HostCopier:
         nbytes = x.numel() * x.element_size()
         budget = self._budget_for(x.device)
         if nbytes > budget or nbytes == 0:  # too large to stage: copy now (synchronous)
-            return HostCopy(nbytes, x.to("cpu", copy=True))
+            return HostCopy(nbytes, x.to("cpu", copy=True), from_device=True)
         with self._lock:
             while self._staged + nbytes > budget:
                 self.waited += 1
@@ -110,11 +111,11 @@ class HostCopier:
             with self._lock:
                 self._staged -= nbytes
                 self.oom += 1
-            return HostCopy(nbytes, x.to("cpu", copy=True))
+            return HostCopy(nbytes, x.to("cpu", copy=True), from_device=True)
         clone.copy_(x)  # on the current stream: ordered after the op that made x, before any later change to it
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(x.device))
-        pending = HostCopy(nbytes)
+        pending = HostCopy(nbytes, from_device=True)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="tensordiff-copier", daemon=True)
             self._thread.start()

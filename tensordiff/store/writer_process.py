@@ -12,9 +12,9 @@ Nothing is pickled. The child ignores SIGINT, SIGTERM and SIGHUP and writes unti
 training process dies, even by SIGKILL, the child still completes and closes the steps it has received.
 
 The handover. ``submit`` (the training thread, at ``step()``) writes the step's records and statistics into the pipe
-itself, with the full tensors already on the host (a CPU model's); it returns once they are there, so every step
-whose ``step()`` returned is written whatever happens to the training process after it. Full tensors still on
-their way from a GPU follow from the writer's thread, in pieces of at most ``PIECE`` bytes (``array`` frames, then
+itself, with the full tensors taken in host memory (a CPU model's); it returns once they are there, so every step
+whose ``step()`` returned is written whatever happens to the training process after it. Full tensors copied from a
+GPU (still on their way, or arrived) follow from the writer's thread, in pieces of at most ``PIECE`` bytes (``array`` frames, then
 ``end``): training never waits for them, and the next step's handover waits for one piece at most. A step whose
 tensors did not all arrive (the training process died first) is written with the ones that did; the others keep
 their statistics (``has_data`` 0) and the step says how many were lost (``tensors_lost``), with one warning.
@@ -193,8 +193,8 @@ class ProcessWriter(CaptureWriter):
         self._pipe.flush()
 
     def submit(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any]) -> None:
-        """The step's records, statistics and host-side tensors into the pipe now (this thread); tensors still on
-        their way to the host (``ready()`` false) to the writer's thread, which streams them after."""
+        """The step's records, statistics and host-side tensors into the pipe now (this thread); tensors copied from an
+        accelerator (``ready()`` false) to the writer's thread, which streams them after."""
         if self.error is not None or self._closed:
             return
         self._ready()
