@@ -229,20 +229,17 @@ def timed(trainer: Trainer, n: int, device: torch.device, cap=None, phase: str =
     return out
 
 
-def kernel_profile(trainer: Trainer, device: torch.device, cap, path: str) -> None:
-    """--kernels: the GPU time by kernel of one plain and one captured step (torch.profiler), to ``path``."""
+def kernel_profile(trainer: Trainer, device: torch.device, cap, path: str, mode: str = "w") -> None:
+    """--kernels: the GPU time by kernel of one step (torch.profiler; captured when ``cap`` is given), to ``path``."""
     from torch.profiler import ProfilerActivity, profile
 
-    lines = []
-    for what, c in (("plain", None), ("captured", cap)):
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            timed(trainer, 1, device, c)
-        events = prof.key_averages()
-        total = sum(e.self_device_time_total for e in events) / 1e3
-        lines.append(f"== {what} step: GPU kernel time {total:.1f} ms")
-        lines.append(events.table(sort_by="self_device_time_total", row_limit=25))
-    with open(path, "w") as f:
-        f.write("\n".join(lines))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        timed(trainer, 1, device, cap)
+    events = prof.key_averages()
+    total = sum(e.self_device_time_total for e in events) / 1e3
+    with open(path, mode) as f:
+        f.write(f"== {'captured' if cap is not None else 'plain'} step: GPU kernel time {total:.1f} ms\n")
+        f.write(events.table(sort_by="self_device_time_total", row_limit=25) + "\n")
 
 
 def timing(trainer: Trainer, args: argparse.Namespace, device: torch.device, rank: int) -> None:
@@ -251,13 +248,15 @@ def timing(trainer: Trainer, args: argparse.Namespace, device: torch.device, ran
         trainer.step()
     sync(device)
     plain = timed(trainer, args.time, device, phase="plain")
+    if args.kernels and rank == 0:
+        kernel_profile(trainer, device, None, args.kernels)
     path = args.capture or f"/tmp/gpu_gpt_timing_{os.getpid()}.h5"
     t0 = time.perf_counter()
     with tensordiff.capture(trainer.model, path, steps=args.time + 6, optimizer=trainer.opt, tensors="none") as cap:
         first = timed(trainer, 1, device, cap)  # step 0 of the capture also records the weights' statistics
         captured = timed(trainer, args.time, device, cap, phase="captured")
         if args.kernels and rank == 0:
-            kernel_profile(trainer, device, cap, args.kernels)
+            kernel_profile(trainer, device, cap, args.kernels, "a")
         if args.profile and rank == 0:  # where the host time of a captured step goes (after the timed steps)
             import cProfile
             import io
