@@ -350,7 +350,7 @@ class Recorder:
         numel = math.prod(shape)
         row: dict[str, Any] = {
             "seq": seq, "phase": phase, "module": module, "call": call, "kind": kind, "slot": slot,
-            "module_class": module_class, "dtype": dtype, "shape": shape_text(shape),
+            "module_class": module_class, "dtype": dtype, "shape": _shape_text(shape),
             "min": 0.0, "max": 0.0, "mean": 0.0, "l2": 0.0, "nan": 0, "inf": 0, "numel": numel,
             "has_data": 0, "same_as": -1, "grad_of": grad_of, "enter": enter, "parent": parent,
         }
@@ -447,6 +447,22 @@ class Recorder:
 
 
 _OPEN: weakref.WeakSet[Recorder] = weakref.WeakSet()
+
+
+_SHAPES: dict[tuple[int, ...], str] = {}
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    """``shape_text``, remembered: a model records the same few shapes thousands of times a step."""
+    try:
+        text = _SHAPES.get(shape)
+    except TypeError:  # sizes that do not hash (symbolic)
+        return shape_text(shape)
+    if text is None:
+        text = shape_text(shape)
+        if len(_SHAPES) < 65536:
+            _SHAPES[shape] = text
+    return text
 
 
 def _itemsize(dtype: str | None) -> int:
