@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from .._warn import warn as _warn
 from ..stats import host_stats
 from .torch_cuda_stats import ENV_KERNEL, fast_stats
 
@@ -227,7 +228,15 @@ class StatsCollector:
             chunks.append(torch.empty((ROWS, 6), dtype=torch.float64, device=device))
         self._used[device] = row + 1
         local = row % ROWS
-        fast.launch(t, index, chunks[row // ROWS].data_ptr(), local)
+        try:
+            fast.launch(t, index, chunks[row // ROWS].data_ptr(), local)
+        except Exception as err:  # the driver refused the launch: Triton or eager reductions from here on
+            self._used[device] = row  # the row stays free
+            self._fast = False
+            with contextlib.suppress(Exception):
+                _warn(f"tensordiff: the NVRTC statistics kernel could not be launched ({err}); using "
+                      f"{'Triton' if self._triton else 'eager reductions'} instead")
+            return None
         return device, row
 
     def _add_triton(self, x: torch.Tensor) -> tuple[torch.device, int]:
