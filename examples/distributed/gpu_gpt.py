@@ -279,7 +279,12 @@ def timing(trainer: Trainer, args: argparse.Namespace, device: torch.device, ran
         full_path = path.replace(".h5", "") + "_full.h5"
         t0 = time.perf_counter()
         with tensordiff.capture(trainer.model, full_path, steps=3, optimizer=trainer.opt, tensors="first") as cap:
-            steps = timed(trainer, 3, device, cap)
+            steps = timed(trainer, 1, device, cap)
+            if os.environ.get("GPU_GPT_STACKS"):  # where every thread is, 3 s into the step after the full one
+                import faulthandler
+
+                faulthandler.dump_traceback_later(float(os.environ["GPU_GPT_STACKS"]), file=sys.stderr)
+            steps += timed(trainer, 2, device, cap)
             t_close = time.perf_counter()
         full_file = tensordiff_rank_path(full_path)
         full = {"steps_s": steps, "close_s": time.perf_counter() - t_close, "total_s": time.perf_counter() - t0,

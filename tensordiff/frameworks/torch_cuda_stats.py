@@ -201,7 +201,7 @@ def _compile(arch: str) -> bytes:
     if lib.nvrtcCreateProgram(ctypes.byref(prog), _SOURCE.encode(), b"td_stats.cu", 0, None, None):
         raise _Failed("nvrtcCreateProgram failed")
     try:
-        opts = [f"--gpu-architecture=sm_{arch}".encode(), b"-O3", b"--std=c++14"]
+        opts = [f"--gpu-architecture=sm_{arch}".encode(), b"--std=c++14"]
         arr = (ctypes.c_char_p * len(opts))(*opts)
         if lib.nvrtcCompileProgram(prog, len(opts), arr):
             size = ctypes.c_size_t()
