@@ -43,6 +43,7 @@ from .writer import CaptureWriter, without_data
 
 _LEN = struct.Struct("<Q")
 PIECE = 32 << 20  # bytes of a tensor per frame, streamed after its step's records
+SMALL_BYTES = 1 << 20  # a step's tensors from a GPU up to this size never wait for room in the queue
 START_ENV = "TENSORDIFF_WRITER_START_TIMEOUT"  # seconds the child has to open the file (default 60; 0: never the child)
 _READY = b"ready\n"
 
@@ -205,7 +206,10 @@ class ProcessWriter(CaptureWriter):
         now = {seq: a for seq, a in data.items() if seq not in under_way}
         nbytes = sum(int(a.nbytes) for a in under_way.values())
         with self._holding():  # the queue bounds the bytes under way (the drop policy takes them out of the step)
-            rows, later, attrs, nbytes, behind = self._admit(step, rows, under_way, attrs, nbytes)
+            if nbytes <= SMALL_BYTES:  # a loss value: never waits behind a full step's tensors (the bound is for memory)
+                later, behind = under_way, 0
+            else:
+                rows, later, attrs, nbytes, behind = self._admit(step, rows, under_way, attrs, nbytes)
             if self.error is not None:
                 return
             with self._pipe_lock:
