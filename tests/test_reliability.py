@@ -411,8 +411,9 @@ w = writer_process.ProcessWriter(path, {"framework": "torch"}, durable=True)
 small = dict(row(2), shape="4", numel=4)
 w.submit(0, [row(0), row(1, same_as=0), small], {0: Deferred(copy, arr.nbytes, gate.is_set), 2: host}, {})
 print("returned 0", flush=True)  # while the copy is under way
-w.submit(1, [row(0, has_data=0)], {}, {})
-print("returned 1", flush=True)
+loss = dict(row(0), phase="loss", shape="", numel=1)
+w.submit(1, [loss], {0: Deferred(lambda: (gate.wait(), np.float32(0.5))[1], 4, lambda: False)}, {})  # its loss: a GPU copy
+print("returned 1", flush=True)  # though the queue (1 MB) holds step 0's 12 MB still under way
 if mode == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
 gate.set()
@@ -431,7 +432,7 @@ def test_a_step_returns_before_its_gpu_copies_and_a_kill_keeps_their_statistics(
 
     path = str(tmp_path / "underway.h5")
     proc = subprocess.run([sys.executable, "-c", UNDER_WAY, path, mode], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, TENSORDIFF_WRITER_START_TIMEOUT="60"))
+                          env=dict(os.environ, TENSORDIFF_WRITER_START_TIMEOUT="60", TENSORDIFF_WRITE_QUEUE_GB="0.001"))
     assert proc.stdout.split("\n")[:2] == ["returned 0", "returned 1"], proc.stderr
     deadline = time.time() + 60
     while _writer_alive(path) and time.time() < deadline:
@@ -445,8 +446,10 @@ def test_a_step_returns_before_its_gpu_copies_and_a_kill_keeps_their_statistics(
             assert recs[0].has_data == 1 and recs[1].has_data == 1
             np.testing.assert_array_equal(c.array(recs[0]), np.arange(3_000_000, dtype=np.float32))
             assert "tensors_lost" not in c.step_attrs(0)
+            assert c.array(c.records(1)[0]) == np.float32(0.5)
         else:
             assert proc.returncode == -signal.SIGKILL
             assert recs[0].has_data == 0 and recs[1].has_data == 0 and recs[0].max == 2999999.0
-            assert int(c.step_attrs(0)["tensors_lost"]) == 1
-            assert proc.stderr.count("did not reach the writer") == 1, proc.stderr
+            assert int(c.step_attrs(0)["tensors_lost"]) == 1 and int(c.step_attrs(1)["tensors_lost"]) == 1
+            assert c.records(1)[0].has_data == 0
+            assert proc.stderr.count("did not reach the writer") == 2, proc.stderr  # one line a step
