@@ -3,8 +3,11 @@
 One pass over the tensor in its own dtype with FP32 accumulation, results kept on the
 tensor's device and brought to the host once per step:
 
-* CUDA with Triton: one fused kernel per tensor (a second, tiny one for tensors spread over
-  many programs) writes its row of a per-step float64 device buffer. No temporaries, no
+* CUDA, by default: one CUDA C kernel per tensor, compiled by NVRTC and launched through ctypes
+  (``torch_cuda_stats.py``: ~9 µs of host time a record on an H200, 2.4 TB/s on large BF16 tensors),
+  writing its row of a per-step float64 device buffer.
+* CUDA with Triton (when NVRTC is not to be had, or ``TENSORDIFF_STATS_KERNEL=triton``): one fused
+  kernel per tensor (a second, tiny one for tensors spread over many programs). No temporaries, no
   float64 upcast of the tensor, two launches at most.
 * CUDA without Triton: a few eager reductions with FP32 accumulation (float64 for float64 tensors
   and integers).
