@@ -127,11 +127,25 @@ def records(path: str, step: int, rows: np.ndarray, stored: set[str] | None) -> 
     ``has_data`` against the names in the step's data group (``stored``; None when the step has no data group)."""
     out: list[Record] = []
     n = len(rows)
-    for i, row in enumerate(rows):
-        fields = {name: text(path, f"step {step} record {i} column {name!r}", row[name]) for name in _TEXT_FIELDS}
+    # whole columns to Python values at once (a structured row's fields cost ~0.5 µs each to reach)
+    text_cols = [rows[name].tolist() for name in _TEXT_FIELDS]
+    int_cols = [[int(v) for v in rows[name].tolist()] for name in _INT_FIELDS]
+    num_cols = [rows[name].astype(np.float64).tolist() for name in _FLOAT_FIELDS]
+    for i in range(n):
+        fields = {}
+        for name, col in zip(_TEXT_FIELDS, text_cols):
+            value = col[i]
+            if isinstance(value, bytes):
+                try:
+                    value = value.decode("utf-8")
+                except UnicodeDecodeError:
+                    value = text(path, f"step {step} record {i} column {name!r}", value)  # raises, naming it
+            elif not isinstance(value, str):
+                value = text(path, f"step {step} record {i} column {name!r}", value)
+            fields[name] = value
         where = f"step {step} record {i} ({fields['module'] or '<model>'} {fields['kind']} {fields['slot']})"
-        ints = {name: int(row[name]) for name in _INT_FIELDS}
-        nums = {name: float(row[name]) for name in _FLOAT_FIELDS}
+        ints = {name: col[i] for name, col in zip(_INT_FIELDS, int_cols)}
+        nums = {name: col[i] for name, col in zip(_FLOAT_FIELDS, num_cols)}
         if ints["seq"] != i:
             raise damaged(path, where, f"seq is {ints['seq']}, the row number is {i}")
         if fields["phase"] not in PHASES:
