@@ -16,10 +16,8 @@ OUT=${1:-pretrain_gpt_overhead}
 ITERS=${2:-10}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-export CUDA_DEVICE_MAX_CONNECTIONS=1
-ARGS=(--transformer-impl local --no-gradient-accumulation-fusion --no-rope-fusion --no-persist-layer-norm
-      --no-masked-softmax-fusion --mock-data --tokenizer-type NullTokenizer --vocab-size 50257 --split 1,0,0
-      --eval-iters 0 --eval-interval 100000 --log-interval 1 --bf16
+source "$(dirname "$0")/../examples/megatron_lm/local_mock.sh"  # LOCAL_MOCK: no Transformer Engine or Apex, mock data
+ARGS=("${LOCAL_MOCK[@]}" --vocab-size 50257
       --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
       --micro-batch-size 4 --global-batch-size 4 --train-iters "$ITERS" --lr 1e-4 --min-lr 1e-5 --seed 1234)
 LAUNCH=("$PY" -m torch.distributed.run --standalone --nproc-per-node 1 "$MEGATRON_LM/pretrain_gpt.py" "${ARGS[@]}")

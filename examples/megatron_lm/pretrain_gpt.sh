@@ -12,11 +12,8 @@ OUT=${1:-megatron_lm_runs}
 NPROC=${2:-1}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
-export CUDA_DEVICE_MAX_CONNECTIONS=1
-# the flags that run pretrain_gpt.py without Transformer Engine or Apex, on mock data
-ARGS=(--transformer-impl local --no-gradient-accumulation-fusion --no-rope-fusion --no-persist-layer-norm
-      --no-masked-softmax-fusion --mock-data --tokenizer-type NullTokenizer --vocab-size 1024 --split 1,0,0
-      --eval-iters 0 --eval-interval 1000 --log-interval 1 --bf16
+source "$(dirname "$0")/local_mock.sh"  # LOCAL_MOCK: no Transformer Engine or Apex, mock data
+ARGS=("${LOCAL_MOCK[@]}" --vocab-size 1024
       --num-layers 2 --hidden-size 256 --num-attention-heads 4 --seq-length 256 --max-position-embeddings 256
       --micro-batch-size 2 --global-batch-size $((2 * NPROC)) --train-iters 3 --lr 1e-4 --min-lr 1e-5 --seed 1234
       --use-distributed-optimizer)

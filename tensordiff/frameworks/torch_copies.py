@@ -49,10 +49,6 @@ class HostCopy:
         self._value, self._error = value, error
         self._done.set()
 
-    def done(self) -> bool:
-        """Whether the copy has reached the host (or failed)."""
-        return self._done.is_set()
-
     def result(self) -> torch.Tensor:
         self._done.wait()
         if self._error is not None:
@@ -73,7 +69,6 @@ class HostCopier:
         self._streams: dict[torch.device, Any] = {}
         self._bounce: dict[torch.device, list[torch.Tensor]] = {}
         self.waited = 0  # copies that waited for staging room (reported by benchmarks)
-        self.oom = 0  # clones the device had no memory for (copied synchronously instead)
 
     def copy(self, t: torch.Tensor) -> HostCopy:
         x = t.detach()
@@ -110,7 +105,6 @@ class HostCopier:
         except torch.cuda.OutOfMemoryError:  # the run needs the memory: this one now, synchronously
             with self._lock:
                 self._staged -= nbytes
-                self.oom += 1
             return HostCopy(nbytes, x.to("cpu", copy=True), from_device=True)
         clone.copy_(x)  # on the current stream: ordered after the op that made x, before any later change to it
         ready = torch.cuda.Event()

@@ -63,8 +63,7 @@ template <int KIND> __device__ __forceinline__ void put2(Acc& a, unsigned int w)
   put(a, conv<KIND>(w >> 16));
 }
 
-__device__ __forceinline__ void fold(double& mn, double& mx, double& s, double& q, double& nan, double& bad,
-                                     double* sh, int lane, int warp, int nwarps) {
+__device__ __forceinline__ void warp_fold(double& mn, double& mx, double& s, double& q, double& nan, double& bad) {
   for (int o = 16; o > 0; o >>= 1) {
     mn = fmin(mn, __shfl_xor_sync(0xffffffffu, mn, o));
     mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, o));
@@ -73,6 +72,11 @@ __device__ __forceinline__ void fold(double& mn, double& mx, double& s, double& 
     nan += __shfl_xor_sync(0xffffffffu, nan, o);
     bad += __shfl_xor_sync(0xffffffffu, bad, o);
   }
+}
+
+__device__ __forceinline__ void fold(double& mn, double& mx, double& s, double& q, double& nan, double& bad,
+                                     double* sh, int lane, int warp, int nwarps) {
+  warp_fold(mn, mx, s, q, nan, bad);
   if (lane == 0) {
     sh[warp * 6 + 0] = mn; sh[warp * 6 + 1] = mx; sh[warp * 6 + 2] = s;
     sh[warp * 6 + 3] = q; sh[warp * 6 + 4] = nan; sh[warp * 6 + 5] = bad;
@@ -84,14 +88,7 @@ __device__ __forceinline__ void fold(double& mn, double& mx, double& s, double& 
     mx = in ? sh[lane * 6 + 1] : -(double)TD_INF;
     s = in ? sh[lane * 6 + 2] : 0.0; q = in ? sh[lane * 6 + 3] : 0.0;
     nan = in ? sh[lane * 6 + 4] : 0.0; bad = in ? sh[lane * 6 + 5] : 0.0;
-    for (int o = 16; o > 0; o >>= 1) {
-      mn = fmin(mn, __shfl_xor_sync(0xffffffffu, mn, o));
-      mx = fmax(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      s += __shfl_xor_sync(0xffffffffu, s, o);
-      q += __shfl_xor_sync(0xffffffffu, q, o);
-      nan += __shfl_xor_sync(0xffffffffu, nan, o);
-      bad += __shfl_xor_sync(0xffffffffu, bad, o);
-    }
+    warp_fold(mn, mx, s, q, nan, bad);
   }
   __syncthreads();
 }
@@ -303,11 +300,10 @@ _FAST_LOCK = threading.Lock()
 
 
 def fast_stats(index: int) -> FastStats | None:
-    """The launcher for device ``index``, ready and checked against the eager reduction once; None (and why, in
-    ``fast_stats_why()``) when NVRTC or the driver cannot give it, or ``TENSORDIFF_STATS_KERNEL`` asks for another."""
+    """The launcher for device ``index``, ready and checked against a float64 reduction once; None (and why, in
+    ``fast_stats_why()``) when NVRTC or the driver cannot give it. Whether to use it at all (``TENSORDIFF_STATS_KERNEL``)
+    is ``torch_stats._kernel_choice``'s to say."""
     global _FAST, _FAST_WHY
-    if os.environ.get(ENV_KERNEL, "").strip().lower() not in ("", "nvrtc"):
-        return None
     if _FAST_WHY:
         return None
     if _FAST is not None and index in _FAST._devices:

@@ -67,7 +67,7 @@ class CaptureFile:
             self._file.close()
             raise
         self._cache: dict[int, list[Record]] = {}
-        self._groups: dict[int, Any] = {}  # each step's data group, looked up once (h5py's lookups cost ~40 µs)
+        self._groups: dict[int, Any] = {}  # each step's data group (_data_group)
 
     def _open(self, path: str) -> None:
         if FORMAT_ATTR not in self._file.attrs:
@@ -153,10 +153,7 @@ class CaptureFile:
         try:
             if not record.has_data:
                 return None
-            group = self._groups.get(record.step)
-            if group is None:
-                group = self._groups[record.step] = self._file[step_group_name(record.step)]["data"]
-            ds = group.get(str(seq))
+            ds = self._data_group(record.step).get(str(seq))
             if ds is None:
                 raise validate.damaged(self.path, f"step {record.step} tensor {record.label}", f"data/{seq} is missing")
             validate.check_data(self.path, record, ds)
@@ -198,9 +195,14 @@ class CaptureFile:
             return False
 
     def _dataset(self, record: Record) -> h5py.Dataset | None:
-        seq = record.same_as if record.same_as >= 0 else record.seq
-        group = self._file[step_group_name(record.step)].get("data")
-        return None if group is None else group.get(str(seq))
+        return self._data_group(record.step).get(str(record.same_as if record.same_as >= 0 else record.seq))
+
+    def _data_group(self, step: int) -> h5py.Group:
+        """A step's data group, looked up once (h5py's lookups cost ~40 µs each)."""
+        group = self._groups.get(step)
+        if group is None:
+            group = self._groups[step] = self._file[step_group_name(step)]["data"]
+        return group
 
 
 def read_dataset(ds: h5py.Dataset) -> np.ndarray:
