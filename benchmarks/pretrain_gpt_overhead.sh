@@ -7,8 +7,8 @@
 #
 # Runs, each ITERS iterations (default 10) in a fresh process:
 #   plain    no capture
-#   default  tensordiff capture --auto (its defaults: --steps 2, full tensors of the first iteration)
-#   stats    tensordiff capture --auto --steps ITERS --tensors none (statistics every iteration)
+#   default  tensordiff capture --megatron (its defaults: --steps 2, full tensors of the first iteration)
+#   stats    tensordiff capture --megatron --steps ITERS --tensors none (statistics every iteration)
 # and prints each run's iteration times, their median over iterations 3.., and the file size.
 set -euo pipefail
 : "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (tag core_v0.16.1 for megatron-core 0.16.1)}"
@@ -21,19 +21,20 @@ ARGS=("${LOCAL_MOCK[@]}" --vocab-size 50257
       --num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024 --max-position-embeddings 1024
       --micro-batch-size 4 --global-batch-size 4 --train-iters "$ITERS" --lr 1e-4 --min-lr 1e-5 --seed 1234)
 LAUNCH=("$PY" -m torch.distributed.run --standalone --nproc-per-node 1 "$MEGATRON_LM/pretrain_gpt.py" "${ARGS[@]}")
-times() {  # NAME: the iteration times of its log, and their median from iteration 3 on
-  grep -oE "elapsed time per iteration \(ms\): [0-9.]+" "$OUT/$1.log" | awk '{print $NF}' | tr '\n' ' ' |
-    awk -v name="$1" '{n = split($0, t, " "); m = 0; for (i = 3; i <= n; i++) s[++m] = t[i];
-      asort(s); med = m ? (m % 2 ? s[(m + 1) / 2] : (s[m / 2] + s[m / 2 + 1]) / 2) : 0;
-      printf "%-8s iterations (ms): %s | median of 3..%d: %.1f\n", name, $0, n, med}'
+times() {  # NAME: the iteration times of its log, and their median from iteration 3 on (POSIX awk and sort)
+  local all med
+  all=$(grep -oE "elapsed time per iteration \(ms\): [0-9.]+" "$OUT/$1.log" | awk '{print $NF}' | tr '\n' ' ')
+  med=$(echo "$all" | tr ' ' '\n' | awk 'NF' | tail -n +3 | sort -g |
+        awk '{s[NR] = $1} END {print NR ? (NR % 2 ? s[(NR + 1) / 2] : (s[NR / 2] + s[NR / 2 + 1]) / 2) : 0}')
+  printf "%-8s iterations (ms): %s| median of 3..: %.1f\n" "$1" "$all" "$med"
 }
 "${LAUNCH[@]}" > "$OUT/plain.log" 2>&1 || { tail -30 "$OUT/plain.log"; exit 1; }
 times plain
-"$PY" -m tensordiff capture --auto -o "$OUT/default.h5" -- "${LAUNCH[@]}" > "$OUT/default.log" 2>&1 ||
+"$PY" -m tensordiff capture --megatron -o "$OUT/default.h5" -- "${LAUNCH[@]}" > "$OUT/default.log" 2>&1 ||
   { tail -30 "$OUT/default.log"; exit 1; }
 times default
 ls -l "$OUT/default.h5" | awk '{printf "default  file %.2f GB\n", $5 / 1e9}'
-"$PY" -m tensordiff capture --auto -o "$OUT/stats.h5" --steps "$ITERS" --tensors none -- "${LAUNCH[@]}" \
+"$PY" -m tensordiff capture --megatron -o "$OUT/stats.h5" --steps "$ITERS" --tensors none -- "${LAUNCH[@]}" \
   > "$OUT/stats.log" 2>&1 || { tail -30 "$OUT/stats.log"; exit 1; }
 times stats
 ls -l "$OUT/stats.h5" | awk '{printf "stats    file %.1f MB\n", $5 / 1e6}'

@@ -115,7 +115,7 @@ class Job:
             if getattr(args, f"{key}_set"):
                 size[key] = getattr(args, key)
         ns = argparse.Namespace(**size, tp=1, dp=1, device="cuda", dtype="bf16", ddp="none", grad_reduce="fp32",
-                                seed=1234, lr=1e-4)
+                                seed=1234, lr=1e-4, eps_layer=None)  # every option gpu_gpt.build reads
         torch.cuda.set_device(0)
         if not dist.is_initialized():
             dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)

@@ -153,6 +153,16 @@ def test_auto_refuses_a_command_that_runs_no_python_script(cmd):
         auto_command(cmd)
 
 
+@pytest.mark.parametrize("launcher", ["torch.distributed.run", "torch.distributed.launch"])
+def test_auto_refuses_a_torch_launcher_and_names_megatron_in_one_line(tmp_path, capsys, launcher):
+    cmd = [sys.executable, "-m", launcher, "--standalone", "--nproc-per-node", "1", "train.py"]
+    assert main(["capture", "--auto", "-o", str(tmp_path / "x.h5"), "--", *cmd]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert f"python -m {launcher}" in err and "--megatron" in err
+    assert not (tmp_path / "x.h5").exists()
+
+
 def test_every_hook_is_removed_right_after_the_last_captured_step(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(SCRIPTS)
     import plain_gpt

@@ -231,6 +231,11 @@ def auto_command(cmd: list[str], module: str = AUTO_MODULE, flag: str = "--auto"
             if short == "m":
                 if not value:
                     raise UsageError(f"{flag}: `python -m` names no module; write `python -m package.module ARGS`")
+                if value in _LAUNCHERS:  # the launcher's process has no model: the workers it starts do
+                    raise UsageError(f"{flag}: `python -m {value}` starts worker processes that {flag} would not "
+                                     "capture; for a megatron-core program use `tensordiff capture --megatron -- "
+                                     f"python -m {value} ... train.py ARGS`, else capture one worker: "
+                                     "`python train.py ARGS`")
                 options = cmd[1:i] + ([arg[:j - 1]] if j > 2 else [])
                 return [cmd[0], *options, "-m", module, "-m", value, *cmd[i + used:]]
             i += used - 1
