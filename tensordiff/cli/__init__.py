@@ -71,6 +71,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except Exception as err:  # a bug in tensordiff, not bad input: one line, the traceback on request
         return _internal(args, err)
+    finally:
+        from ..store.fanout import configure
+
+        configure()  # --jobs/--dask hold for this command only (a later call from Python reads the environment)
 
 
 #: The options of every command that name a file to write.

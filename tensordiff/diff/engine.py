@@ -9,14 +9,16 @@ Imports neither torch nor mindspore, and does not explain: ``tensordiff.explain`
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from concurrent.futures import Future, ThreadPoolExecutor
+import uuid
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 from .. import dtypes
 from ..errors import AlignmentError, UsageError
 from ..store import CaptureFile, MergedCapture, open_capture
-from ..store.fanout import ENV_JOBS
+from ..store.fanout import ENV_JOBS, executor_for
 from .accounting import account
 from .align import Pair, align_step
 from .autoselect import pick_mapping
@@ -28,6 +30,7 @@ from .nonfinite import describe, first_nonfinite
 from .reference import judge_against_reference
 from .result import DiffOptions, DiffResult, Row
 from .tolerance import judged_dtype
+from .workers import BATCH_BYTES, BATCH_PAIRS, measure_batch, records_of
 
 
 def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffResult:
@@ -54,7 +57,9 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         if mapping is None and options.auto_mapping:
             mapping, mapping_note = pick_mapping(ca.attrs, cb.attrs, ca.records(common[0]), cb.records(common[0]))
         pending: list[tuple[Row, Future[Measured]]] = []
-        with _Measurer(ca, cb, options.ulp_k, compare_jobs(options.jobs)) as measurer:
+        many = max(_files(ca), _files(cb))  # rank files: merged and compared in worker processes where they pay
+        with (executor_for(many) if many > 1 else contextlib.nullcontext()) as executor, \
+                _Measurer(ca, cb, options.ulp_k, compare_jobs(options.jobs), executor) as measurer:
             for step in common:  # aligning the next step while the workers compare this one's pairs
                 pairs = align_step(ca.records(step), cb.records(step), mapping, options.order_fallback)
                 for pair in pairs:
@@ -66,6 +71,7 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
                             matched_by_name += 1
                         pending.append((row, measurer.submit(pair)))
                     rows.append(row)
+            measurer.flush()
             for row, measured in pending:  # in row order: the first error raised is the one a serial diff raises
                 pair = row.pair
                 row.metrics, row.tol, row.verdict, row.note = compare_pair(
@@ -133,21 +139,40 @@ def compare_jobs(jobs: int | None = None) -> int:
     return max(1, jobs)
 
 
-class _Measurer:
-    """Measures matched pairs (``judge.measure_pair``) in ``jobs`` threads, or here with one; a pair whose two tensors
-    were already submitted under other records (``judge.tensor_key``) shares that result instead of reading them
-    again. At most ``jobs`` pairs are read at a time: the queue holds pairs, never tensors."""
+def _files(cap: CaptureFile) -> int:
+    """How many rank files a capture reads (1: a plain file)."""
+    return len(getattr(cap, "paths", None) or [cap.path])
 
-    def __init__(self, ca: CaptureFile, cb: CaptureFile, ulp_k: int, jobs: int):
+
+class _Measurer:
+    """Measures matched pairs (``judge.measure_pair``) in ``jobs`` threads, or here with one, or, given the rank files'
+    ``executor`` (many rank files: ``store/fanout.py``), in its worker processes, in batches with their plans
+    (``workers.py``); a pair whose two tensors were already submitted under other records (``judge.tensor_key``)
+    shares that result instead of reading them again. At most ``jobs`` pairs are read at a time (threads) or one
+    batch per worker: the queue holds pairs, never tensors."""
+
+    def __init__(self, ca: CaptureFile, cb: CaptureFile, ulp_k: int, jobs: int, executor: Executor | None = None):
         self._ca, self._cb, self._ulp_k = ca, cb, ulp_k
-        self._pool = ThreadPoolExecutor(jobs, thread_name_prefix="tensordiff-diff") if jobs > 1 else None
+        self._executor = executor
+        self._pool = ThreadPoolExecutor(jobs, thread_name_prefix="tensordiff-diff") \
+            if jobs > 1 and executor is None else None
         self._seen: dict[tuple, Future[Measured]] = {}
+        self._batch: list[tuple[Pair, Future[Measured], tuple[dict, dict]]] = []
+        self._batch_bytes = 0
+        self._session = uuid.uuid4().hex  # the workers' open files belong to this diff
 
     def submit(self, pair: Pair) -> Future[Measured]:
         key = tensor_key(pair)
         if key is not None and key in self._seen:
             return self._seen[key]
-        if self._pool is not None and key is not None:
+        plans = self._plans(pair) if self._executor is not None and key is not None else None
+        if plans is not None:
+            future: Future[Measured] = Future()
+            self._batch.append((pair, future, plans))
+            self._batch_bytes += sum(r.numel for side in records_of(pair) for r in side) * 4
+            if len(self._batch) >= BATCH_PAIRS or self._batch_bytes >= BATCH_BYTES:
+                self.flush()
+        elif self._pool is not None and key is not None:
             future = self._pool.submit(measure_pair, self._ca, self._cb, pair, self._ulp_k)
         else:  # one job, or statistics only (nothing to read in the common case): here, at once
             future = Future()
@@ -155,6 +180,43 @@ class _Measurer:
         if key is not None:
             self._seen[key] = future
         return future
+
+    def _plans(self, pair: Pair) -> tuple[dict, dict] | None:
+        """The plans of the pair's records on each side, keyed (step, seq); None where a record with a stored tensor
+        has none (a reader of another format): that pair is measured here."""
+        out: tuple[dict, dict] = ({}, {})
+        for cap, recs, table in zip((self._ca, self._cb), records_of(pair), out):
+            for rec in recs:
+                plan = cap.plan(rec)
+                if plan is None and rec.has_data:
+                    return None
+                table[(rec.step, rec.seq)] = plan
+        return out
+
+    def flush(self) -> None:
+        """Send the pairs gathered so far to the workers, with the plans of their records."""
+        if not self._batch:
+            return
+        batch, self._batch, self._batch_bytes = self._batch, [], 0
+        plans_a: dict = {}
+        plans_b: dict = {}
+        for _, _, (pa, pb) in batch:
+            plans_a.update(pa)
+            plans_b.update(pb)
+        assert self._executor is not None
+        done = self._executor.submit(measure_batch, [pair for pair, _, _ in batch], plans_a, plans_b, self._ulp_k,
+                                     self._session)
+
+        def hand_out(f: Future) -> None:
+            err = f.exception()
+            for i, (_, future, _) in enumerate(batch):
+                if err is not None:
+                    future.set_exception(err)
+                else:
+                    ok, value = f.result()[i]
+                    future.set_result(value) if ok else future.set_exception(value)
+
+        done.add_done_callback(hand_out)
 
     def __enter__(self) -> _Measurer:
         return self

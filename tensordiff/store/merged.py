@@ -28,7 +28,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -130,11 +130,16 @@ class MergedCapture(CaptureFile):
 
     pp = 1  # pipeline stages: PipelineCapture (pipeline.py) joins more than one
 
-    def __init__(self, paths: list[str], pattern: str = "", stage: int | None = None):
+    def __init__(self, paths: list[str], pattern: str = "", stage: int | None = None,
+                 opened: dict[str, CaptureFile] | None = None):
+        """``opened``: the rank files already open (``open_capture``), taken over: this capture closes them."""
         self.path = pattern or paths[0]
         self.paths = list(paths)
         self._stage = stage  # a pipeline stage's rank files (PipelineCapture joins the stages), or the whole run
-        self._files = [CaptureFile(p) for p in paths]
+        self._files = []
+        for p in paths:
+            self._files.append(opened.pop(p) if opened and p in opened else CaptureFile(p))
+        self._by_path = {cap.path: cap for cap in self._files}
         try:
             prefetch(self._files)  # many rank files: their index tables read in a process pool (store/fanout.py)
             self._setup(paths)
@@ -231,6 +236,11 @@ class MergedCapture(CaptureFile):
         return self._records[step]
 
     def array(self, record: Record) -> np.ndarray | None:
+        return read_plan(self.plan(record), self._read)
+
+    def plan(self, record: Record) -> Plan | None:
+        """How ``record``'s merged tensor is read, as plain data (``read_plan`` follows it here or in a worker
+        process): the rank files' records to read and how to join them; None where the merge knows no such record."""
         if record.step not in self._records and record.step in self.steps:
             self.records(record.step)  # a record read by another reader of the same files: merge its step first
         spec = self._specs.get((record.step, record.seq))
@@ -238,29 +248,25 @@ class MergedCapture(CaptureFile):
         if spec is None or shards is None:
             return None
         key = record.key
-        if spec.dp_shards is not None:
-            return self._sharded_array(spec, shards, key)
-        pieces = []
-        for d in range(self.dp if spec.dp_dim is not None or spec.dp_mean else 1):
-            piece = self._dp_piece(spec, shards, d, key)
-            if piece is None:
-                return None
-            pieces.append(piece)
-        if spec.dp_mean:
-            mean = np.mean(np.stack([p.astype(np.float64) for p in pieces]), axis=0)
-            # the mean of narrow floats (BF16 local gradients) stays float32: rounding it back to BF16 would add
-            # the very rounding a BF16 reduction is judged by
-            wide = pieces[0].dtype if pieces[0].dtype.itemsize >= 4 or pieces[0].dtype.kind not in "fV" else np.float32
-            out = mean.astype(wide)
-        elif spec.dp_dim is not None:
-            out = np.concatenate(pieces, axis=spec.dp_dim)
-        else:
-            out = pieces[0]
-        if spec.scale != 1.0:
-            out = (out.astype(np.float64) * spec.scale).astype(out.dtype)
-        if spec.swap01 and out.ndim >= 2:
-            out = np.ascontiguousarray(np.swapaxes(out, 0, 1))
-        return out
+        if spec.dp_shards is not None:  # rows: TP ranks; in a row the DP ranks' parts in their order
+            order = sorted(range(self.dp), key=lambda d: spec.dp_shards[d])  # type: ignore[index]
+            cells = [[(d, t) for d in order] for t in range(self.tp if spec.tp_dim is not None else 1)]
+        else:  # rows: DP ranks; in a row the TP ranks joined or summed (or rank 0's copy)
+            cells = [[(d, t) for t in range(self.tp if spec.tp_dim is not None or spec.tp_sum else 1)]
+                     for d in range(self.dp if spec.dp_dim is not None or spec.dp_mean else 1)]
+        grid = []
+        for row in cells:
+            leaves = []
+            for d, t in row:
+                rec = shards[d * self.tp + t].get(key)
+                if rec is None:
+                    return None
+                leaves.append((self._grid[d][t].path, rec))
+            grid.append(tuple(leaves))
+        return ("merge", spec, tuple(grid))
+
+    def _read(self, path: str, record: Record) -> np.ndarray | None:
+        return self._by_path[path].array(record)
 
     def tp_copies(self, record: Record) -> list[np.ndarray] | None:
         """The copies each tensor-parallel rank (of the first data-parallel rank) holds of a record the merge reads
@@ -285,48 +291,11 @@ class MergedCapture(CaptureFile):
     def dp_copies(self, record: Record) -> list[np.ndarray] | None:
         """Each data-parallel rank's own tensor of a record the merge averages over DP (a local gradient, kind
         ``grad_local``), TP-joined as the merge joins it, or None (another record, tensors not stored)."""
-        if record.step not in self._records and record.step in self.steps:
-            self.records(record.step)
-        spec = self._specs.get((record.step, record.seq))
-        shards = self._shards.get(record.step)
-        if spec is None or shards is None or not spec.dp_mean or record.kind != "grad_local":
+        plan = self.plan(record) if record.kind == "grad_local" else None
+        if plan is None or not plan[1].dp_mean:
             return None
-        out = []
-        for d in range(self.dp):
-            piece = self._dp_piece(spec, shards, d, record.key)
-            if piece is None:
-                return None
-            out.append(piece)
-        return out
-
-    def _sharded_array(self, spec: _Spec, shards: list[dict[tuple, Record]], key: tuple) -> np.ndarray | None:
-        """A reduced gradient held in parts by the DP ranks: on each TP rank the parts in order, then TP-joined."""
-        assert spec.dp_shards is not None
-        per_tp = []
-        order = sorted(range(self.dp), key=lambda d: spec.dp_shards[d])  # type: ignore[index]
-        for t in range(self.tp if spec.tp_dim is not None else 1):
-            parts = []
-            for d in order:
-                rec = shards[d * self.tp + t].get(key)
-                x = self._grid[d][t].array(rec) if rec is not None else None
-                if x is None:
-                    return None
-                parts.append(x.reshape(-1))
-            per_tp.append(np.concatenate(parts).reshape(spec.shard_shape))
-        return _join_tp(per_tp, spec.tp_dim, spec.tp_stride) if spec.tp_dim is not None else per_tp[0]
-
-    def _dp_piece(self, spec: _Spec, shards: list[dict[tuple, Record]], d: int, key: tuple) -> np.ndarray | None:
-        """Data-parallel rank d's tensor of a record: its TP shards joined (or summed), or rank 0's copy."""
-        parts = []
-        for t in range(self.tp if spec.tp_dim is not None or spec.tp_sum else 1):
-            rec = shards[d * self.tp + t].get(key)
-            x = self._grid[d][t].array(rec) if rec is not None else None
-            if x is None:
-                return None
-            parts.append(x)
-        if spec.tp_dim is not None:
-            return _join_tp(parts, spec.tp_dim, spec.tp_stride)
-        return _sum(parts) if spec.tp_sum else parts[0]
+        rows = _read_grid(plan[2], self._read)
+        return None if rows is None else [_dp_row(plan[1], row) for row in rows]
 
     def inconsistencies(self, step: int) -> list[str]:
         """Records that must be identical on the ranks that hold them (replicated across TP, parameters and reduced
@@ -592,6 +561,64 @@ def _local_tokens(records: list[Record]) -> frozenset[int]:
     out.update(batch * int(r.shape[1]) for r in records
                if r.phase == "forward" and len(r.shape) >= 3 and r.shape[0] == batch and r.module)
     return frozenset(out)
+
+
+#: A record's tensor as plain data another process can follow: ("file", path, record): one stored tensor;
+#: ("merge", spec, grid): rank files' tensors (grid: rows of (path, record)) joined as ``spec`` says
+Plan = tuple
+
+
+def read_plan(plan: Plan | None, read: Callable[[str, Record], np.ndarray | None]) -> np.ndarray | None:
+    """The tensor ``plan`` describes, each stored tensor read by ``read(path, record)``; None where one of them is
+    not stored. The one place a merged tensor is put together (in the diff's process or in a worker)."""
+    if plan is None:
+        return None
+    if plan[0] == "file":
+        return read(plan[1], plan[2])
+    _, spec, grid = plan
+    rows = _read_grid(grid, read)
+    if rows is None:
+        return None
+    if spec.dp_shards is not None:  # a reduced gradient held in parts by the DP ranks, then TP-joined
+        per_tp = [np.concatenate([x.reshape(-1) for x in row]).reshape(spec.shard_shape) for row in rows]
+        return _join_tp(per_tp, spec.tp_dim, spec.tp_stride) if spec.tp_dim is not None else per_tp[0]
+    pieces = [_dp_row(spec, row) for row in rows]
+    if spec.dp_mean:
+        mean = np.mean(np.stack([p.astype(np.float64) for p in pieces]), axis=0)
+        # the mean of narrow floats (BF16 local gradients) stays float32: rounding it back to BF16 would add
+        # the very rounding a BF16 reduction is judged by
+        wide = pieces[0].dtype if pieces[0].dtype.itemsize >= 4 or pieces[0].dtype.kind not in "fV" else np.float32
+        out = mean.astype(wide)
+    elif spec.dp_dim is not None:
+        out = np.concatenate(pieces, axis=spec.dp_dim)
+    else:
+        out = pieces[0]
+    if spec.scale != 1.0:
+        out = (out.astype(np.float64) * spec.scale).astype(out.dtype)
+    if spec.swap01 and out.ndim >= 2:
+        out = np.ascontiguousarray(np.swapaxes(out, 0, 1))
+    return out
+
+
+def _read_grid(grid: tuple, read: Callable[[str, Record], np.ndarray | None]) -> list[list[np.ndarray]] | None:
+    """The grid's tensors, row by row; None at the first one not stored (the rest are not read)."""
+    rows = []
+    for row in grid:
+        xs = []
+        for path, rec in row:
+            x = read(path, rec)
+            if x is None:
+                return None
+            xs.append(x)
+        rows.append(xs)
+    return rows
+
+
+def _dp_row(spec: _Spec, parts: list[np.ndarray]) -> np.ndarray:
+    """One data-parallel rank's tensor from its TP ranks' parts: joined, summed, or rank 0's copy."""
+    if spec.tp_dim is not None:
+        return _join_tp(parts, spec.tp_dim, spec.tp_stride)
+    return _sum(parts) if spec.tp_sum else parts[0]
 
 
 def _sum(parts: list[np.ndarray]) -> np.ndarray:

@@ -34,6 +34,14 @@ def open_capture(path: str) -> CaptureFile:
                                "quote it so the shell does not expand it)")
     if len(paths) == 1:
         return CaptureFile(paths[0])
-    if pipeline_stages(paths) > 1:
-        return PipelineCapture(paths, path)
-    return MergedCapture(paths, path)
+    opened: dict[str, CaptureFile] = {}
+    try:
+        for p in paths:  # each rank file opened once: the merge takes them over
+            opened[p] = CaptureFile(p)
+        if pipeline_stages(list(opened.values())) > 1:
+            return PipelineCapture(paths, path, opened)
+        return MergedCapture(paths, path, opened=opened)
+    except BaseException:
+        for cap in opened.values():  # those the merge did not take (it closes its own on an error)
+            cap.close()
+        raise

@@ -53,13 +53,9 @@ def _coords(cap: CaptureFile) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def pipeline_stages(paths: list[str]) -> int:
+def pipeline_stages(files: list[CaptureFile]) -> int:
     """The largest pipeline-parallel size the rank files declare (1 when none does)."""
-    pp = 1
-    for path in paths:
-        with CaptureFile(path) as cap:
-            pp = max(pp, int(_coords(cap).get("pp", 1) or 1))
-    return pp
+    return max([int(_coords(cap).get("pp", 1) or 1) for cap in files] + [1])
 
 
 def global_layer_name(name: str, offset: int) -> str:
@@ -87,11 +83,13 @@ class PipelineCapture(MergedCapture):
     """The stage files of a pipeline-parallel run as one capture (see the module docstring); ``MergedCapture``'s
     API, every method overridden."""
 
-    def __init__(self, paths: list[str], pattern: str = ""):
+    def __init__(self, paths: list[str], pattern: str = "", opened: dict[str, CaptureFile] | None = None):
+        """``opened``: the rank files already open (``open_capture``), taken over: this capture closes them."""
         self.path = pattern or paths[0]
         self.paths = list(paths)
         self._stages: list[MergedCapture] = []
         self._files = []
+        self._opened = opened if opened is not None else {}
         try:
             self._setup_pipeline(paths)
         except Exception:
@@ -101,8 +99,11 @@ class PipelineCapture(MergedCapture):
     def _setup_pipeline(self, paths: list[str]) -> None:
         coords: dict[str, dict[str, Any]] = {}
         for path in paths:
-            with CaptureFile(path) as cap:
-                coords[path] = _coords(cap)
+            if path in self._opened:
+                coords[path] = _coords(self._opened[path])
+            else:
+                with CaptureFile(path) as cap:
+                    coords[path] = _coords(cap)
         worlds = {c.get("world_size") for c in coords.values()}
         if len(worlds) != 1 or None in worlds:
             raise CaptureFileError(f"{self.path}: the files come from runs of different sizes ({sorted(map(str, worlds))} "
@@ -140,7 +141,7 @@ class PipelineCapture(MergedCapture):
             raise CaptureFileError(f"{self.path}: the pipeline stages' layer offsets {self.offsets} do not increase "
                                    "stage by stage")
         for stage, stage_paths in enumerate(by_stage):
-            self._stages.append(MergedCapture(sorted(stage_paths), self.path, stage=stage))
+            self._stages.append(MergedCapture(sorted(stage_paths), self.path, stage=stage, opened=self._opened))
         shapes = {(s.tp, s.dp) for s in self._stages}
         if len(shapes) != 1:
             raise CaptureFileError(f"{self.path}: pipeline stages of different TP x DP sizes "
@@ -166,6 +167,9 @@ class PipelineCapture(MergedCapture):
     def close(self) -> None:
         for stage in getattr(self, "_stages", []):
             stage.close()
+        for cap in getattr(self, "_opened", {}).values():  # files no stage took (an error before the stages)
+            cap.close()
+        self._opened = {}
 
     def step_attrs(self, step: int) -> dict[str, Any]:
         out = dict(self._stages[-1].step_attrs(step))  # the loss is the last stage's
@@ -192,6 +196,10 @@ class PipelineCapture(MergedCapture):
     def array(self, record: Record) -> np.ndarray | None:
         found = self._local(record)
         return None if found is None else self._stages[found[0]].array(found[1])
+
+    def plan(self, record: Record) -> tuple | None:
+        found = self._local(record)
+        return None if found is None else self._stages[found[0]].plan(found[1])
 
     def tp_copies(self, record: Record) -> list[np.ndarray] | None:
         found = self._local(record)

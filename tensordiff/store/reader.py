@@ -36,6 +36,10 @@ def _reading(path: str, where: str) -> Iterator[None]:
             from None
 
 
+#: Tensors up to this size are read in one low-level call (``CaptureFile._small``).
+SMALL_BYTES = 1 << 20
+
+
 class CaptureFile:
     """Read access to a capture file. Tensors are read one at a time (streaming)."""
 
@@ -153,6 +157,9 @@ class CaptureFile:
         try:
             if not record.has_data:
                 return None
+            small = self._small(record, seq)  # most tensors of a rank file: one low-level read
+            if small is not None:
+                return dtypes.from_storage(small, record.dtype).reshape(record.shape)
             ds = self._data_group(record.step).get(str(seq))
             if ds is None:
                 raise validate.damaged(self.path, f"step {record.step} tensor {record.label}", f"data/{seq} is missing")
@@ -163,6 +170,30 @@ class CaptureFile:
             raise CaptureFileError(f"{self.path}: tensor {record.label} of step {record.step} is damaged "
                                    f"({first_line(err, 160, default=type(err).__name__)}); re-run the capture") from None
         return dtypes.from_storage(np.asarray(raw), record.dtype).reshape(record.shape)
+
+    def plan(self, record: Record) -> tuple | None:
+        """How ``record``'s tensor is read, as plain data a worker process can follow (``merged.read_plan``); None
+        for a reader of another format (a worker reads capture files only)."""
+        return ("file", self.path, record) if type(self) is CaptureFile else None
+
+    def _small(self, record: Record, seq: int) -> np.ndarray | None:
+        """A tensor of at most ``SMALL_BYTES`` read through h5py's low-level API (~4x less time than the dataset
+        objects for a few kilobytes), or None to read it the usual way (larger, or anything unexpected: that path
+        checks and names the damage)."""
+        try:
+            storage = dtypes.storage_dtype(record.dtype)
+            if record.numel * storage.itemsize > SMALL_BYTES:
+                return None
+            dsid = h5py.h5d.open(self._data_group(record.step).id, str(seq).encode())
+            space = dsid.get_space()
+            if dsid.dtype != storage or space.get_simple_extent_npoints() != record.numel:
+                return None
+            out = np.empty(space.shape, storage)
+            with watchdog.section(self.path, f"step {record.step} tensor {record.label}"):
+                dsid.read(h5py.h5s.ALL, h5py.h5s.ALL, out)
+            return out
+        except (KeyError, ValueError, TypeError, OSError, RuntimeError):
+            return None
 
     def nbytes(self) -> int:
         return os.path.getsize(self.path)

@@ -125,6 +125,82 @@ def index_rows(path: str, step: int, index: Any) -> np.ndarray:
 def records(path: str, step: int, rows: np.ndarray, stored: set[str] | None) -> list[Record]:
     """The records of one step, each row checked: text, numbers, shape against numel, links inside the step, and
     ``has_data`` against the names in the step's data group (``stored``; None when the step has no data group)."""
+    fast = _sound_records(step, rows, stored)
+    return fast if fast is not None else _checked_records(path, step, rows, stored)
+
+
+def _sound_records(step: int, rows: np.ndarray, stored: set[str] | None) -> list[Record] | None:
+    """The records of a sound index, its checks made on whole columns (~5x faster than row by row); None at the
+    first sign of damage, so that ``_checked_records`` names it."""
+    n = len(rows)
+    try:
+        i64 = {name: rows[name].astype(np.int64) for name in _INT_FIELDS}
+        l2 = rows["l2"].astype(np.float64)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    idx = np.arange(n, dtype=np.int64)
+    nan, inf, numel, same = i64["nan"], i64["inf"], i64["numel"], i64["same_as"]
+    sound = (i64["seq"] == idx) & (i64["call"] >= 0) & ~(l2 < 0) & (nan >= 0) & (nan <= numel) & (inf >= 0) \
+        & (inf <= numel - nan) & ((i64["has_data"] == 0) | (i64["has_data"] == 1)) & (same != idx)
+    for link in ("same_as", "grad_of", "enter"):
+        sound &= (i64[link] >= -1) & (i64[link] < n)
+    if not sound.all():
+        return None
+    texts = []
+    for name in _TEXT_FIELDS:
+        col = rows[name]
+        try:
+            if col.dtype.kind == "S":  # fixed-length bytes (this writer's): each decoded
+                texts.append([v.decode("utf-8") for v in col.tolist()])
+            elif col.dtype.kind == "U":
+                texts.append(col.tolist())
+            else:  # variable-length text: h5py gives bytes or str objects
+                values = [v.decode("utf-8") if isinstance(v, bytes) else v for v in col.tolist()]
+                if not all(isinstance(v, str) for v in values):
+                    return None
+                texts.append(values)
+        except UnicodeDecodeError:
+            return None
+    phase, module, kind, slot, module_class, dtype, shape_col, parent = texts
+    ints = {name: col.tolist() for name, col in i64.items()}
+    mins, maxs, means, l2s = (rows[name].astype(np.float64).tolist() for name in _FLOAT_FIELDS)
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    known: dict[str, bool] = {}
+    out: list[Record] = []
+    for i in range(n):
+        text = shape_col[i]
+        shape = shapes.get(text, ())
+        if shape == ():
+            try:
+                shape = shapes[text] = _shape("", "", text)
+            except CaptureFileError:
+                shape = shapes[text] = None
+        dt = dtype[i]
+        if dt not in known:
+            known[dt] = _known_dtype(dt)
+        count = ints["numel"][i]
+        holder = ints["same_as"][i] if ints["same_as"][i] >= 0 else i
+        if shape is None or math.prod(shape) != count or not known[dt] or phase[i] not in PHASES or not kind[i] or \
+                (ints["has_data"][i] and (stored is None or str(holder) not in stored)):
+            return None
+        out.append(Record(step, i, phase[i], module[i], ints["call"][i], kind[i], slot[i], module_class[i], dt, shape,
+                          mins[i], maxs[i], means[i], l2s[i], ints["nan"][i], ints["inf"][i], count,
+                          bool(ints["has_data"][i]), ints["same_as"][i], ints["grad_of"][i], ints["enter"][i],
+                          parent[i]))
+    return _links_fit(out)
+
+
+def _links_fit(out: list[Record]) -> list[Record] | None:
+    """``out``, or None where a link (``same_as``) points to a tensor of another shape or dtype."""
+    for rec in out:
+        if rec.same_as >= 0:
+            source = out[rec.same_as]
+            if source.shape != rec.shape or source.dtype != rec.dtype:
+                return None
+    return out
+
+
+def _checked_records(path: str, step: int, rows: np.ndarray, stored: set[str] | None) -> list[Record]:
     out: list[Record] = []
     n = len(rows)
     # whole columns to Python values at once (a structured row's fields cost ~0.5 µs each to reach)
