@@ -54,7 +54,7 @@ def spread_over_dp(sources: list[str], folder: str, dp: int) -> str:
             coords.append(json.loads(raw) if raw else {"tp": 1, "tp_rank": 0, "pp": 1, "pp_rank": 0})
     tp, pp = int(coords[0].get("tp", 1)), int(coords[0].get("pp", 1))
     world = tp * pp * dp
-    rank_of = lambda t, d, p: t + tp * (d + dp * p)  # noqa: E731 - megatron's order: TP fastest, then DP, then PP
+    rank_of = lambda t, d, p: t + tp * (d + dp * p)  # megatron's order: TP fastest, then DP, then PP
     for path, c in zip(sources, coords):
         t, p = int(c.get("tp_rank", 0)), int(c.get("pp_rank", 0))
         for d in range(dp):

@@ -383,6 +383,8 @@ def _masks(sides: dict[str, _Side], lone: dict[str, list[Row]]) -> None:
                 mask = as_mask(side.array(rec)) if rec.has_data else None
                 if mask is not None:
                     found[s].append((row, rec, mask))
+    if not any(found.values()):
+        return  # no lone mask: the other side's masks are not read
     every = {s: [as_mask(sides[s].array(r)) for r in sides[s].records if r.phase == "forward" and r.has_data
                  and r.same_as < 0 and r.kind in ("input", "output") and maybe_mask(r)]
              for s in sides}

@@ -40,8 +40,8 @@ def _file(path: str, session: str) -> CaptureFile:
             _open.clear()
             _session[0] = session
         found = _open.get(path)
-        if found is None:
-            found = _open[path] = CaptureFile(path)
+        if found is None:  # tensors only: the diff's process checked the file's attributes and index
+            found = _open[path] = CaptureFile.unopened(path)
         return found
 
 

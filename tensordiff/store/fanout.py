@@ -20,6 +20,7 @@ import os
 from collections.abc import Iterator
 from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
 from ..errors import UsageError
 from ..record import Record
@@ -86,9 +87,37 @@ def _read_indexes(path: str, steps: list[int]) -> dict[int, list[Record]]:
         return {step: cap.records(step) for step in steps}
 
 
+def _summary(path: str) -> dict[str, Any]:
+    """One rank file opened, checked and indexed (runs in a worker process): ``CaptureFile.summary``."""
+    with CaptureFile(path) as cap:
+        return cap.summary()
+
+
+def open_files(paths: list[str]) -> dict[str, CaptureFile]:
+    """Readers of ``paths``: with the pool (many files), each file opened, checked and indexed in a worker and its
+    reader rebuilt here from that summary, its HDF5 file opened only if a tensor is read here (``CaptureFile.
+    unopened``); else each opened here. A file that cannot be read is the worker's CaptureFileError, raised here."""
+    out: dict[str, CaptureFile] = {}
+    try:
+        with executor_for(len(paths)) as executor:
+            if executor is None:
+                for path in paths:
+                    out[path] = CaptureFile(path)
+                return out
+            chunk = max(1, min(16, len(paths) // (4 * max(1, _jobs(len(paths))))))
+            for path, summary in zip(paths, executor.map(_summary, paths, chunksize=chunk)):
+                out[path] = CaptureFile.unopened(path, summary)
+        return out
+    except BaseException:
+        for cap in out.values():
+            cap.close()
+        raise
+
+
 def prefetch(files: list[CaptureFile]) -> None:
     """Read every file's index tables (all complete steps) in the configured pool, into each file's record cache;
-    nothing happens when the pool would not pay (few files, ``--jobs 1``)."""
+    nothing happens when the pool would not pay (few files, ``--jobs 1``) or the records are already known."""
+    files = [cap for cap in files if any(step not in cap._cache for step in cap.steps)]
     with executor_for(len(files)) as executor:
         if executor is None:
             return

@@ -11,6 +11,7 @@ import glob
 import re
 
 from ..errors import CaptureFileError
+from .fanout import open_files
 from .megatron_grads import MegatronGradDump, is_megatron_grads
 from .merged import MergedCapture
 from .msprobe import MsprobeDump, is_msprobe_dump
@@ -34,10 +35,8 @@ def open_capture(path: str) -> CaptureFile:
                                "quote it so the shell does not expand it)")
     if len(paths) == 1:
         return CaptureFile(paths[0])
-    opened: dict[str, CaptureFile] = {}
+    opened = open_files(paths)  # each rank file opened once (in the workers, for many): the merge takes them over
     try:
-        for p in paths:  # each rank file opened once: the merge takes them over
-            opened[p] = CaptureFile(p)
         if pipeline_stages(list(opened.values())) > 1:
             return PipelineCapture(paths, path, opened)
         return MergedCapture(paths, path, opened=opened)

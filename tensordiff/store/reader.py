@@ -36,6 +36,27 @@ def _reading(path: str, where: str) -> Iterator[None]:
             from None
 
 
+def _open_h5(path: str) -> h5py.File:
+    """``path`` opened for reading, or a CaptureFileError naming why not."""
+    try:
+        with watchdog.section(path, "the file's superblock"):
+            return h5py.File(path, "r")
+    except OSError as err:
+        if "unable to lock file" in str(err):
+            raise CaptureFileError(f"{path}: still open for writing (a capture in progress holds its lock); "
+                                   "read it once that run has ended or closed the capture") from None
+        if "already open for write" in str(err):
+            raise CaptureFileError(f"{path}: written by a run that did not close it, with an older tensordiff "
+                                   "(HDF5 consistency flag set); clear it with `h5clear -s FILE` and retry") from None
+        if not os.path.exists(path):
+            raise CaptureFileError(f"{path}: no such file (it was there when the command started); check the path") \
+                from None
+        reason = str(err).split("(")[0].strip().rstrip(":") or "unreadable"
+        raise CaptureFileError(
+            f"{path}: not a readable HDF5 file ({reason}); the file is truncated or of another kind, re-run the capture"
+        ) from None
+
+
 #: Tensors up to this size are read in one low-level call (``CaptureFile._small``).
 SMALL_BYTES = 1 << 20
 
@@ -50,28 +71,47 @@ class CaptureFile:
         if os.path.isdir(path):
             raise CaptureFileError(f"{path}: is a directory, not a capture file; pass the .h5 file written by `tensordiff "
                                    "capture`")
-        try:
-            with watchdog.section(path, "the file's superblock"):
-                self._file = h5py.File(path, "r")
-        except OSError as err:
-            if "unable to lock file" in str(err):
-                raise CaptureFileError(f"{path}: still open for writing (a capture in progress holds its lock); "
-                                       "read it once that run has ended or closed the capture") from None
-            if "already open for write" in str(err):
-                raise CaptureFileError(f"{path}: written by a run that did not close it, with an older tensordiff "
-                                       "(HDF5 consistency flag set); clear it with `h5clear -s FILE` and retry") from None
-            reason = str(err).split("(")[0].strip().rstrip(":") or "unreadable"
-            raise CaptureFileError(
-                f"{path}: not a readable HDF5 file ({reason}); the file is truncated or of another kind, re-run the capture"
-            ) from None
+        self._h5: h5py.File | None = _open_h5(path)
         try:
             with _reading(path, "the file's attributes and steps"):
                 self._open(path)
         except BaseException:
-            self._file.close()
+            self._h5.close()
             raise
         self._cache: dict[int, list[Record]] = {}
         self._groups: dict[int, Any] = {}  # each step's data group (_data_group)
+        self._step_attrs: dict[int, dict[str, Any]] = {}
+
+    @classmethod
+    def unopened(cls, path: str, summary: dict[str, Any] | None = None) -> CaptureFile:
+        """A reader of ``path`` whose attributes, steps, records and step attributes are ``summary`` (``summary()``
+        of a reader of the same file, made in a worker process), or empty (a worker that only reads tensors): its
+        HDF5 file is opened the first time something else is read, a tensor say. Opening and closing thousands of
+        HDF5 files costs a few milliseconds each in one process (the library walks every open object), so a
+        command reading many rank files has them opened by its workers."""
+        self = cls.__new__(cls)
+        self.path = path
+        self._h5 = None
+        summary = summary or {}
+        self.attrs = dict(summary.get("attrs") or {})
+        self.steps = list(summary.get("steps") or [])
+        self.incomplete_steps = list(summary.get("incomplete_steps") or [])
+        self._cache = dict(summary.get("records") or {})
+        self._groups = {}
+        self._step_attrs = dict(summary.get("step_attrs") or {})
+        return self
+
+    def summary(self) -> dict[str, Any]:
+        """What ``unopened`` rebuilds a reader from: attributes, steps, every complete step's records and attributes."""
+        return {"attrs": self.attrs, "steps": self.steps, "incomplete_steps": self.incomplete_steps,
+                "records": {step: self.records(step) for step in self.steps},
+                "step_attrs": {step: self.step_attrs(step) for step in self.steps}}
+
+    @property
+    def _file(self) -> h5py.File:
+        if self._h5 is None:
+            self._h5 = _open_h5(self.path)
+        return self._h5
 
     def _open(self, path: str) -> None:
         if FORMAT_ATTR not in self._file.attrs:
@@ -106,7 +146,8 @@ class CaptureFile:
         self.close()
 
     def close(self) -> None:
-        self._file.close()
+        if self._h5 is not None:
+            self._h5.close()
 
     # reading ---------------------------------------------------------------
     @property
@@ -114,10 +155,14 @@ class CaptureFile:
         return str(self.attrs.get("framework", "?"))
 
     def step_attrs(self, step: int) -> dict[str, Any]:
-        with _reading(self.path, f"step {step} attributes"):
-            attrs = self._file[step_group_name(step)].attrs
-            return {k: (validate.text(self.path, f"step {step} attribute {k!r}", v) if isinstance(v, bytes) else v)
+        known = self._step_attrs.get(step)
+        if known is None:  # a file read is never written meanwhile (a capture in progress holds its lock)
+            with _reading(self.path, f"step {step} attributes"):
+                attrs = self._file[step_group_name(step)].attrs
+                known = self._step_attrs[step] = {
+                    k: (validate.text(self.path, f"step {step} attribute {k!r}", v) if isinstance(v, bytes) else v)
                     for k, v in attrs.items()}
+        return dict(known)
 
     def scalars(self) -> dict[str, dict[int, float]]:
         """Per-step scalars of the run: name -> {step: value} (a later value of a step wins)."""
