@@ -26,9 +26,11 @@ import json
 from ..record import Record, is_inside
 from .result import COMPARED, Row
 
-#: The attributes that must be equal for two captures to be one stack.
+#: The attributes that must be equal for two captures to be one stack. ``capture_mode`` is "graph" for a MindSpore
+#: program compiled as a graph, absent for eager (PyNative) ones: the graph compiler picks and fuses kernels of its
+#: own, so eager against graph is other arithmetic (the lm head's MatMul differs in the last bits on an AVX2 CPU).
 STACK_KEYS = ("framework", "framework_version", "megatron_core_version", "transformers_version", "mindformers_version",
-              "device")
+              "device", "capture_mode")
 #: Bitwise identical pairs, first in a phase, that show a program reproducible.
 EVIDENCE = 3
 
