@@ -61,10 +61,17 @@ def test_a_dask_cluster_reads_the_rank_files_to_the_same_verdict(tmp_path, capsy
     from tensordiff.cli import main
 
     good, bad = write_dp_run(tmp_path, "good"), write_dp_run(tmp_path, "bad", skew_rank=3)
+    swapped = write_dp_run(tmp_path, "swapped", swap_rank=5)
+    report = tmp_path / "dask.json"
     with distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster:
         assert main(["check", good, "--dask", cluster.scheduler_address, "--no-color"]) == 0
         assert main(["check", bad, "--dask", cluster.scheduler_address, "--no-color"]) == 1
+        # the merge and compare on the cluster's workers: a fault only the merged tensors show
+        assert main(["diff", good, swapped, "--dask", cluster.scheduler_address, "--no-hints", "--json",
+                     str(report)]) == 1
     assert "weights fc weight: DP ranks 0/3 differ" in " ".join(capsys.readouterr().out.split())
+    first = json.loads(report.read_text())["first_divergence"]
+    assert (first["phase"], first["module_a"], first["kind"]) == ("forward", "fc", "output")
 
 
 def test_worker_processes_merge_and_compare_to_the_same_rows_as_one_process(tmp_path):
