@@ -17,6 +17,7 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 from .. import dtypes
 from ..errors import AlignmentError, UsageError
+from ..record import Record
 from ..store import CaptureFile, MergedCapture, open_capture
 from ..store.fanout import ENV_JOBS, executor_for
 from .accounting import account
@@ -165,11 +166,12 @@ class _Measurer:
         key = tensor_key(pair)
         if key is not None and key in self._seen:
             return self._seen[key]
-        plans = self._plans(pair) if self._executor is not None and key is not None else None
+        sides = records_of(pair)
+        plans = self._plans(sides) if self._executor is not None and key is not None else None
         if plans is not None:
             future: Future[Measured] = Future()
             self._batch.append((pair, future, plans))
-            self._batch_bytes += sum(r.numel for side in records_of(pair) for r in side) * 4
+            self._batch_bytes += sum(r.numel for side in sides for r in side) * 4
             if len(self._batch) >= BATCH_PAIRS or self._batch_bytes >= BATCH_BYTES:
                 self.flush()
         elif self._pool is not None and key is not None:
@@ -181,11 +183,11 @@ class _Measurer:
             self._seen[key] = future
         return future
 
-    def _plans(self, pair: Pair) -> tuple[dict, dict] | None:
-        """The plans of the pair's records on each side, keyed (step, seq); None where a record with a stored tensor
-        has none (a reader of another format): that pair is measured here."""
+    def _plans(self, sides: tuple[list[Record], list[Record]]) -> tuple[dict, dict] | None:
+        """The plans of a pair's records (``workers.records_of``) on each side, keyed (step, seq); None where a record
+        with a stored tensor has none (a reader of another format): that pair is measured here."""
         out: tuple[dict, dict] = ({}, {})
-        for cap, recs, table in zip((self._ca, self._cb), records_of(pair), out):
+        for cap, recs, table in zip((self._ca, self._cb), sides, out):
             for rec in recs:
                 plan = cap.plan(rec)
                 if plan is None and rec.has_data:

@@ -1,17 +1,17 @@
-"""Reading many rank files at once: each file's index tables read in a pool of worker processes.
+"""Reading many rank files at once: each file opened, checked and indexed in a pool of worker processes.
 
-A diff or check of a distributed run first reads, for every rank file, the index table of every step (a few
-kilobytes per rank and step: names, shapes, statistics). With hundreds or thousands of rank files that is the
-part worth spreading, and it is embarrassingly parallel: one task per file, no shared state. It runs on
+A diff or check of a distributed run first reads, for every rank file, its attributes and the index table of every
+step (a few kilobytes per rank and step: names, shapes, statistics). With hundreds or thousands of rank files that
+is the part worth spreading, and it is embarrassingly parallel: one task per file, no shared state. It runs on
 
 * the standard library's ``concurrent.futures.ProcessPoolExecutor`` on one host (``--jobs N``), or
 * a Dask ``distributed`` cluster across hosts (``--dask ADDRESS``, the optional extra ``tensordiff[dask]``), whose
   ``Client.get_executor()`` is the same ``concurrent.futures`` interface; the rank files must be on a filesystem
   every worker sees.
 
-No scheduler of our own: the executor maps ``_read_indexes`` over the files, and the results fill each open
-file's record cache, so merging and diffing then run unchanged. Tensors are still read lazily, one merged
-record at a time, by the process that compares them.
+No scheduler of our own: the executor maps ``_summary`` over the files, and each reader is rebuilt from its
+summary (``open_files``), so merging and diffing then run unchanged. The diff hands the tensors' merge and compare
+to the same executor (``diff/workers.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import UsageError
-from ..record import Record
 from .reader import CaptureFile
 
 #: Below this many files a pool costs more than it saves (worker start-up is ~0.1 s each).
@@ -81,12 +80,6 @@ def executor_for(n_files: int) -> Iterator[Executor | None]:
         yield pool
 
 
-def _read_indexes(path: str, steps: list[int]) -> dict[int, list[Record]]:
-    """One rank file's records of ``steps`` (runs in a worker process)."""
-    with CaptureFile(path) as cap:
-        return {step: cap.records(step) for step in steps}
-
-
 def _summary(path: str) -> dict[str, Any]:
     """One rank file opened, checked and indexed (runs in a worker process): ``CaptureFile.summary``."""
     with CaptureFile(path) as cap:
@@ -113,14 +106,3 @@ def open_files(paths: list[str]) -> dict[str, CaptureFile]:
             cap.close()
         raise
 
-
-def prefetch(files: list[CaptureFile]) -> None:
-    """Read every file's index tables (all complete steps) in the configured pool, into each file's record cache;
-    nothing happens when the pool would not pay (few files, ``--jobs 1``) or the records are already known."""
-    files = [cap for cap in files if any(step not in cap._cache for step in cap.steps)]
-    with executor_for(len(files)) as executor:
-        if executor is None:
-            return
-        for cap, records in zip(files, executor.map(_read_indexes, [c.path for c in files],
-                                                    [list(c.steps) for c in files])):
-            cap._cache.update(records)

@@ -39,7 +39,6 @@ from ..errors import CaptureFileError, MappingError
 from ..mapping.names import unwrap
 from ..record import Record
 from ..stats import host_stats
-from .fanout import prefetch
 from .format import ROW_FIELDS, shape_text
 from .reader import CaptureFile
 from .writer import CaptureWriter
@@ -141,7 +140,6 @@ class MergedCapture(CaptureFile):
             self._files.append(opened.pop(p) if opened and p in opened else CaptureFile(p))
         self._by_path = {cap.path: cap for cap in self._files}
         try:
-            prefetch(self._files)  # many rank files: their index tables read in a process pool (store/fanout.py)
             self._setup(paths)
         except Exception:
             self.close()
