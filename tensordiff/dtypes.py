@@ -64,6 +64,26 @@ def is_float(name: str) -> bool:
     return name in MANTISSA_BITS
 
 
+def floats(x: np.ndarray | None) -> np.ndarray | None:
+    """``x`` as numpy floats when it holds floating-point values in any format (BF16/FP8, which numpy calls kind
+    'V', widened to float32: exact), else None. Every test of what a float tensor *means* (a mask, a RoPE table)
+    reads it through this, so that it holds in every dtype users train in."""
+    if x is None:
+        return None
+    if x.dtype.kind == "f":
+        return x
+    if x.dtype.kind == "V" and is_float(name_of(x.dtype)):
+        return x.astype(np.float32)
+    return None
+
+
+def resolution(name: str) -> float:
+    """The spacing of ``name``'s values just below 1 (half its unit in the last place at 1): the rounding error of a
+    value of magnitude up to 1 stored in it, e.g. 2**-8 for BF16, 2**-24 for FP32; 0 for a non-float."""
+    bits = MANTISSA_BITS.get(name)
+    return 0.0 if bits is None else 2.0 ** -(bits + 1)
+
+
 def name_of(dtype: np.dtype) -> str:
     """The logical name of a numpy (or ml_dtypes) dtype."""
     dtype = np.dtype(dtype)

@@ -51,6 +51,9 @@ class Arch:
     eps: float = 1e-5
     rope_base: float = 10000.0
     init_std: float = 0.05
+    dtype: str = "float32"
+    """the compute dtype both sides train in: 'float32' or 'bfloat16' (megatron-core wrapped in its
+    ``Float16Module``, the others cast with ``.to(torch.bfloat16)``, as their users do)."""
 
     @property
     def head_dim(self) -> int:
@@ -387,6 +390,7 @@ FAULTS = {
 
 
 def _layers(model: Any, family: str) -> Any:
+    model = getattr(model, "module", model)  # megatron's Float16Module
     if family == "mcore":
         return model.decoder.layers
     if family in ("hf-gpt2", "plain"):
@@ -397,6 +401,7 @@ def _layers(model: Any, family: str) -> Any:
 def apply_fault(model: Any, family: str, fault: str, arch: Arch) -> None:
     if not fault:
         return
+    model = getattr(model, "module", model)  # megatron's Float16Module
     layers = _layers(model, family)
     if fault in ("norm-eps", "eps-tiny"):
         norm = {"mcore": "pre_mlp_layernorm", "hf-gpt2": "ln_2", "plain": "ln_2"}.get(family, "post_attention_layernorm")
@@ -524,7 +529,11 @@ def build(family: str, arch: Arch, style: Style, sd: dict[str, Tensor]) -> Any:
     if family == "mcore":
         model = build_mcore(arch)
         load_mcore(model, sd)
+        if arch.dtype == "bfloat16":  # how Megatron-LM trains in BF16: the model wrapped, its outputs cast to FP32
+            from megatron.core.transformer.module import Float16Module
+
+            model.config.bf16 = True
+            model = Float16Module(model.config, model)
         return model
-    if family == "plain":
-        return build_plain(arch, style, sd)
-    return build_hf(family, arch, style, sd)
+    model = build_plain(arch, style, sd) if family == "plain" else build_hf(family, arch, style, sd)
+    return model.to(torch.bfloat16) if arch.dtype == "bfloat16" else model

@@ -24,7 +24,8 @@ record it accounts. Rules, in the order they are tried:
 ``labels``
     labels present on one side only that are the input ids shifted by one (the other side shifts inside its loss).
 ``rope``
-    a RoPE angle table on one side whose cos and sin are the other side's cos/sin tables (to 1e-5).
+    a RoPE angle table on one side whose cos and sin are the other side's cos/sin tables, to the precision of the
+    coarser of the two (1e-5 in FP32; a BF16 table is cos(angle) rounded to BF16).
 ``inside``
     a record of a parameter-free module (or an extra output) strictly inside a module both sides recorded and whose
     compared records agree (SDPA on one side, explicit softmax and dropout on the other). Never for a module with
@@ -43,6 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .. import dtypes
 from ..record import Record, is_inside, module_label
 from .result import COMPARED, Accounted, Row
 
@@ -132,7 +134,9 @@ def as_mask(x: np.ndarray | None) -> Mask | None:
             attend, how = ~x, "bool, True = masked"
         else:
             return None
-    elif x.dtype.kind == "f":
+    elif dtypes.floats(x) is not None:  # FP32, FP16, BF16 alike (an additive mask holds the dtype's min)
+        x = dtypes.floats(x)
+        assert x is not None
         finite = x[np.isfinite(x)]
         if np.isnan(x).any() or ((x > 0).any() and not set(np.unique(x).tolist()) <= {0.0, 1.0}):
             return None
@@ -409,23 +413,26 @@ def _masks(sides: dict[str, _Side], lone: dict[str, list[Row]]) -> None:
 
 
 def _angles(x: np.ndarray | None) -> np.ndarray | None:
-    """``x`` as a RoPE angle table [S, D] (position times the inverse frequencies: row 0 zeros, row s = s * row 1),
-    or None."""
-    if x is None or x.dtype.kind != "f" or x.ndim < 2 or x.shape[-1] < 2 or x.size > (1 << 24):
+    """``x`` as a RoPE angle table [S, D] (position times the inverse frequencies: row 0 zeros, row s = s * row 1, to
+    the precision of ``x``'s dtype), or None."""
+    f = dtypes.floats(x)
+    if x is None or f is None or x.ndim < 2 or x.shape[-1] < 2 or x.size > (1 << 24):
         return None
-    t = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    t = f.reshape(-1, x.shape[-1]).astype(np.float64)
     if t.shape[0] < 3 or not np.isfinite(t).all() or np.any(t[0]) or not np.any(t[1]):
         return None
-    if not np.allclose(t, np.outer(np.arange(t.shape[0]), t[1]), rtol=1e-5, atol=1e-6):
+    rtol = max(1e-5, 2 * dtypes.resolution(dtypes.name_of(x.dtype)))  # row s is s * row 1 rounded in x's dtype
+    if not np.allclose(t, np.outer(np.arange(t.shape[0]), t[1]), rtol=rtol, atol=1e-6):
         return None
     return t
 
 
 def _trig(x: np.ndarray | None, first: float) -> np.ndarray | None:
     """``x`` as a cos (``first`` 1) or sin (``first`` 0) table [S, D], every leading slice alike, or None."""
-    if x is None or x.dtype.kind != "f" or x.ndim < 2 or x.size > (1 << 24):
+    f = dtypes.floats(x)
+    if x is None or f is None or x.ndim < 2 or x.size > (1 << 24):
         return None
-    t = x.reshape(-1, *x.shape[-2:]).astype(np.float64)
+    t = f.reshape(-1, *x.shape[-2:]).astype(np.float64)
     if not np.isfinite(t).all() or np.abs(t).max() > 1 + 1e-6 or not np.allclose(t[:, 0], first, atol=1e-6):
         return None
     if any(not np.array_equal(t[0], u) for u in t[1:]):
@@ -462,12 +469,15 @@ def _rope(sides: dict[str, _Side], lone: dict[str, list[Row]]) -> None:
                 if set(found) != {"cos", "sin"}:
                     continue
                 (cos_row, cos_rec, cos), (sin_row, sin_rec, sin) = found["cos"], found["sin"]
-                if cos.shape != angles.shape or not (np.allclose(np.cos(angles), cos, atol=1e-5)
-                                                     and np.allclose(np.sin(angles), sin, atol=1e-5)):
+                # at the precision of the coarser side: a BF16 table is cos(angle) rounded to BF16
+                judged = dtypes.coarsest(dtypes.coarsest(rec.dtype, cos_rec.dtype), sin_rec.dtype)
+                atol = 1e-5 + dtypes.resolution(judged)
+                if cos.shape != angles.shape or not (np.allclose(np.cos(angles), cos, rtol=0, atol=atol)
+                                                     and np.allclose(np.sin(angles), sin, rtol=0, atol=atol)):
                     continue
                 shape = "x".join(map(str, rec.shape))
                 row.accounted = Accounted("rope", f"a RoPE angle table [{shape}]: cos and sin of it are {other}'s "
-                                          f"{cos_rec.label} and {sin_rec.label} (to 1e-5)")
+                                          f"{cos_rec.label} and {sin_rec.label} (to {atol:.1e}, {judged})")
                 for r, table, kind in ((cos_row, cos_rec, "cos"), (sin_row, sin_rec, "sin")):
                     r.accounted = Accounted("rope", f"a RoPE {kind} table [{'x'.join(map(str, table.shape))}] of the "
                                             f"angles in {s}'s {rec.label}")

@@ -2,9 +2,11 @@
 
 Evidence, strongest first: the frameworks and model classes in the files' attributes, the module classes and
 names of the records (MindFormers' ``MLPInterleaved`` is the interleaved gate/up layout), and the model
-configuration the capture recorded (heads and query groups for grouped-query attention). A mapping maps B's
-names onto A's, so every built-in expects megatron-core on side A. ``--mapping`` always overrides; the
-choice is said in the report.
+configuration the capture recorded (heads and query groups for grouped-query attention). A mapping maps its
+second side's names onto its first side's (every built-in has megatron-core first), but the captures may come in
+either order: ``orient`` matches a pair file's sides to the two captures by their content, never by argument
+position, and the diff then runs with the mapping's first side as A. ``--mapping`` always overrides the choice of
+file (not of order); both are said in the report.
 """
 
 from __future__ import annotations
@@ -95,6 +97,41 @@ def pick_mapping(attrs_a: dict[str, Any], attrs_b: dict[str, Any], records_a: li
     rules = RenameRules.load(name, variables)
     shown = ", ".join(f"{k}={v}" for k, v in variables.items())
     return rules, f"{name}{f' ({shown})' if shown else ''}, picked from the captures: {why} (--mapping overrides)"
+
+
+def _rule_hits(mapping: RenameRules, records_a: list[Record], records_b: list[Record]) -> int:
+    """How many records the mapping's rules pair with A as its first side and B as its second."""
+    from .align import align_step  # align imports this module's neighbours only; kept local to stay cycle-free
+
+    return sum(1 for p in align_step(records_a, records_b, mapping, order_fallback=False) if p.how == "rule")
+
+
+def orient(attrs_a: dict[str, Any], attrs_b: dict[str, Any], records_a: list[Record], records_b: list[Record],
+           mapping: RenameRules | None, auto: bool) -> tuple[bool, RenameRules | None, str]:
+    """(whether the captures are to be swapped so that A is the mapping's first side, the mapping, the note).
+
+    A given mapping (``--mapping``, a ``map`` output, a user's file) is applied in the orientation its rules fit
+    better, counted over one step's records: the captures' content decides, never their argument order. With no
+    mapping given and ``auto``, the built-in pick is tried with the captures in both orders."""
+    if mapping is not None:
+        if not mapping.rules:
+            return False, mapping, ""
+        straight, swapped = _rule_hits(mapping, records_a, records_b), _rule_hits(mapping, records_b, records_a)
+        if swapped > straight:
+            return True, mapping, (f"{mapping.name or mapping.path}: its first side is the second capture given "
+                                   f"({swapped} records fit its rules that way, {straight} the other): A and B "
+                                   "swapped so that A is the mapping's first side")
+        return False, mapping, ""
+    if not auto:
+        return False, None, ""
+    picked, note = pick_mapping(attrs_a, attrs_b, records_a, records_b)
+    if picked is not None:
+        return False, picked, note
+    back, back_note = pick_mapping(attrs_b, attrs_a, records_b, records_a)
+    if back is not None:
+        return True, back, (back_note + "; the captures were given in the other order: A and B swapped so that A is "
+                            "the mapping's first side (megatron-core)")
+    return False, None, note
 
 
 def _none(fw_a: str, cls_a: str, fw_b: str, cls_b: str) -> str:

@@ -17,12 +17,13 @@ from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 from .. import dtypes
 from ..errors import AlignmentError, UsageError
+from ..mapping import RenameRules
 from ..record import Record
 from ..store import CaptureFile, MergedCapture, open_capture
 from ..store.fanout import ENV_JOBS, executor_for
 from .accounting import account
 from .align import Pair, align_step
-from .autoselect import pick_mapping
+from .autoselect import orient
 from .coverage import coverage, judge_outcome, mark_uncertain, mark_unmatched, not_recorded, not_recorded_phases
 from .divergence import find_first_divergence
 from .exactness import apply_exactness, parallel_of, reproducible, same_stack
@@ -37,7 +38,10 @@ from .workers import BATCH_BYTES, BATCH_PAIRS, measure_batch, records_of
 def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffResult:
     """Compare two capture files. Raises TensordiffError subclasses on bad input."""
     options = options or DiffOptions()
-    with open_capture(path_a) as ca, open_capture(path_b) as cb:
+    with open_capture(path_a) as first, open_capture(path_b) as second:
+        ca, cb, swapped, mapping, mapping_note = _oriented(first, second, options)
+        if swapped:
+            path_a, path_b = path_b, path_a
         _check_shards(ca, cb)
         common = sorted(set(ca.steps) & set(cb.steps))
         if options.steps is not None:
@@ -54,9 +58,6 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         rows: list[Row] = []
         matched_by_name = 0
         run_dtype = dtypes.coarsest(compute_dtype(ca, common[0]), compute_dtype(cb, common[0]))
-        mapping, mapping_note = options.mapping, ""
-        if mapping is None and options.auto_mapping:
-            mapping, mapping_note = pick_mapping(ca.attrs, cb.attrs, ca.records(common[0]), cb.records(common[0]))
         pending: list[tuple[Row, Future[Measured]]] = []
         many = max(_files(ca), _files(cb))  # rank files: merged and compared in worker processes where they pay
         with (executor_for(many) if many > 1 else contextlib.nullcontext()) as executor, \
@@ -107,7 +108,7 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
             path_a=path_a, path_b=path_b, attrs_a=dict(ca.attrs), attrs_b=dict(cb.attrs), rows=rows, steps=common,
             first=first, options=options,
             only_a_steps=sorted(set(ca.steps) - set(cb.steps)), only_b_steps=sorted(set(cb.steps) - set(ca.steps)),
-            coverage=covered, mapping_note=mapping_note,  # 'drift' set since is still compared: the counts hold
+            coverage=covered, mapping_note=mapping_note, swapped=swapped,  # 'drift' set since: the counts hold
             rank_inconsistencies=[f"{side}: {line}" for side, cap in (("A", ca), ("B", cb))
                                   if isinstance(cap, MergedCapture) for step in common for line in cap.inconsistencies(step)],
             interrupted=[f"{side} step {step}: {why}" for side, cap in (("A", ca), ("B", cb)) for step in common
@@ -117,6 +118,21 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         )
         result.outcome, result.reasons = judge_outcome(result)
         return result
+
+
+def _oriented(first: CaptureFile, second: CaptureFile, options: DiffOptions) \
+        -> tuple[CaptureFile, CaptureFile, bool, RenameRules | None, str]:
+    """(A, B, whether they are the captures given in the other order, the mapping, its note): a mapping's sides are
+    matched to the captures by their content (``autoselect.orient``), on the first step both hold."""
+    common = sorted(set(first.steps) & set(second.steps))
+    if options.steps:
+        common = sorted(set(common) & set(options.steps)) or common
+    if not common or (options.mapping is None and not options.auto_mapping):
+        return first, second, False, options.mapping, ""
+    step = common[0]
+    swapped, mapping, note = orient(first.attrs, second.attrs, first.records(step), second.records(step),
+                                    options.mapping, options.auto_mapping)
+    return (second, first, True, mapping, note) if swapped else (first, second, False, mapping, note)
 
 
 #: The default number of comparing threads is the usable cores up to this: past it a host's memory bandwidth, not

@@ -192,6 +192,9 @@ class DiffResult:
     """Why the outcome is 'inconclusive', one sentence each."""
     mapping_note: str = ""
     """Which mapping lined the captures up, when it was picked automatically (or why none was)."""
+    swapped: bool = False
+    """The captures were given in the other order: ``path_a`` is the second path given, so that A is the mapping's
+    first side (``autoselect.orient``); every row, verdict and hint is the one the other order gives."""
     rank_inconsistencies: list[str] = field(default_factory=list)
     interrupted: list[str] = field(default_factory=list)
     nonfinite: dict[str, str | None] = field(default_factory=dict)

@@ -37,8 +37,9 @@ class DiffReport:
     # ------------------------------------------------------------------ text
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         res = self.result
-        yield Text.assemble(("A ", "tensordiff.title"), f"{res.path_a} ({_who(res.attrs_a)})")
-        yield Text.assemble(("B ", "tensordiff.title"), f"{res.path_b} ({_who(res.attrs_b)})")
+        given = (" (given second)", " (given first)") if res.swapped else ("", "")
+        yield Text.assemble(("A ", "tensordiff.title"), f"{res.path_a} ({_who(res.attrs_a)}){given[0]}")
+        yield Text.assemble(("B ", "tensordiff.title"), f"{res.path_b} ({_who(res.attrs_b)}){given[1]}")
         if res.mapping_note:
             yield Text.assemble(("mapping ", "tensordiff.title"), (res.mapping_note, "tensordiff.dim"))
         if res.rank_inconsistencies:
@@ -312,6 +313,7 @@ class DiffReport:
             "first_divergence": res.first.as_dict() if res.first else None,
             "outcome": res.outcome, "exit_code": res.exit_code, "inconclusive_reasons": res.reasons,
             "mapping_note": res.mapping_note or None,
+            "swapped": res.swapped,
             "rank_inconsistencies": res.rank_inconsistencies,
             "first_nonfinite": {"a": res.nonfinite.get("A"), "b": res.nonfinite.get("B")},
             "coverage": {phase: cov.as_dict() for phase, cov in res.coverage.items()},
