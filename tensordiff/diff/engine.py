@@ -38,8 +38,8 @@ from .workers import BATCH_BYTES, BATCH_PAIRS, measure_batch, records_of
 def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffResult:
     """Compare two capture files. Raises TensordiffError subclasses on bad input."""
     options = options or DiffOptions()
-    with open_capture(path_a) as first, open_capture(path_b) as second:
-        ca, cb, swapped, mapping, mapping_note = _oriented(first, second, options)
+    with open_capture(path_a) as given_a, open_capture(path_b) as given_b:
+        ca, cb, swapped, mapping, mapping_note = _oriented(given_a, given_b, options)
         if swapped:
             path_a, path_b = path_b, path_a
         _check_shards(ca, cb)
