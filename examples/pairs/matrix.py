@@ -183,6 +183,42 @@ def clean_pairs() -> list[Case]:
     ]
 
 
+#: The dtypes users train in: every generated pair runs in each (BF16 on the CPU: torch has its kernels).
+DTYPES = ("float32", "bfloat16")
+_SHORT = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def _tag(case: Case, **changed: str) -> str:
+    """A generated variant's name: the base pair's, then what differs from it, e.g. ``mcore-vs-hf-gpt2-eager[bf16,
+    untied]``."""
+    return case.name + (f"[{','.join(changed.values())}]" if changed else "")
+
+
+def generated_pairs(base: list[Case] | None = None) -> list[Case]:
+    """Every base pair (``clean_pairs``) crossed with the generated dimensions: the dtype (``DTYPES``), tied and untied
+    embeddings (both sides alike), and, where one side is a Hugging Face model and the other is not, its attention
+    implementation (eager and SDPA). The argument order is a dimension of every run (``Runner.run`` diffs both
+    ways). The base pair itself is the variant with its own choices, in FP32 (its name unchanged)."""
+    out = []
+    for case in base if base is not None else clean_pairs():
+        hf_b = case.b.family.startswith("hf-") and not case.a.family.startswith("hf-")
+        attns = (case.b.style.attn, "eager" if case.b.style.attn == "sdpa" else "sdpa") if hf_b else (case.b.style.attn,)
+        for dtype in DTYPES:
+            for tied in (case.arch.tied, not case.arch.tied):
+                for attn in attns:
+                    changed = {}
+                    if dtype != "float32":
+                        changed["dtype"] = _SHORT[dtype]
+                    if tied != case.arch.tied:
+                        changed["tied"] = "tied" if tied else "untied"
+                    if attn != case.b.style.attn:
+                        changed["attn"] = attn
+                    b = replace(case.b, style=replace(case.b.style, attn=attn))
+                    out.append(replace(case, name=_tag(case, **changed), arch=replace(case.arch, dtype=dtype, tied=tied),
+                                       b=b, sample=case.sample and not changed))
+    return out
+
+
 def fault_cases(pairs: list[Case]) -> list[Case]:
     out = []
     for case in pairs:
@@ -244,8 +280,16 @@ def layout_cases() -> list[Case]:
 
 
 def all_cases() -> list[Case]:
-    pairs = clean_pairs()
-    return pairs + fault_cases(pairs) + mindformers_cases() + layout_cases()
+    """The generated clean pairs, the faults of each base pair in every dtype, the MindFormers pairs and the
+    distributed layouts; a few of them make the fixed sample CI runs (``sample``)."""
+    pairs = generated_pairs()
+    base = {c.name for c in clean_pairs()}
+    in_dtypes = [c for c in pairs if c.name in base or c.name.endswith(f"[{_SHORT['bfloat16']}]")]
+    sample_bf16 = {"mcore-vs-hf-llama-gqa-sdpa[bf16]", "hf-llama-sdpa-vs-eager[bf16]"}
+    pairs = [replace(c, sample=True) if c.name in sample_bf16 else c for c in pairs]
+    faults = [replace(f, sample=True) if f.name == "mcore-vs-hf-llama-gqa-sdpa[bf16]+norm-eps" else f
+              for f in fault_cases(in_dtypes)]
+    return pairs + faults + mindformers_cases() + layout_cases()
 
 
 # --------------------------------------------------------------------------------------------------- running
@@ -269,7 +313,11 @@ class Outcome:
     reasons: list[str] = field(default_factory=list)
     coverage: str = ""
     wall_s: float = 0.0
-    """seconds spent on this case in this run: the captures it needed that were not cached yet, and its diff."""
+    """seconds spent on this case in this run: the captures it needed that were not cached yet, and its diffs."""
+    pair_found: tuple[str, ...] = ()
+    """the first divergence's two tensors (A's, B's label)."""
+    orders: str = ""
+    """the exit codes of ``diff A B`` and ``diff B A`` ('0/0')."""
 
 
 class Runner:
@@ -366,21 +414,26 @@ class Runner:
             return Outcome(case.name, case.fault, -1, "error", False, reasons=[str(err)[-1500:]],
                            wall_s=time.perf_counter() - t0)
         captured = sum(self.seconds.get(path, 0.0) for path in {a, b})
-        report = os.path.join(self.out, f"r-{_key(case.name)}.json")
+        t0 = time.perf_counter()
+        straight = self._diff(case, a, b, False)
+        back = self._diff(case, b, a, True)  # the argument order is a dimension of every pair
+        return replace(symmetric(straight, back), wall_s=captured + time.perf_counter() - t0)
+
+    def _diff(self, case: Case, a: str, b: str, reversed_: bool, extra: list[str] | None = None) -> Outcome:
+        report = os.path.join(self.out, f"r-{_key(case.name, reversed_)}.json")
         if os.path.exists(report):
             os.remove(report)  # never judge a report an earlier run left
-        t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "tensordiff", "diff", a, b, "--first-divergence", "--json",
-                               report], env=self.env, cwd=self.out, capture_output=True, text=True, timeout=900)
-        wall = captured + time.perf_counter() - t0
+                               report, *(extra or [])], env=self.env, cwd=self.out, capture_output=True, text=True,
+                              timeout=900)
         if self.verbose:
             print(proc.stdout[-6000:])
         if proc.returncode not in (0, 1, 3) or not os.path.exists(report):
             return Outcome(case.name, case.fault, proc.returncode, "error", False,
-                           reasons=[(proc.stdout + proc.stderr)[-800:]], wall_s=wall)
+                           reasons=[(proc.stdout + proc.stderr)[-800:]])
         with open(report, encoding="utf-8") as fh:
             doc = json.load(fh)
-        return replace(judge(case, doc, proc.returncode), wall_s=wall)
+        return judge(case, doc, proc.returncode, reversed_)
 
     def _run_mindformers(self, case: Case) -> Outcome:
         assert case.mindformers is not None
@@ -394,7 +447,13 @@ class Runner:
             return Outcome(case.name, case.fault, proc.returncode, "error", False,
                            reasons=[(proc.stdout + proc.stderr)[-800:]])
         with open(report, encoding="utf-8") as fh:
-            return judge(case, json.load(fh), proc.returncode)
+            straight = judge(case, json.load(fh), proc.returncode)
+        from examples.megatron_vs_mindformers.run import SETUP
+
+        mapping = SETUP[family][2]  # the other order with run.py's own mapping (a built-in one: picked, none given)
+        back = self._diff(case, os.path.join(out, "mindspore.h5"), os.path.join(out, "megatron.h5"), True,
+                          ["--mapping", mapping] if mapping else [])
+        return symmetric(straight, back)
 
     def run_all(self, cases: list[Case], jobs: int = 2) -> list[Outcome]:
         # captures first, two at a time (each training process uses one thread), then the diffs
@@ -424,7 +483,22 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def judge(case: Case, doc: dict, code: int) -> Outcome:
+def symmetric(straight: Outcome, back: Outcome) -> Outcome:
+    """One outcome of a pair diffed in both argument orders: it passes when both do and they say the same: the
+    verdict, the first divergence (the same two tensors), the top hint and what was accounted by which rule."""
+    same = {"exit code": (straight.exit_code, back.exit_code), "outcome": (straight.outcome, back.outcome),
+            "first divergence": (set(straight.pair_found), set(back.pair_found)), "top hint": (straight.hint, back.hint),
+            "accounted": (straight.accounted, back.accounted)}
+    differ = [f"the other argument order gives another {what}: {x!r} vs {y!r}" for what, (x, y) in same.items() if x != y]
+    reasons = straight.reasons + [f"in the other order: {r}" for r in back.reasons if r not in straight.reasons]
+    return replace(straight, passed=straight.passed and back.passed and not differ, reasons=differ + reasons,
+                   unaccounted=straight.unaccounted + [f"(other order) {u}" for u in back.unaccounted],
+                   orders=f"{straight.exit_code}/{back.exit_code}")
+
+
+def judge(case: Case, doc: dict, code: int, reversed_: bool = False) -> Outcome:
+    """``reversed_``: the report of ``diff B A`` (A then holds case.b's capture, unless the diff swapped them back
+    to put the mapping's first side first)."""
     first = doc.get("first_divergence")
     accounted: dict[str, int] = {}
     unaccounted = []
@@ -443,6 +517,8 @@ def judge(case: Case, doc: dict, code: int) -> Outcome:
     if first and case.layout is not None and first["module_a"] not in first.get("location", ""):
         found += f" ({first['location']})"  # found by where, not by module: the gradient reduction
     if case.fault:
+        if reversed_ and not doc.get("swapped") and case.layout is None and case.mindformers is None:
+            case = replace(case, a=case.b)  # A is B's family: the fault's place in its names
         phase, *modules = expected(case)
         passed = (code == 1 and first is not None and first["phase"] == phase
                   and any(first["module_a"] == m or first["module_a"].startswith(m + ".")
@@ -454,8 +530,9 @@ def judge(case: Case, doc: dict, code: int) -> Outcome:
     reasons = list(doc.get("inconclusive_reasons") or [])
     if case.layout is not None:  # what the cross-rank check found, if anything
         reasons += [f"rank inconsistency: {r}" for r in doc.get("rank_inconsistencies") or []]
+    pair_found = (first["tensor_a"], first["tensor_b"]) if first else ()
     return Outcome(case.name, case.fault, code, doc["outcome"], passed, found, hint, accounted, unaccounted,
-                   reasons, cov)
+                   reasons, cov, pair_found=pair_found)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -477,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     layouts = {c.name: c.layout for c in cases if c.layout is not None}
     for r in results:
         mark = "PASS" if r.passed else "FAIL"
-        print(f"{mark} {r.case:50s} exit {r.exit_code} {r.outcome:12s} {r.wall_s:5.0f} s  {r.found} {r.hint}")
+        print(f"{mark} {r.case:50s} exit {r.orders or r.exit_code} {r.outcome:12s} {r.wall_s:5.0f} s  {r.found} {r.hint}")
         if r.case in layouts:
             print(f"      {layouts[r.case].describe()}")
         if not r.passed:
