@@ -117,3 +117,52 @@ def test_map_on_a_pair_a_built_in_fits_says_so_with_both_trials(clean, tmp_path,
     assert "a built-in mapping fits these captures already: mcore-hf-llama (heads=4, groups=2)" in printed
     assert re.search(r"\(\d+ pairs compared at step 0, agree\)", printed), printed
     assert "# A built-in mapping fits these captures already: mcore-hf-llama" in out.read_text()
+
+
+def _diff_reversed(folder, b_name, tmp_path, *extra):
+    """``diff hf.h5 mcore.h5``: the reference given first, as people write it."""
+    report = tmp_path / f"{b_name}-reversed.json"
+    code = main(["diff", str(folder / b_name), str(folder / "mcore.h5"), "--json", str(report), "--width", "80", *extra])
+    return code, json.loads(report.read_text())
+
+
+@pytest.mark.parametrize("extra", [(), ("--mapping", "mcore-hf-llama", "--var", "heads=4", "--var", "groups=2")],
+                         ids=["picked", "given"])
+def test_the_hf_capture_given_first_agrees_with_the_same_rows_as_the_other_order(clean, tmp_path, capsys, extra):
+    folder, proc = clean
+    assert proc.returncode == 0
+    code, straight = _diff(folder, "hf.h5", tmp_path, *extra)
+    code_back, back = _diff_reversed(folder, "hf.h5", tmp_path, *extra)
+    assert (code, code_back) == (0, 0) and back["outcome"] == "agree"
+    assert back["swapped"] is True and straight["swapped"] is False
+    assert back["a"]["path"].endswith("mcore.h5")  # A is the mapping's first side whichever came first
+    assert "(given second)" in " ".join(capsys.readouterr().out.split())
+    rows = lambda rep: sorted((r["step"], r["phase"], r["a"] or "", r["b"] or "", r["verdict"]) for r in rep["rows"])  # noqa: E731
+    assert rows(back) == rows(straight)
+    assert back["summary"] == straight["summary"]
+
+
+def test_a_fault_with_the_hf_capture_given_first_is_the_same_first_divergence_and_hint(clean, tmp_path):
+    folder, _ = clean
+    b = folder / "hf-rms-eps.h5"
+    if not b.exists():  # captured by the fault test when it ran first on this worker
+        cmd = [sys.executable, "-m", "tensordiff", "capture", "--auto", "-o", str(b), "--steps", "2", "--",
+               sys.executable, os.path.join(EXAMPLE, "hf_train.py"), "--weights", str(folder / "hf.safetensors"),
+               "--steps", "2", *FAULTS["rms-eps"][0]]
+        assert subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=600).returncode == 0
+    code, straight = _diff(folder, b.name, tmp_path)
+    code_back, back = _diff_reversed(folder, b.name, tmp_path)
+    assert (code, code_back) == (1, 1)
+    assert back["first_divergence"]["module_a"] == "decoder.layers.0.input_layernorm"
+    assert back["first_divergence"] == straight["first_divergence"]
+    assert [h["cause"] for h in back["hints"]] == [h["cause"] for h in straight["hints"]]
+    assert back["hints"][0]["cause"] == "norm-epsilon"
+
+
+def test_map_with_the_hf_capture_given_first_finds_the_built_in_in_the_other_order(clean, tmp_path, capsys):
+    folder, _ = clean
+    out = tmp_path / "proposed.yaml"
+    assert main(["map", str(folder / "hf.h5"), str(folder / "mcore.h5"), "-o", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "a built-in mapping fits these captures already: mcore-hf-llama (heads=4, groups=2)" in printed
+    assert re.search(r"\(\d+ pairs compared at step 0, agree\)", printed), printed

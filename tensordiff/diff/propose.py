@@ -32,7 +32,7 @@ import numpy as np
 from ..record import Record
 from ..store import open_capture
 from ..transforms import Chunk, QkvGroups, Split, parse_op
-from .autoselect import _config, _first, pick_mapping
+from .autoselect import _config, _first, orient
 from .result import DiffOptions, DiffResult
 
 #: Two parameters are the same checkpoint tensor when their relative L2 difference is below this
@@ -264,7 +264,7 @@ def propose(path_a: str, path_b: str, step: int | None = None) -> Proposal:
                         path_a=path_a, path_b=path_b,
                         stats_only=any(p.x is None for p in params_a + params_b))
         _match(prop, params_a, params_b, recs_a, recs_b, heads)
-        builtin, note = pick_mapping(dict(ca.attrs), dict(cb.attrs), recs_a, recs_b)
+        _, builtin, note = orient(dict(ca.attrs), dict(cb.attrs), recs_a, recs_b, None, True)  # in either order
     _trial(prop)
     if builtin is not None:
         from .engine import diff

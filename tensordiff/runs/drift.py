@@ -2,7 +2,7 @@
 beyond their own noise, from statistics-only captures (``tensors="none"``, every step or every Nth).
 
 * Records are lined up step by step the way ``tensordiff diff`` lines them up (``diff.align.align_step``, with the
-  mapping ``--mapping`` names or the built-in one ``diff.autoselect.pick_mapping`` picks: megatron-core against
+  mapping ``--mapping`` names or the built-in one ``diff.autoselect.orient`` picks (in either order): megatron-core against
   MindFormers or Hugging Face goes through the same rename rules, joins and layout transforms of the statistics).
 * Each matched record's **departure** at a step is the largest of: the relative difference of the L2 norms, of the
   abs-maxima, and the difference of the means over A's RMS (the first two and the last are at most the relative L2
@@ -43,7 +43,7 @@ import numpy as np
 
 from .. import dtypes
 from ..diff.align import Pair, align_step, joined_record
-from ..diff.autoselect import pick_mapping
+from ..diff.autoselect import orient
 from ..diff.judge import compute_dtype
 from ..diff.tolerance import DEFAULT_RTOL, judged_dtype
 from ..errors import RunsError
@@ -386,9 +386,12 @@ def layer_drift(ca: CaptureFile, cb: CaptureFile, baseline: int = DEFAULT_BASELI
     if len(common) <= baseline:
         raise RunsError(f"{ca.path} and {cb.path} share {len(common)} captured step(s); the drift table needs more than "
                         f"the {baseline} baseline steps (--drift-baseline N, or capture more steps)")
-    mapping_note = ""
-    if mapping is None and auto_mapping:
-        mapping, mapping_note = pick_mapping(ca.attrs, cb.attrs, ca.records(common[0]), cb.records(common[0]))
+    # the mapping's sides matched to the captures by content, as diff does: A is its first side
+    swapped, mapping, mapping_note = orient(ca.attrs, cb.attrs, ca.records(common[0]), cb.records(common[0]), mapping,
+                                            auto_mapping)
+    if swapped:
+        ca, cb = cb, ca
+        loss = {k: (b, a) for k, (a, b) in loss.items()} if loss is not None else None
     run_dtype = dtypes.coarsest(compute_dtype(ca, common[0]), compute_dtype(cb, common[0]))
     aligner = _Aligner(mapping, order_fallback)
     n = len(common)
