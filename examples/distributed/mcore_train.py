@@ -41,8 +41,9 @@ from tensordiff.compat.megatron_cpu import enable, sequence_parallel_torch_norms
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, GROUPS, SEQ = 128, 64, 128, 2, 4, 2, 16
 
 
-#: --bias: biases on every linear (megatron returns them apart, skip_bias_add); --pos learned: absolute positions
-ARCH = {"bias": False, "pos": "rope"}
+#: --bias: biases on every linear (megatron returns them apart, skip_bias_add); --pos learned: absolute positions;
+#: --tied: the output layer uses the word embeddings' weight (share_embeddings_and_output_weights, Megatron-LM's default)
+ARCH = {"bias": False, "pos": "rope", "tied": False}
 
 
 def build(tp: int, seed: int, sp: bool = False, pp: int = 1):
@@ -63,7 +64,8 @@ def build(tp: int, seed: int, sp: bool = False, pp: int = 1):
     torch.manual_seed(seed)
     with sequence_parallel_torch_norms():  # the local spec's torch norms refuse SP otherwise (CPU: no fused norms)
         return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                        vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
+                        vocab_size=VOCAB, max_sequence_length=SEQ,
+                        share_embeddings_and_output_weights=ARCH["tied"],
                         position_embedding_type="rope" if ARCH["pos"] == "rope" else "learned_absolute", **stage)
 
 
@@ -94,6 +96,8 @@ def full_weights(seed: int) -> dict[str, torch.Tensor]:
                 w[p + name + ".bias"] = rnd(size)
     w["decoder.final_layernorm.weight"] = torch.ones(HIDDEN)
     w["output_layer.weight"] = rnd(VOCAB, HIDDEN)
+    if ARCH["tied"]:  # one matrix for both ends: a last pipeline stage's copy of it loads the word embeddings
+        w["output_layer.weight"] = w["embedding.word_embeddings.weight"]
     return w
 
 
@@ -110,6 +114,9 @@ FAULTS = {
                       "megatron's p2p expects (the next stage reads tokens of other sequences)",
     "pp-layer-offset": "a later pipeline stage loads its layers from the checkpoint by their stage-local numbers "
                        "(layer 0's weights into global layer 1)",
+    "tied-noreduce": "--tied --pp > 1: the gradients of the tied embedding's two copies (the first stage's word "
+                     "embeddings, the last stage's output layer) never all-reduced over the embedding group, so the "
+                     "copies part after the first optimizer step (megatron's _allreduce_word_embedding_grads skipped)",
 }
 
 
@@ -161,6 +168,22 @@ def reduce_grads(model: torch.nn.Module, args: argparse.Namespace) -> None:
     if args.ddp == "megatron":
         for param in model.parameters():
             param.grad = param.main_grad.clone()
+    if args.tied and args.pp > 1 and args.fault != "tied-noreduce":
+        allreduce_tied_embedding_grads(model)
+
+
+def allreduce_tied_embedding_grads(model: torch.nn.Module) -> None:
+    """--tied --pp > 1: the first stage's word embeddings and the last stage's output layer hold one weight in two
+    copies; megatron's own ``_allreduce_word_embedding_grads`` (what ``finalize_model_grads`` calls) sums their
+    gradients over the embedding group (the first and last stage), so both copies take the same step. It reads the
+    DDP config from the model chunk it is given: the bare model here, with a plain config beside it."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import _allreduce_word_embedding_grads
+
+    chunk = SimpleNamespace(module=model, ddp_config=DistributedDataParallelConfig())
+    _allreduce_word_embedding_grads([chunk], model.config)
 
 
 def wrap(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
@@ -302,6 +325,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fault", choices=sorted(FAULTS), default="none")
     p.add_argument("--bias", action="store_true", help="biases on every linear layer (add_bias_linear)")
     p.add_argument("--pos", choices=("rope", "learned"), default="rope", help="position embeddings")
+    p.add_argument("--tied", action="store_true", help="tied embeddings: the output layer uses the word embeddings' "
+                   "weight (share_embeddings_and_output_weights=True; on --pp > 1 the last stage's copy of it, its "
+                   "gradient all-reduced with the first stage's over megatron's embedding group)")
     p.add_argument("--groups", type=int, default=GROUPS,
                    help=f"query groups (default {GROUPS}; {HEADS}: MHA); --tp must divide it")
     p.add_argument("--ddp", choices=("manual", "megatron", "torch"), default="manual",
@@ -314,6 +340,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         raise SystemExit("--ddp megatron | torch: not with --pp (the pipeline path reduces by hand)")
     if args.fault.startswith("pp-") and args.pp == 1:
         raise SystemExit(f"--fault {args.fault} is a pipeline fault: use it with --pp 2 or more")
+    if args.fault == "tied-noreduce" and not (args.tied and args.pp > 1):
+        raise SystemExit("--fault tied-noreduce is a fault of tied embeddings across pipeline stages: use it with "
+                         "--tied --pp 2 or more")
     return args
 
 
@@ -322,7 +351,7 @@ def run(args: argparse.Namespace) -> None:
     trained and captured, the parallel state torn down (so that another run may follow in the same processes)."""
     global GROUPS
     GROUPS = args.groups
-    ARCH.update(bias=args.bias, pos=args.pos)
+    ARCH.update(bias=args.bias, pos=args.pos, tied=args.tied)
     from megatron.core import parallel_state, tensor_parallel
 
     if dist.get_world_size() != args.tp * args.dp * args.pp:

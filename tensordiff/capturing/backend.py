@@ -66,6 +66,12 @@ class TensorBackend(ABC):
         """In-place modification counter (0 where the framework has none): a changed tensor is recorded anew."""
         return 0
 
+    def alias_key(self, t: Any, untracked: bool = False) -> Any:
+        """A hashable key equal for two tensors over the same memory in the same layout (storage, offset, shape,
+        strides, dtype), or None (unknown, or with ``untracked``: ``t`` carries autograd history). Finds a forward
+        argument that is a parameter under another tensor object."""
+        return None
+
     def hook_grad(self, t: Any, fn: Callable[[Any], None]) -> Any:
         """Register ``fn(grad)`` to run when the gradient of ``t`` is computed; a handle with ``remove()``, or None."""
         return None

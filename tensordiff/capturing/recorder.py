@@ -234,6 +234,9 @@ class Recorder:
         self._data: dict[int, Any] = {}
         self._seen: dict[int, tuple[Any, int, int]] = {}
         self._stack: list[tuple[str, int, int, str]] = []
+        # the step's parameters as recorded (phase weights): id -> (ref, version, seq), and their storage aliases
+        self._param_seqs: dict[int, tuple[Any, int, int]] = {}
+        self._param_aliases: dict[Any, tuple[Any, int, int]] = {}
         # inputs whose gradient is hooked, per open call (its enter seq): (tensor ref, version, hook)
         self._watched: dict[int, list[tuple[Any, int, Any]]] = {}
         self._calls: dict[str, int] = defaultdict(int)
@@ -254,7 +257,38 @@ class Recorder:
             # asked for on purpose: tensordiff noise's second run
             self._t.perturb([p for _, _, p in self._params], self.options.perturb)
         for mod, pname, p in self._params:
-            self._record("weights", "param", mod, 0, pname, self._classes.get(mod, ""), p, track=False)
+            seq = self._record("weights", "param", mod, 0, pname, self._classes.get(mod, ""), p, track=False)
+            self._note_parameter(p, seq)
+
+    def _note_parameter(self, p: Any, seq: int) -> None:
+        """Remember parameter ``p``, recorded as ``seq``: a forward argument that is ``p`` (megatron's tied output layer
+        is called with ``weight=`` the word embeddings' weight) is recorded as a link to it (``_parameter_link``)."""
+        try:
+            entry = (weakref.ref(p), self._t.version(p), seq)
+        except TypeError:  # not weak-referenceable: no links to it
+            return
+        self._param_seqs[id(p)] = entry
+        key = self._t.alias_key(p)
+        if key is not None:
+            self._param_aliases.setdefault(key, entry)
+
+    def _parameter_link(self, t: Any) -> int:
+        """The seq of the step's weights record of the parameter that forward argument ``t`` is, else -1: the very
+        tensor object, or a tensor with no autograd history over the same storage in the same layout (``p.detach()``,
+        ``p.data``), either unchanged since the weights were recorded. The link says the argument *is* that parameter:
+        the merge of rank files shards it as the parameter is sharded and the cross-rank check checks the parameter
+        (store/merged.py). A differentiable view of a parameter is recorded as itself (its gradient is hooked)."""
+        entry = self._param_seqs.get(id(t))
+        if entry is not None and entry[0]() is t:
+            return entry[2] if self._t.version(t) == entry[1] else -1
+        if not self._param_aliases:
+            return -1
+        key = self._t.alias_key(t, untracked=True)
+        entry = self._param_aliases.get(key) if key is not None else None
+        if entry is None:
+            return -1
+        p = entry[0]()
+        return entry[2] if p is not None and self._t.version(p) == entry[1] else -1
 
     def _on_call(self, name: str, args: Any, kwargs: dict) -> None:
         """A framework pre-hook: never raises into the model (a failure stops the capture)."""
@@ -289,7 +323,7 @@ class Recorder:
             for value in (list(args), kwargs):
                 for slot, t in flatten(value, "", self._t.is_tensor):
                     self._record("forward", "input", name, call, slot, cls, t, enter=enter, parent=parent,
-                                 grad_kind="grad_input")
+                                 grad_kind="grad_input", same_as=self._parameter_link(t))
 
     def _end_call(self, name: str, output: Any) -> None:
         """A module/cell returns: its outputs."""

@@ -76,6 +76,14 @@ class TorchTensors(TensorBackend):
     def version(self, t: torch.Tensor) -> int:
         return t._version
 
+    def alias_key(self, t: torch.Tensor, untracked: bool = False) -> Any:
+        if (untracked and t.grad_fn is not None) or t.numel() == 0:
+            return None
+        try:
+            return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+        except Exception:  # no storage (meta, fake or functional tensors)
+            return None
+
     def hook_grad(self, t: torch.Tensor, fn: Any) -> Any:
         if t.requires_grad and t.grad_fn is not None and torch.is_grad_enabled():
             return t.register_hook(fn)

@@ -6,7 +6,10 @@
   when used), and ``sequence_parallel`` from the model's config; for a pipeline stage, the offset of its first
   layer (``layer_offset``: the global number of its local layer 0).
 * ``param_splits(model)``: for each parameter megatron marks, ``tensor_model_parallel``, ``partition_dim``,
-  ``partition_stride`` and ``sequence_parallel`` (its gradient is a partial sum until the TP all-reduce).
+  ``partition_stride``, ``sequence_parallel`` (its gradient is a partial sum until the TP all-reduce) and
+  ``shared_embedding`` (``tied``: one of the copies of the tied word embeddings that pipeline stages hold, the first
+  stage's ``embedding.word_embeddings.weight`` and the last stage's ``output_layer.weight``, kept equal by the
+  embedding group's all-reduce of their gradients).
 
 Both are written into the capture as JSON (``parallel`` attribute, ``param_splits`` metadata). Nothing here may
 fail the capture: a value that cannot be read is left out.
@@ -97,18 +100,22 @@ def _layer_offset(model: Any) -> int | None:
 
 
 def param_splits(model: Any) -> dict[str, dict[str, Any]]:
-    """``{module.param: {"tp": bool, "dim": int, "stride": int, "sp": bool}}`` for the parameters megatron marks."""
+    """``{module.param: {"tp": bool, "dim": int, "stride": int, "sp": bool[, "tied": True]}}`` for the parameters
+    megatron marks (``tied``: ``shared_embedding``, a pipeline stage's copy of the tied word embeddings)."""
     out: dict[str, dict[str, Any]] = {}
     try:
         for name, p in model.named_parameters():
             tp = bool(getattr(p, "tensor_model_parallel", False))
             sp = bool(getattr(p, "sequence_parallel", False))
-            if not (tp or sp):
+            tied = getattr(p, "shared_embedding", False) is True
+            if not (tp or sp or tied):
                 continue
             entry: dict[str, Any] = {"tp": tp, "sp": sp}
             if tp:
                 entry["dim"] = int(getattr(p, "partition_dim", 0))
                 entry["stride"] = int(getattr(p, "partition_stride", 1))
+            if tied:
+                entry["tied"] = True
             out[name] = entry
     except Exception:
         return out

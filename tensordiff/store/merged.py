@@ -290,7 +290,7 @@ class MergedCapture(CaptureFile):
         """Each data-parallel rank's own tensor of a record the merge averages over DP (a local gradient, kind
         ``grad_local``), TP-joined as the merge joins it, or None (another record, tensors not stored)."""
         plan = self.plan(record) if record.kind == "grad_local" else None
-        if plan is None or not plan[1].dp_mean:
+        if plan is None or plan[0] != "merge" or not plan[1].dp_mean:
             return None
         rows = _read_grid(plan[2], self._read)
         return None if rows is None else [_dp_row(plan[1], row) for row in rows]
@@ -499,17 +499,24 @@ class MergedCapture(CaptureFile):
 
 
 def _parameters_held(records: list[Record]) -> dict[int, Record]:
-    """Activations that hold a parameter of their module (or of one inside it) as it is, by value (shape and
-    statistics on this rank), and their gradients: seq -> the parameter. Such a record is sharded as that parameter
-    is: the bias megatron's ColumnParallelLinear returns apart (``skip_bias_add``) is its bias shard on each rank,
-    not a tensor replicated across TP."""
+    """Activations that are a parameter, and their gradients: seq -> the parameter. Such a record is sharded as that
+    parameter is, and checked across ranks as it (through its link): a forward argument the capture linked to the
+    parameter's weights record (``same_as``: the very tensor, e.g. megatron's tied output layer called with
+    ``weight=`` the word embeddings' vocabulary shard), or, by value (shape and statistics on this rank), an
+    activation holding a parameter of its module (or of one inside it) as it is: the bias megatron's
+    ColumnParallelLinear returns apart (``skip_bias_add``) is its bias shard on each rank, not a tensor replicated
+    across TP."""
     params: dict[tuple, list[Record]] = {}
+    weights: dict[int, Record] = {}
     for r in records:
         if r.phase == "weights":
             params.setdefault((r.shape, r.min, r.max, r.mean, r.l2), []).append(r)
+            weights[r.seq] = r
     out: dict[int, Record] = {}
     for r in records:
-        if r.phase == "forward" and r.kind in ("input", "output") and r.same_as < 0 and r.numel > 1:
+        if r.phase == "forward" and r.same_as in weights:
+            out[r.seq] = weights[r.same_as]
+        elif r.phase == "forward" and r.kind in ("input", "output") and r.same_as < 0 and r.numel > 1:
             owner = next((p for p in params.get((r.shape, r.min, r.max, r.mean, r.l2), ())
                           if p.module == r.module or p.module.startswith(r.module + ".") or r.module == ""), None)
             if owner is not None:
@@ -564,7 +571,8 @@ def _local_tokens(records: list[Record]) -> frozenset[int]:
 
 
 #: A record's tensor as plain data another process can follow: ("file", path, record): one stored tensor;
-#: ("merge", spec, grid): rank files' tensors (grid: rows of (path, record)) joined as ``spec`` says
+#: ("merge", spec, grid): rank files' tensors (grid: rows of (path, record)) joined as ``spec`` says;
+#: ("sum", plans): the sum of other plans' tensors (a tied weight's local gradient: one share per pipeline stage)
 Plan = tuple
 
 
@@ -575,6 +583,11 @@ def read_plan(plan: Plan | None, read: Callable[[str, Record], np.ndarray | None
         return None
     if plan[0] == "file":
         return read(plan[1], plan[2])
+    if plan[0] == "sum":
+        parts = [read_plan(p, read) for p in plan[1]]
+        if not parts or any(p is None for p in parts):
+            return None
+        return _sum([p for p in parts if p is not None])
     _, spec, grid = plan
     rows = _read_grid(grid, read)
     if rows is None:

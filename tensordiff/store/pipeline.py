@@ -19,6 +19,13 @@ joins the stages:
   - the loss: the last stage's (the others hold, at most, its broadcast);
   - anything else (token ids, masks, rotary embeddings: computed or fed on every stage): the first stage's; the
     other stages' copies are checked against it by the cross-rank check ("PP ranks 0/1 differ").
+* **tied embeddings** (``share_embeddings_and_output_weights``): the last stage's ``output_layer.weight`` is its copy
+  of the first stage's ``embedding.word_embeddings.weight`` (both marked ``tied`` in ``param_splits``: megatron's
+  ``shared_embedding``), kept equal by the embedding group's all-reduce of their gradients. The copy's weights and
+  reduced gradient are the original's records held by another stage: joined under the original's name, checked
+  against it ("PP ranks 0/1 differ": a missing embedding all-reduce), and the last stage's output layer argument
+  that is the copy (``output_layer input.weight``, a link) is the original, as in the single-device run. Before any
+  reduction (``grad_local``) each copy holds its own stage's share: the merged local gradient is their sum;
 * **the boundary**: the first float input that a stage k > 0 did not compute itself (its first layer's
   ``hidden_states``) is the tensor it received; ``received_from(record)`` names what stage k - 1 sent (its
   model output, i.e. its last layer's output) for the ``pp-boundary`` hint.
@@ -39,7 +46,8 @@ import numpy as np
 
 from ..errors import CaptureFileError
 from ..record import PHASE_RANK, Record
-from .merged import MergedCapture, _local_batch, _same_stats
+from ..stats import host_stats
+from .merged import MergedCapture, Plan, _local_batch, _same_stats
 from .reader import CaptureFile
 
 _LAYER = re.compile(r"(^|\.)(decoder\.layers\.)(\d+)(?=\.|$)")
@@ -77,6 +85,8 @@ class _Step:
     merged: dict[tuple[int, int], Record]  # (stage, the stage's seq) -> merged record (dropped: the one kept)
     copies: list[tuple[Record, int, Record]]  # (merged record, another stage, its copy): the cross-stage check
     received: dict[int, Record]  # merged seq of a stage's received input -> merged record of what was sent
+    #: merged seq of a tied weight's local gradient -> [(stage, the stage's record)]: the merged one is their sum
+    summed: dict[int, list[tuple[int, Record]]]
 
 
 class PipelineCapture(MergedCapture):
@@ -152,8 +162,11 @@ class PipelineCapture(MergedCapture):
         self._grid = first._grid
         self.attrs = dict(first.attrs)
         self.attrs["merged_from"] = json.dumps({"files": len(paths), "tp": self.tp, "dp": self.dp, "pp": self.pp})
+        self._tied = self._tied_copies()
+        copies = {name for _, name in self._tied}
         self._param_splits = {global_layer_name(name, self.offsets[k]): split
-                              for k, s in enumerate(self._stages) for name, split in s._param_splits.items()}
+                              for k, s in enumerate(self._stages) for name, split in s._param_splits.items()
+                              if not (k == self.pp - 1 and name in copies)}
         if self._param_splits:
             self.attrs["param_splits"] = json.dumps(self._param_splits, sort_keys=True)
         common = set(first.steps)
@@ -194,12 +207,25 @@ class PipelineCapture(MergedCapture):
         return self._step(step).records
 
     def array(self, record: Record) -> np.ndarray | None:
+        summed = self._summed(record)
+        if summed is not None:
+            return _sum([self._stages[k].array(rec) for k, rec in summed])
         found = self._local(record)
         return None if found is None else self._stages[found[0]].array(found[1])
 
-    def plan(self, record: Record) -> tuple | None:
+    def plan(self, record: Record) -> Plan | None:
+        summed = self._summed(record)
+        if summed is not None:
+            plans = [self._stages[k].plan(rec) for k, rec in summed]
+            return None if any(p is None for p in plans) else ("sum", tuple(plans))
         found = self._local(record)
         return None if found is None else self._stages[found[0]].plan(found[1])
+
+    def dp_copies(self, record: Record) -> list[np.ndarray] | None:
+        if self._summed(record) is not None:
+            return None  # each DP rank's local gradient of a tied weight is a sum over stages: not kept apart
+        found = self._local(record)
+        return None if found is None else self._stages[found[0]].dp_copies(found[1])
 
     def tp_copies(self, record: Record) -> list[np.ndarray] | None:
         found = self._local(record)
@@ -239,6 +265,24 @@ class PipelineCapture(MergedCapture):
         return None if found is None else found[0]
 
     # ------------------------------------------------------------------ joining the stages
+    def _tied_copies(self) -> list[tuple[str, str]]:
+        """(the first stage's parameter, the last stage's copy of it) for the tied word embeddings: the parameters
+        each marks ``tied`` in its ``param_splits`` (megatron's ``shared_embedding``), paired in order; [] when the
+        two stages do not mark as many (a run without tied embeddings, a capture before the mark)."""
+        if self.pp < 2:
+            return []
+
+        def tied(stage: MergedCapture) -> list[str]:
+            return [name for name, split in stage._param_splits.items() if isinstance(split, dict) and split.get("tied")]
+
+        first, last = tied(self._stages[0]), tied(self._stages[-1])
+        return list(zip(first, last)) if len(first) == len(last) else []
+
+    def _summed(self, record: Record) -> list[tuple[int, Record]] | None:
+        if record.step not in self.steps or record.kind != "grad_local":
+            return None
+        return self._step(record.step).summed.get(record.seq)
+
     def _first_rank(self, stage: int) -> int:
         return self._stages[stage]._rank_of(0)
 
@@ -266,6 +310,13 @@ class PipelineCapture(MergedCapture):
         renamed = [[replace(r, module=global_layer_name(r.module, self.offsets[k]),
                             parent=global_layer_name(r.parent, self.offsets[k])) for r in recs]
                    for k, recs in enumerate(per_stage)]
+        tied = {}  # the last stage's copy of a tied weight (module, slot) -> the first stage's original
+        for original, copy in self._tied:
+            tied[tuple(copy.rpartition(".")[::2])] = original.rpartition(".")[::2]
+        tied_seqs = {r.seq for r in renamed[last] if r.phase in ("weights", "param_grad") and (r.module, r.slot) in tied}
+        if tied_seqs:  # the copy's weights and gradients are the original's records, held by another stage
+            renamed[last] = [replace(r, module=tied[(r.module, r.slot)][0], slot=tied[(r.module, r.slot)][1])
+                             if r.seq in tied_seqs else r for r in renamed[last]]
         handed = [_handed_over(recs) if k < last else set() for k, recs in enumerate(per_stage)]
         holders: dict[tuple, list[int]] = {}
         for k, recs in enumerate(renamed):
@@ -347,6 +398,7 @@ class PipelineCapture(MergedCapture):
             local[n] = (k, per_stage[k][i])
             merged[(k, r.seq)] = rec
         copies: list[tuple[Record, int, Record]] = []
+        summed: dict[int, list[tuple[int, Record]]] = {}
         for k, recs in enumerate(renamed):
             for i, r in enumerate(recs):
                 if (k, r.seq) in merged:
@@ -354,16 +406,46 @@ class PipelineCapture(MergedCapture):
                 target = resolve(k, r.seq)
                 if target >= 0:
                     merged[(k, r.seq)] = records[target]
+                if target >= 0 and r.kind == "grad_local" and k == last and r.seq in tied_seqs:
+                    # a tied copy's gradient before any reduction: its stage's share of the original's
+                    summed.setdefault(target, [local[target]]).append((k, per_stage[k][i]))
+                    continue
                 kind_ok = r.same_as < 0 and r.kind not in ("output", "grad_output") and r.phase != "loss"
                 if kind_ok and target >= 0:
                     copies.append((records[target], k, per_stage[k][i]))
+        for target, parts in summed.items():
+            records[target] = _summed_record(records[target], [self._stages[k].array(rec) for k, rec in parts])
+            for key, rec in merged.items():
+                if rec.seq == target:
+                    merged[key] = records[target]
         received = {}
         for k in range(1, len(per_stage)):
             got = _received_input(per_stage[k])
             sent = _sent_output(per_stage[k - 1], got.call if got is not None else 0) if got is not None else None
             if got is not None and sent is not None and (k, got.seq) in merged and (k - 1, sent.seq) in merged:
                 received[merged[(k, got.seq)].seq] = merged[(k - 1, sent.seq)]
-        return _Step(records, local, merged, copies, received)
+        return _Step(records, local, merged, copies, received, summed)
+
+
+def _sum(parts: list[np.ndarray | None]) -> np.ndarray | None:
+    """The sum of the stages' shares of one tensor, in float64, in the first share's dtype (None where one is not
+    stored)."""
+    if not parts or any(p is None for p in parts):
+        return None
+    arrays = [p for p in parts if p is not None]
+    return np.sum(np.stack([p.astype(np.float64) for p in arrays]), axis=0).astype(arrays[0].dtype)
+
+
+def _summed_record(rec: Record, parts: list[np.ndarray | None]) -> Record:
+    """``rec`` (a tied weight's local gradient) with the statistics of the sum of the stages' shares; NaN where a
+    share is not stored (its pair is then skipped, never passed: ``Record.stats_known``)."""
+    total = _sum(parts)
+    if total is None:
+        nan = float("nan")
+        return replace(rec, min=nan, max=nan, mean=nan, l2=nan, nan=0, inf=0, has_data=False)
+    mn, mx, s, l2, nan_count, inf_count = host_stats(total)
+    return replace(rec, min=mn, max=mx, mean=s / total.size if total.size else 0.0, l2=l2, nan=int(nan_count),
+                   inf=int(inf_count), has_data=True)
 
 
 def _micro_batches(records: list[Record]) -> dict[int, int]:
