@@ -388,3 +388,81 @@ def test_the_gradient_of_an_input_a_module_modifies_in_place_is_still_recorded(r
         assert [r.module for r in grads] == [f"decoder.layers.{i}.self_attention.core_attention.scale_mask_softmax"
                                              for i in (1, 0)]
         assert all(r.numel == 4 * 4 * 16 * 16 and r.l2 > 0 for r in grads)
+
+
+# ----------------------------------------------------------------------------- tied embeddings
+@pytest.fixture(scope="module")
+def tied_runs(tp2):
+    """Tied embeddings (share_embeddings_and_output_weights, Megatron-LM's default): the single-process reference, TP=2
+    (the output layer called with ``weight=`` the embedding's vocabulary shard), PP=2 (the last stage's copy of the
+    word embeddings, its gradient all-reduced over the embedding group), DP=2, and PP=2 without that all-reduce."""
+    folder = tp2[0].parent
+    return {"ref": _torchrun(folder, "tied-ref", 1, "--tied"),
+            **_torchrun_many(folder, {"tied-tp2": ["--tp", "2", "--tied"], "tied-pp2": ["--pp", "2", "--tied"],
+                                      "tied-dp2": ["--dp", "2", "--tied"],
+                                      "tied-nr": ["--pp", "2", "--tied", "--fault", "tied-noreduce"]})}
+
+
+def test_a_parameter_passed_as_an_argument_is_recorded_as_that_parameter(tied_runs):
+    """The tied output layer's ``weight=`` is the word embeddings' parameter itself: a link to its weights record on
+    every rank (never a replicated copy of its own); the pipeline stages mark the two copies of the tied weight."""
+    for path in (tied_runs["ref"], tied_runs["tied-tp2"].replace("rank*", "rank1")):
+        with CaptureFile(path) as cap:
+            recs = {r.seq: r for r in cap.records(0)}
+            arg = next(r for r in recs.values() if r.label == "output_layer input.weight")
+            assert arg.same_as >= 0 and recs[arg.same_as].label == "embedding.word_embeddings weight"
+            assert arg.shape == recs[arg.same_as].shape == ((128 if "ref" in path else 64), 64)
+    for rank, name in ((0, "embedding.word_embeddings.weight"), (1, "output_layer.weight")):
+        with CaptureFile(tied_runs["tied-pp2"].replace("rank*", f"rank{rank}")) as cap:
+            splits = json.loads(cap.attrs["param_splits"])
+            assert [n for n, s in splits.items() if s.get("tied")] == [name]
+            assert json.loads(cap.attrs["model_config"])["share_embeddings_and_output_weights"] is True
+
+
+@pytest.mark.parametrize("layout", ["tied-tp2", "tied-pp2", "tied-dp2"])
+@pytest.mark.parametrize("order", ["ref-first", "run-first"])
+def test_tied_embeddings_merge_and_agree_with_the_single_device_run_in_either_order(tied_runs, layout, order,
+                                                                                    tmp_path):
+    from tensordiff.cli import main
+
+    report = tmp_path / "r.json"
+    sides = [tied_runs["ref"], tied_runs[layout]]
+    assert main(["diff", *(sides if order == "ref-first" else sides[::-1]), "--first-divergence",
+                 "--json", str(report)]) == 0
+    doc = json.loads(report.read_text())
+    assert doc["outcome"] == "agree" and doc["rank_inconsistencies"] == [] and doc["summary"]["shape_mismatch"] == 0
+    assert all(c["only_a"] == c["only_b"] == 0 and c["compared_a"] == c["recorded_a"]
+               for c in doc["coverage"].values())
+    arg = [r["verdict"] for r in doc["rows"] if r["step"] == 0 and r["a"] == "output_layer input.weight"]
+    assert arg == ["ok"]
+
+
+def test_the_cross_rank_check_passes_clean_tied_runs_and_joins_the_stages_in_the_reference_order(tied_runs, capsys):
+    from tensordiff.cli import main
+    from tensordiff.store import open_capture
+
+    for layout in ("tied-tp2", "tied-pp2"):
+        assert main(["check", tied_runs[layout], "--no-color"]) == 0, capsys.readouterr().out
+        assert "Consistent: every record that must be identical across ranks is." in capsys.readouterr().out
+    with open_capture(tied_runs["tied-pp2"]) as cap, CaptureFile(tied_runs["ref"]) as ref:
+        for step in ref.steps:  # the last stage's copy is the first stage's weight: no output_layer weight record
+            assert [r.key for r in cap.records(step)] == [r.key for r in ref.records(step)]
+
+
+def test_a_missing_embedding_all_reduce_across_pipeline_stages_is_found_at_the_tied_weight(tied_runs, tmp_path,
+                                                                                          capsys):
+    from tensordiff.cli import main
+
+    code, report = _diff(tied_runs, "tied-nr", tmp_path, "--first-divergence")
+    first = report["first_divergence"]
+    assert code == 1 and (first["step"], first["phase"], first["module_a"], first["kind"]) == (
+        0, "param_grad", "embedding.word_embeddings", "grad")
+    assert "B: embedding.word_embeddings grad weight: PP ranks 0/1 differ" in report["rank_inconsistencies"]
+    top = report["hints"][0]
+    assert top["cause"] == "pp-tied" and top["explained"] > 0.99 and "(output_layer.weight)" in top["title"]
+    assert main(["check", tied_runs["tied-nr"], "--no-color"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "param_grad embedding.word_embeddings grad weight: PP ranks 0/1 differ" in out
+    assert "weights embedding.word_embeddings weight: PP ranks 0/1 differ" in out  # step 1: the copies drifted apart
+    assert ("the gradients of the tied word embeddings' copies differ across pipeline stages "
+            "(embedding.word_embeddings.weight on the first, output_layer.weight on the last)") in out

@@ -6,7 +6,9 @@
     torchrun --standalone --nproc_per_node 2 examples/distributed/mcore_train.py --dp 2 --ddp megatron --capture run.h5
     torchrun --standalone --nproc_per_node 2 examples/distributed/mcore_train.py --pp 2 --capture run.h5
     torchrun --standalone --nproc_per_node 4 examples/distributed/mcore_train.py --tp 4 --groups 4 --capture run.h5
+    torchrun --standalone --nproc_per_node 2 examples/distributed/mcore_train.py --pp 2 --tied --capture run.h5
     python examples/distributed/mcore_train.py --capture ref.h5          # TP=1, DP=1: the reference
+    python examples/distributed/mcore_train.py --tied --capture ref.h5   # ... of the --tied runs
 
 Every run starts from the same weights: the full (TP=1) model is built from --seed on each rank and each rank
 keeps its tensor-parallel shard of it, cut the way megatron-core lays it out (linear_qkv per query group,
@@ -18,7 +20,12 @@ all-reduced over the TP group, as megatron's ``finalize_model_grads`` does. Unde
 each stage builds its share of the layers and loads them from the full weights under their global numbers;
 megatron's own schedule (``get_forward_backward_func()``, one micro-batch of the whole local batch) runs the
 forward and backward passes and hands the hidden states between the stages. Each rank writes its capture:
-run.rank0.h5, run.rank1.h5, ... ``--groups`` sets the query groups (default 2, GQA); TP must divide it, so TP=4
+run.rank0.h5, run.rank1.h5, ... ``--tied`` ties the output layer to the word embeddings
+(``share_embeddings_and_output_weights``, Megatron-LM's default): under TP the output layer is called with
+``weight=`` the embedding's vocabulary shard; under PP the last stage holds a copy of the embedding matrix as its
+``output_layer.weight`` (loaded from the embedding's weights) and the two copies' gradients are all-reduced over
+megatron's embedding group by megatron's own ``_allreduce_word_embedding_grads`` (``--fault tied-noreduce``: not).
+``--groups`` sets the query groups (default 2, GQA); TP must divide it, so TP=4
 needs ``--groups 4`` (MHA), on the reference run too.
 """
 
@@ -168,7 +175,7 @@ def reduce_grads(model: torch.nn.Module, args: argparse.Namespace) -> None:
     if args.ddp == "megatron":
         for param in model.parameters():
             param.grad = param.main_grad.clone()
-    if args.tied and args.pp > 1 and args.fault != "tied-noreduce":
+    if getattr(args, "tied", False) and getattr(args, "pp", 1) > 1 and args.fault != "tied-noreduce":
         allreduce_tied_embedding_grads(model)
 
 

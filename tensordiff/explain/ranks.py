@@ -6,6 +6,9 @@ tensor-parallel or data-parallel group. Which records they are says where the mi
 * only gradients of parameters megatron marks ``sequence_parallel``, across TP ranks: their TP all-reduce is
   missing (megatron's ``finalize_model_grads``; Megatron-LM #1446, gpt-neox #1257);
 * parameter gradients across DP ranks: the data-parallel all-reduce is missing, or was not waited for;
+* the tied word embeddings' copies across pipeline stages (the first stage's word embeddings, the last stage's
+  output layer, marked ``tied``): the embedding group's all-reduce of their gradients is missing (megatron's
+  ``finalize_model_grads``, ``_allreduce_word_embedding_grads``), and from the next step on their weights differ;
 * weights across ranks (with gradients agreeing): the ranks did not start from the same weights;
 * anything else: an activation that should be replicated is not (a missing all-reduce/all-gather in the forward).
 """
@@ -26,6 +29,19 @@ def inconsistency_cause(items: list[tuple[Record, str, list[int]]], split: Any) 
     first_phase = min((rec.phase for rec, _, _ in items), key=lambda p: order.index(p) if p in order else 99)
     first = [(rec, group) for rec, group, _ in items if rec.phase == first_phase]
     groups = {group for _, group in first}
+    if groups == {"PP"} and all(split(rec.module, rec.slot).get("tied") for rec, _ in first):
+        names = []
+        for rec, _ in first:
+            copy = split(rec.module, rec.slot).get("tied_copy")
+            name = f"{rec.module}.{rec.slot} on the first" + (f", {copy} on the last" if copy else "")
+            if name not in names:
+                names.append(name)
+        what, why = (("gradients", "") if first_phase == "param_grad" else
+                     ("weights", "an earlier step updated them with different gradients: "))
+        return (f"the {what} of the tied word embeddings' copies differ across pipeline stages ({'; '.join(names)}): "
+                f"{why}each stage computes its own share of the gradient, and the shares must be all-reduced over the "
+                "embedding group before the optimizer step (megatron's finalize_model_grads, "
+                "_allreduce_word_embedding_grads)")
     if first_phase == "param_grad":
         if groups == {"TP"} and all(split(rec.module, rec.slot).get("sp") for rec, _ in first):
             return (f"the gradients of {len(first)} parameter(s) marked sequence_parallel differ across tensor-parallel "

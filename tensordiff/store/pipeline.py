@@ -87,6 +87,8 @@ class _Step:
     received: dict[int, Record]  # merged seq of a stage's received input -> merged record of what was sent
     #: merged seq of a tied weight's local gradient -> [(stage, the stage's record)]: the merged one is their sum
     summed: dict[int, list[tuple[int, Record]]]
+    #: merged seq of a tied weight's record (weights, reduced gradient) -> [(stage, its copy there)]
+    tied: dict[int, list[tuple[int, Record]]]
 
 
 class PipelineCapture(MergedCapture):
@@ -167,6 +169,9 @@ class PipelineCapture(MergedCapture):
         self._param_splits = {global_layer_name(name, self.offsets[k]): split
                               for k, s in enumerate(self._stages) for name, split in s._param_splits.items()
                               if not (k == self.pp - 1 and name in copies)}
+        for original, copy in self._tied:  # the original names its copy on the last stage (explain/ranks.py)
+            if isinstance(self._param_splits.get(original), dict):
+                self._param_splits[original] = {**self._param_splits[original], "tied_copy": copy}
         if self._param_splits:
             self.attrs["param_splits"] = json.dumps(self._param_splits, sort_keys=True)
         common = set(first.steps)
@@ -258,6 +263,27 @@ class PipelineCapture(MergedCapture):
             return None
         stage = st.local[record.seq][0]
         return sent, stage - 1, stage
+
+    def tied_copies(self, record: Record) -> list[tuple[int, np.ndarray]] | None:
+        """For a tied weight's record (its weights or reduced gradient, merged: the first stage's), each stage's copy
+        of it as (stage, tensor), the first stage's first; None for another record or where one is not stored."""
+        if record.step not in self.steps:
+            return None
+        st = self._step(record.step)
+        copies = st.tied.get(record.seq)
+        if not copies:
+            return None
+        out = []
+        for k, rec in [st.local[record.seq], *copies]:
+            x = self._stages[k].array(rec)
+            if x is None:
+                return None
+            out.append((k, x))
+        return out
+
+    def tied_copy_name(self, module: str, slot: str) -> str:
+        """The name of the last stage's copy of tied weight ``module.slot`` (''  where it has none)."""
+        return str(self.param_split(module, slot).get("tied_copy", ""))
 
     def stage_of(self, record: Record) -> int | None:
         """The pipeline stage whose file holds ``record`` (merged), or None."""
@@ -399,6 +425,7 @@ class PipelineCapture(MergedCapture):
             merged[(k, r.seq)] = rec
         copies: list[tuple[Record, int, Record]] = []
         summed: dict[int, list[tuple[int, Record]]] = {}
+        tied_copies: dict[int, list[tuple[int, Record]]] = {}
         for k, recs in enumerate(renamed):
             for i, r in enumerate(recs):
                 if (k, r.seq) in merged:
@@ -413,6 +440,8 @@ class PipelineCapture(MergedCapture):
                 kind_ok = r.same_as < 0 and r.kind not in ("output", "grad_output") and r.phase != "loss"
                 if kind_ok and target >= 0:
                     copies.append((records[target], k, per_stage[k][i]))
+                    if k == last and r.seq in tied_seqs:
+                        tied_copies.setdefault(target, []).append((k, per_stage[k][i]))
         for target, parts in summed.items():
             records[target] = _summed_record(records[target], [self._stages[k].array(rec) for k, rec in parts])
             for key, rec in merged.items():
@@ -424,7 +453,7 @@ class PipelineCapture(MergedCapture):
             sent = _sent_output(per_stage[k - 1], got.call if got is not None else 0) if got is not None else None
             if got is not None and sent is not None and (k, got.seq) in merged and (k - 1, sent.seq) in merged:
                 received[merged[(k, got.seq)].seq] = merged[(k - 1, sent.seq)]
-        return _Step(records, local, merged, copies, received, summed)
+        return _Step(records, local, merged, copies, received, summed, tied_copies)
 
 
 def _sum(parts: list[np.ndarray | None]) -> np.ndarray | None:
