@@ -77,7 +77,7 @@ def test_a_differentiable_view_of_a_parameter_is_recorded_as_itself_with_its_gra
     path = str(tmp_path / "view.h5")
     with tensordiff.capture(Tied("view"), path, steps=1) as cap:
         _train(cap.model, 1, cap)
-    by_seq, by_label = _records(path, 0)
+    _, by_label = _records(path, 0)
     arg = by_label["head input.weight"]
     assert arg.same_as < 0
     assert by_label["head grad_input.weight"].grad_of == arg.seq  # its gradient hooked, as before
