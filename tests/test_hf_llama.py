@@ -137,7 +137,7 @@ def test_the_hf_capture_given_first_agrees_with_the_same_rows_as_the_other_order
     assert back["swapped"] is True and straight["swapped"] is False
     assert back["a"]["path"].endswith("mcore.h5")  # A is the mapping's first side whichever came first
     assert "(given second)" in " ".join(capsys.readouterr().out.split())
-    rows = lambda rep: sorted((r["step"], r["phase"], r["a"] or "", r["b"] or "", r["verdict"]) for r in rep["rows"])  # noqa: E731
+    rows = lambda rep: sorted((r["step"], r["phase"], r["a"] or "", r["b"] or "", r["verdict"]) for r in rep["rows"])
     assert rows(back) == rows(straight)
     assert back["summary"] == straight["summary"]
 
