@@ -129,6 +129,16 @@ def ulp(magnitude: np.ndarray, name: str) -> np.ndarray:
     return np.ldexp(1.0, exp - bits)
 
 
+def rounded(x: np.ndarray, name: str) -> np.ndarray:
+    """``x`` (float64) rounded to the nearest value with ``name``'s mantissa bits, ties to even (the exponent range
+    is not clamped): what storing it in that dtype keeps, computed without ml_dtypes."""
+    bits = MANTISSA_BITS.get(name)
+    if bits is None:
+        return x
+    m, e = np.frexp(np.asarray(x, dtype=np.float64))  # m in [0.5, 1): bits + 1 significant bits in all
+    return np.ldexp(np.rint(np.ldexp(m, bits + 1)), e - bits - 1)
+
+
 def coarsest(a: str, b: str) -> str:
     """The dtype with fewer mantissa bits (a BF16 vs FP32 pair is judged as BF16)."""
     if a not in MANTISSA_BITS:

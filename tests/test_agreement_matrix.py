@@ -48,3 +48,37 @@ def test_a_fault_diverges_at_its_module_and_phase(results, case):
     phase, *modules = expected(case)
     assert (r.exit_code, r.outcome) == (1, "diverged"), r.reasons
     assert r.found.split()[0] == phase and r.passed, (r.found, modules)  # passed: in one of ``modules``
+
+
+# ------------------------------------------------------------------------------- BF16 RoPE tables, judged by meaning
+def test_bf16_rope_tables_of_a_model_cast_whole_agree_and_another_base_is_named(tmp_path):
+    """Hugging Face Llama cast whole to BF16 (``.to(torch.bfloat16)``) casts its RoPE ``inv_freq`` buffer too: its
+    cos/sin tables are of frequencies rounded to BF16, which at 128 positions and head dim 32 part from megatron's
+    FP32 angles by far more than BF16's resolution. The pair agrees in both orders, the tables accounted by the
+    rope rule saying so; a RoPE base of 500000 on B is a divergence, and the tables themselves are named with the
+    base each reads as."""
+    import json
+    from dataclasses import replace
+
+    from examples.pairs.matrix import LLAMA, Case, _key
+    from examples.pairs.models import Side
+
+    arch = replace(LLAMA, hidden=64, heads=2, groups=2, seq=128, dtype="bfloat16")
+    runner = Runner(str(tmp_path))
+    clean = runner.run(Case("bf16-rope", arch, Side("mcore"), Side("hf-llama")))
+    assert (clean.exit_code, clean.outcome, clean.orders) == (0, "agree", "0/0"), clean.unaccounted[:6] + clean.reasons
+    with open(tmp_path / f"r-{_key('bf16-rope', False)}.json", encoding="utf-8") as fh:
+        doc = json.load(fh)
+    rope = [r["accounted"]["why"] for r in doc["rows"] if r["accounted"] and r["accounted"]["rule"] == "rope"
+            and r["a"] == "module.rotary_pos_emb output.0"]
+    assert rope and all("with its inverse frequencies rounded to bfloat16" in why for why in rope), rope
+    assert doc["findings"] == []
+
+    fault = runner.run(Case("bf16-rope+rope-base", arch, Side("mcore"), Side("hf-llama", fault="rope-base")))
+    assert fault.exit_code == 1 and fault.outcome == "diverged", fault.reasons
+    with open(tmp_path / f"r-{_key('bf16-rope+rope-base', True)}.json", encoding="utf-8") as fh:
+        back = json.load(fh)  # the other order: the finding names the megatron side A all the same
+    [finding] = back["findings"]
+    assert finding.startswith("the RoPE tables differ: cos and sin of A's angle table module.rotary_pos_emb "
+                              "output.0 are not B's model.rotary_emb output.0 and model.rotary_emb output.1: A's reads "
+                              "as RoPE base 1e+04, B's as base 5"), finding

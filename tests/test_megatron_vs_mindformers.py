@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from accounting_checks import unaccounted_citations
 
 # find, do not import: importing MindFormers writes ./output/log into the current directory
 for _name in ("megatron.core", "mindspore", "mindformers"):
@@ -26,11 +27,12 @@ RUN = os.path.join(ROOT, "examples", "megatron_vs_mindformers", "run.py")
 MEGATRON_SIDE: dict[str, str] = {}
 
 
-def _run(tmp_path, family, fault="none", graph=False, jit=False):
+def _run(tmp_path, family, fault="none", graph=False, jit=False, no_loss_mask=False):
     out = tmp_path / f"{family}-{fault}{'-graph' if graph else ''}{'-jit' if jit else ''}"
     reuse = ["--reuse-megatron", MEGATRON_SIDE[family]] if family in MEGATRON_SIDE else []
     proc = subprocess.run([sys.executable, RUN, "--family", family, "--fault", fault, "--out", str(out)]
-                          + (["--graph"] if graph else []) + (["--jit"] if jit else []) + reuse,
+                          + (["--graph"] if graph else []) + (["--jit"] if jit else [])
+                          + (["--no-loss-mask"] if no_loss_mask else []) + reuse,
                           capture_output=True, text=True, timeout=900)
     report = out / "report.json"
     assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -72,6 +74,26 @@ def test_all_fixes_agree_within_fp32_noise(tmp_path, family):
     worst = max(r["metrics"]["rel_l2"] for r in report["rows"] if r["verdict"] == "ok" and r["step"] == 0
                 and r["metrics"]["source"] == "tensor")
     assert worst < 1e-5
+    assert unaccounted_citations(report["rows"]) == []
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["pynative", "graph"])
+def test_labels_and_no_loss_mask_agree(tmp_path, graph):
+    """MindFormers' GPTModel called with labels and no loss_mask= (as users commonly call it) builds its own loss
+    mask, ids that are not the pad token times labels that are not the ignore index, [B, S] and flattened: all
+    ones on this batch, accounted for by value (megatron passes none), and the pair agrees; in GRAPH_MODE too."""
+    code, report, out = _run(tmp_path, "llama", graph=graph, no_loss_mask=True)
+    assert code == 0 and report["outcome"] == "agree", out[-3000:]
+    assert all(c["only_a"] == c["only_b"] == 0 for c in report["coverage"].values())
+    for step in (0, 1):
+        made = {r["b"]: r["accounted"] for r in report["rows"] if r["step"] == step and r["a"] is None
+                and r["b"] in ("preprocess_labels_and_masks output.2", "preprocess_labels_and_masks output.4")}
+        assert made == {
+            f"preprocess_labels_and_masks output.{slot}": {
+                "rule": "loss-mask", "why": f"a loss mask of all ones [{shape}]: every token counts, as on the other "
+                                            "side, which passes none"}
+            for slot, shape in (("2", "2x16"), ("4", "32"))}
+    assert unaccounted_citations(report["rows"]) == []
 
 
 def test_split_with_size_gradient_defect_is_named(tmp_path):
@@ -156,6 +178,7 @@ def test_a_jit_train_step_run_from_pynative_gives_the_graph_mode_verdicts(tmp_pa
 
 def _assert_graph_verdict(code, report, out, expected):
     assert report["b"]["capture_mode"] == "graph" and report["a"]["capture_mode"] == "hooks"
+    assert unaccounted_citations(report["rows"]) == []
     if expected is None:
         assert code == 0 and report["outcome"] == "agree", out[-3000:]
         assert report["summary"]["diverged"] == 0 and report["summary"]["ok"] > 150

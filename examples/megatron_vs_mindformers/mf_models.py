@@ -87,9 +87,11 @@ def load_state(model: Any, state: dict[str, np.ndarray]) -> None:
                               f"checkpoint entries unused {unused}; convert it with tensordiff ckpt convert")
 
 
-def build_mindformers(spec: Any, state: dict[str, np.ndarray]) -> tuple[Any, Callable[[dict], Any]]:
+def build_mindformers(spec: Any, state: dict[str, np.ndarray],
+                      loss_mask: bool = True) -> tuple[Any, Callable[[dict], Any]]:
     """(model, loss_fn(batch)) for the ``llama`` / ``llama-stacked`` (parallel_core GPTModel), ``qwen3`` or
-    ``llama-legacy`` family."""
+    ``llama-legacy`` family. ``loss_mask=False``: the model called with labels and no ``loss_mask=`` (as users
+    commonly call it): it builds its own from the input ids (not the pad token) and the labels."""
     if spec.family == "llama-legacy":
         model = _legacy_llama(spec)
         model.set_train(True)
@@ -106,7 +108,8 @@ def build_mindformers(spec: Any, state: dict[str, np.ndarray]) -> tuple[Any, Cal
 
     def loss_fn(b: dict) -> Any:
         # train mode returns (loss, mtp_loss, extra_loss, attention_loss); loss is the masked mean
-        out = model(b["tokens"], labels=b["labels"], attention_mask=b["attention_mask"], loss_mask=b["loss_mask"])
+        masks = {"loss_mask": b["loss_mask"]} if loss_mask else {}
+        out = model(b["tokens"], labels=b["labels"], attention_mask=b["attention_mask"], **masks)
         return out[0].reshape(())
 
     return model, loss_fn

@@ -53,14 +53,14 @@ def _ms_gpt(spec: Any, fault: str, state: dict[str, np.ndarray]) -> tuple[Any, C
     return model, loss_fn
 
 
-def _mindformers(spec: Any, fault: str, state: dict[str, np.ndarray]) -> tuple[Any, Callable]:
+def _mindformers(spec: Any, fault: str, state: dict[str, np.ndarray], loss_mask: bool = True) -> tuple[Any, Callable]:
     from examples.megatron_vs_mindformers.mf_models import build_mindformers
 
     if fault == "fc1-unconverted":  # what an unconverted Megatron checkpoint holds: [gate; up] stacked
         from tensordiff.transforms import OPS
 
         state = {k: (OPS["deinterleave"](v, 0) if k.endswith("mlp.linear_fc1.weight") else v) for k, v in state.items()}
-    return build_mindformers(spec, state)
+    return build_mindformers(spec, state, loss_mask=loss_mask)
 
 
 def main(argv: list[str] | None = None) -> list[float]:
@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> list[float]:
                    help="run in GRAPH_MODE (capture records through probes compiled into the graph)")
     p.add_argument("--jit", action="store_true",
                    help="PyNative, the train step a mindspore.jit function (captured with graph=True: the probes)")
+    p.add_argument("--no-loss-mask", action="store_true",
+                   help="llama/qwen3: call the model with labels and no loss_mask= (it builds its own)")
     args = p.parse_args(argv)
     if args.graph and args.jit:
         p.error("--graph and --jit: one or the other (GRAPH_MODE, or a jit step run from PyNative)")
@@ -97,6 +99,8 @@ def main(argv: list[str] | None = None) -> list[float]:
     if args.family == "gpt2":
         if args.fault in ("split-with-size", "fc1-unconverted"):
             p.error(f"--fault {args.fault} applies to --family llama or qwen3")
+        if args.no_loss_mask:
+            p.error("--no-loss-mask applies to the MindFormers families (llama, llama-stacked, qwen3)")
         model, loss_fn = _ms_gpt(spec, args.fault, state)
     else:
         if args.fault in ("gelu-approx", "ln-eps"):
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> list[float]:
         if args.graph:  # init_mindformers_cpu sets PyNative
             ms.set_context(mode=ms.GRAPH_MODE)
         mindformers_cpu.enable(exclude=("split_with_size",) if args.fault == "split-with-size" else ())
-        model, loss_fn = _mindformers(spec, args.fault, state)
+        model, loss_fn = _mindformers(spec, args.fault, state, loss_mask=not args.no_loss_mask)
         if args.graph or args.jit:  # the Ascend-only primitives of the built model's cells become CPU composites
             mindformers_cpu.enable_graph(model)
     b = load_batch(args.batch, vocab_size=spec.vocab_size, framework="mindspore")

@@ -5,6 +5,7 @@
     python examples/megatron_vs_mindformers/run.py --family gpt2 --fault gelu-approx
     python examples/megatron_vs_mindformers/run.py --family llama --graph     # the MindSpore side in GRAPH_MODE
     python examples/megatron_vs_mindformers/run.py --family llama --jit       # PyNative, its train step mindspore.jit
+    python examples/megatron_vs_mindformers/run.py --family llama --no-loss-mask   # labels and no loss_mask= passed
     python examples/megatron_vs_mindformers/run.py --family llama --fault split-with-size \
         --reuse-megatron out/megatron_vs_mindformers/llama    # the MindSpore side again, against that Megatron run
 
@@ -69,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
                                                         "compiled into the graph)")
     p.add_argument("--jit", action="store_true", help="the MindSpore side in PyNative with its train step a "
                                                       "mindspore.jit function (captured through the same probes)")
+    p.add_argument("--no-loss-mask", action="store_true", help="call the MindFormers model with labels and no "
+                                                               "loss_mask= (it builds its own from the ids)")
     p.add_argument("--reuse-megatron", metavar="DIR",
                    help="take the batch, the Megatron capture and the checkpoints from DIR, an earlier run's --out of "
                         "the same --family and --steps, instead of making them again")
@@ -80,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = FAMILIES[args.family]
     table, table_vars, mapping, mapping_vars = SETUP[args.family]
     name = args.family + ("" if args.fault == "none" else f"-{args.fault}") + ("-graph" if args.graph else "") \
-        + ("-jit" if args.jit else "")
+        + ("-jit" if args.jit else "") + ("-nolossmask" if args.no_loss_mask else "")
     out = os.path.abspath(args.out or os.path.join(ROOT, "out", "megatron_vs_mindformers", name))
     os.makedirs(out, exist_ok=True)
     py, td = sys.executable, [sys.executable, "-m", "tensordiff"]
@@ -101,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         td + ["capture", "-o", f["b"], "--steps", str(args.steps), "--tensors", "all", "--", py,
               os.path.join(HERE, "mindspore_side.py"),
               "--family", args.family, "--batch", f["batch"], "--load-ckpt", f["ms_ckpt"], "--fault", args.fault,
-              "--train-steps", str(args.steps)] + (["--graph"] if args.graph else []) + (["--jit"] if args.jit else []),
+              "--train-steps", str(args.steps)] + (["--graph"] if args.graph else []) + (["--jit"] if args.jit else [])
+            + (["--no-loss-mask"] if args.no_loss_mask else []),
     ]
     if args.reuse_megatron:
         src = os.path.abspath(args.reuse_megatron)

@@ -77,10 +77,11 @@ class Case:
     b: Side
     sample: bool = False
     """part of the fixed sample CI runs."""
-    mindformers: tuple[str, str, str] | None = None
+    mindformers: tuple[str, str, str, bool] | None = None
     """a megatron-core vs MindSpore/MindFormers pair, run end to end by examples/megatron_vs_mindformers/run.py:
     (its --family, its --fault or 'none', the MindSpore side's mode: 'pynative', 'graph' (GRAPH_MODE) or 'jit' (a
-    mindspore.jit train step run from PyNative))."""
+    mindspore.jit train step run from PyNative), whether the MindFormers model is given a ``loss_mask=`` (False: labels
+    and no loss mask, ``--no-loss-mask``: it builds its own))."""
     bitwise: bool = False
     """the two sides compute bit for bit the same (one stack, the same arithmetic written another way): a fault
     below every tolerance is then found by same-stack exactness ('eps-tiny')."""
@@ -135,7 +136,8 @@ _WHERE_DIST = {
                  "dp-sum": ("param_grad", "in the data-parallel gradient reduction"),
                  "bf16-allreduce": ("param_grad", "in the data-parallel gradient reduction"),
                  "pp-batch-first": ("forward", "decoder.layers.1"),
-                 "pp-layer-offset": ("weights", "decoder.layers.1")},
+                 "pp-layer-offset": ("weights", "decoder.layers.1"),
+                 "tied-noreduce": ("param_grad", "embedding.word_embeddings")},
     "msrun": {"dp-sum": ("param_grad", "in the gradient reduction")},
 }
 
@@ -234,6 +236,10 @@ def fault_cases(pairs: list[Case]) -> list[Case]:
     return out
 
 
+#: MindFormers families whose model takes labels and an optional ``loss_mask=`` (parallel_core GPTModel, Qwen3)
+LOSS_MASK_FAMILIES = ("llama", "llama-stacked", "qwen3")
+
+
 def mindformers_cases() -> list[Case]:
     """megatron-core against MindFormers' parallel_core GPTModel (interleaved and stacked fc1), TrainingQwen3 (GQA,
     qk-norm), the legacy Llama, and a hand-written MindSpore GPT-2 port, PyNative and GRAPH_MODE; their faults."""
@@ -244,9 +250,15 @@ def mindformers_cases() -> list[Case]:
             ("llama-legacy", "none", graph), ("llama", "split-with-size", py), ("llama", "fc1-unconverted", py),
             ("qwen3", "fc1-unconverted", graph), ("gpt2", "gelu-approx", py), ("gpt2", "ln-eps", py),
             ("gpt2", "gelu-approx", graph), ("llama", "none", jit), ("gpt2", "gelu-approx", jit)]
-    return [Case(f"mcore-vs-mindformers-{fam}{'' if mode == py else '-' + mode}"
-                 + ("" if fault == "none" else f"+{fault}"),
-                 Arch(), mc, Side("mindformers"), mindformers=(fam, fault, mode)) for fam, fault, mode in runs]
+    out = []
+    for fam, fault, mode in runs:
+        # the loss-mask dimension: a clean MindFormers GPTModel run (the families that take one) also called with
+        # labels and no loss_mask=, as users commonly call it
+        for loss_mask in (True, False) if fault == "none" and fam in LOSS_MASK_FAMILIES and mode != jit else (True,):
+            out.append(Case(f"mcore-vs-mindformers-{fam}{'' if mode == py else '-' + mode}"
+                            + ("" if loss_mask else "[no-loss-mask]") + ("" if fault == "none" else f"+{fault}"),
+                            Arch(), mc, Side("mindformers"), mindformers=(fam, fault, mode, loss_mask)))
+    return out
 
 
 def layout_cases() -> list[Case]:
@@ -276,6 +288,15 @@ def layout_cases() -> list[Case]:
             out.append(Case(f"dist-{name}" + ("" if fault == "none" else f"+{fault}"), Arch(), side, side,
                             sample=sample and fault in ("none", "qkv-split"),
                             layout=Layout(launcher, nproc, args, model, fault)))
+        # tied embeddings (Megatron-LM's default) on every megatron-core layout of one kind of parallelism (TP, PP,
+        # DP), against the tied single-process run; across pipeline stages, the embedding group's all-reduce left out
+        kinds = {a for a in args if a in ("--tp", "--pp", "--dp", "--sp", "--ddp")}
+        if launcher == t and len(kinds) == 1 and "--bias" not in model and "--groups" not in model and nproc == 2:
+            tied = Layout(launcher, nproc, args, model + ("--tied",))
+            out.append(Case(f"dist-{name}[tied]", Arch(tied=True), side, side, layout=tied))
+            if "--pp" in kinds:
+                out.append(Case(f"dist-{name}[tied]+tied-noreduce", Arch(tied=True), side, side,
+                                layout=replace(tied, fault="tied-noreduce")))
     return out
 
 
@@ -437,10 +458,11 @@ class Runner:
 
     def _run_mindformers(self, case: Case) -> Outcome:
         assert case.mindformers is not None
-        family, fault, mode = case.mindformers
+        family, fault, mode, loss_mask = case.mindformers
         out = os.path.join(self.out, f"mf-{_key(case.name)}")
         cmd = [sys.executable, os.path.join(ROOT, "examples", "megatron_vs_mindformers", "run.py"), "--family", family,
-               "--fault", fault, "--out", out] + ([] if mode == "pynative" else [f"--{mode}"])
+               "--fault", fault, "--out", out] + ([] if mode == "pynative" else [f"--{mode}"]) \
+            + ([] if loss_mask else ["--no-loss-mask"])
         proc = subprocess.run(cmd, env=self.env, cwd=self.out, capture_output=True, text=True, timeout=1800)
         report = os.path.join(out, "report.json")
         if not os.path.exists(report):

@@ -236,7 +236,8 @@ def _rope(x: Tensor, base: float) -> Tensor:
     ang = torch.outer(torch.arange(s, dtype=torch.float32), inv)
     ang = torch.cat([ang, ang], dim=-1)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return x * ang.cos() + torch.cat([-x2, x1], dim=-1) * ang.sin()
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)  # the tables in the model's dtype, as HF does
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class CausalSelfAttention(nn.Module):

@@ -25,7 +25,8 @@ record it accounts. Rules, in the order they are tried:
     labels present on one side only that are the input ids shifted by one (the other side shifts inside its loss).
 ``rope``
     a RoPE angle table on one side whose cos and sin are the other side's cos/sin tables, to the precision of the
-    coarser of the two (1e-5 in FP32; a BF16 table is cos(angle) rounded to BF16).
+    coarser of the two (1e-5 in FP32; a BF16 table is cos(angle) rounded to BF16). In a narrow dtype the tables may
+    also be of the inverse frequencies rounded to it (a model cast whole to BF16 casts its RoPE buffer too).
 ``inside``
     a record of a parameter-free module (or an extra output) strictly inside a module both sides recorded and whose
     compared records agree (SDPA on one side, explicit softmax and dropout on the other). Never for a module with
@@ -56,6 +57,12 @@ Read = Callable[[Record], "np.ndarray | None"]
 
 def _sig(rec: Record) -> tuple:
     return rec.dtype, rec.shape, rec.min, rec.max, rec.mean, rec.l2, rec.nan, rec.inf
+
+
+def _same_sig(x: tuple, y: tuple) -> bool:
+    """Two signatures (``_sig``) alike, a NaN statistic (not known) equal to a NaN."""
+    return len(x) == len(y) and all(u == v or (isinstance(u, float) and isinstance(v, float) and u != u and v != v)
+                                    for u, v in zip(x, y))
 
 
 def _value_sig(rec: Record) -> tuple:
@@ -210,14 +217,43 @@ class _Side:
                 if row.verdict != "ok":
                     self.bad_modules.add(rec.module)
         in_rows = {rec.seq for row in rows for rec in self.of(row)}
-        #: tensors the mapping ignores on purpose (in no row): a copy of one carries the same information
+        #: tensors the mapping ignores on purpose (held by a record in no row): a copy of one carries the same
+        #: information, unless a record in a row holds it too and is left unaccounted (``pending``)
         self.ignored = {r.tensor_id for r in records if r.seq not in in_rows}
+        #: tensors of this side's records with no counterpart not accounted for (yet): never an anchor
+        self.pending: set[tuple[int, int]] = set()
+        #: tensors accounted for by a rule: (the record, why), an anchor for a record holding their values
+        self.vouched: dict[tuple[int, int], tuple[Record, Accounted]] = {}
+        #: tensors compared and within tolerance ('ok'), and tensors compared or paired and not ('diverged',
+        #: 'drift', 'uncertain', 'shape', 'skipped'): what a consumer's rows say
+        self.ok_tensors: set[tuple[int, int]] = set()
+        self.bad_tensors: set[tuple[int, int]] = set()
+        for row in rows:
+            if row.verdict == "unmatched":
+                continue
+            for rec in self.of(row):
+                (self.ok_tensors if row.verdict == "ok" else self.bad_tensors).add(rec.tensor_id)
+                if row.verdict in ("uncertain", "shape"):
+                    self.bad_modules.add(rec.module)
+        #: forward tensor -> the input records taking it (the calls consuming it)
+        self.consumers: dict[tuple[int, int], list[Record]] = {}
+        for r in records:
+            if r.phase == "forward" and r.kind == "input":
+                self.consumers.setdefault(r.tensor_id, []).append(r)
         self.param_modules = {r.module for r in records if r.phase == "weights"}
         self.calls: dict[tuple[str, int], list[Record]] = {}
         for r in records:
             self.calls.setdefault((r.module, r.call), []).append(r)
         self.modules = {r.module for r in records if r.phase == "forward"}
+        #: seq of an accounted record -> the tensor of its side its reason cites (``_settle`` checks it)
+        self.cites: dict[int, tuple[int, int]] = {}
+        #: seqs of records a finding is about (an active dropout, a loss mask leaving out pad tokens): no later
+        #: rule accounts for them
+        self.flagged: set[int] = set()
         self._arrays: dict[int, np.ndarray | None] = {}
+        self.token_ids: list[tuple[Record, np.ndarray]] | None = None
+        self.left_out: dict[int, tuple[list[tuple[Record, np.ndarray]], np.ndarray | None]] = {}
+        self._grads: dict[tuple[int, int], list[Record]] | None = None
 
     def of(self, row: Row) -> tuple[Record, ...]:
         if self.name == "A":
@@ -229,6 +265,22 @@ class _Side:
         if key not in self._arrays:
             self._arrays[key] = self.read(rec) if rec.has_data else None
         return self._arrays[key]
+
+    def anchor(self, rec: Record) -> bool:
+        """Whether ``rec``'s tensor may vouch for a record holding its values: compared, accounted for, or ignored
+        on purpose by the mapping and held by no record left unaccounted."""
+        t = rec.tensor_id
+        return t in self.compared or t in self.vouched or (t in self.ignored and t not in self.pending)
+
+    def grads_of(self, tensor: tuple[int, int]) -> list[Record]:
+        """The output gradients of the forward tensor ``tensor`` (at the module that produced it)."""
+        if self._grads is None:
+            self._grads = {}
+            for r in self.records:
+                fwd = self.by_seq.get(r.grad_of) if r.phase == "backward" and r.kind == "grad_output" else None
+                if fwd is not None:
+                    self._grads.setdefault(fwd.tensor_id, []).append(r)
+        return self._grads.get(tensor, [])
 
     def has_params(self, module: str) -> bool:
         return any(m == module or is_inside(m, module) for m in self.param_modules)
@@ -254,7 +306,8 @@ def _equal_values(side: _Side, rec: Record, candidates: Iterable[Record]) -> Rec
 
 def account(rows: list[Row], records: dict[str, dict[int, list[Record]]], read: dict[str, Read]) -> list[str]:
     """Set ``Row.accounted`` on the unmatched rows the rules account for; returns findings to report (an active
-    dropout). ``records``/``read``: per side ('A', 'B'), the records of each compared step and a tensor reader."""
+    dropout, a loss mask leaving out pad tokens). ``records``/``read``: per side ('A', 'B'), the records of each
+    compared step and a tensor reader."""
     findings: list[str] = []
     _masks_by_meaning(rows)
     earlier: dict[tuple[str, tuple], tuple[tuple, Accounted]] = {}  # (side, record key) -> (values, why)
@@ -265,27 +318,80 @@ def account(rows: list[Row], records: dict[str, dict[int, list[Record]]], read: 
         lone = {s: [r for r in step_rows if r.verdict == "unmatched" and not r.linked and not r.not_recorded
                     and sides[s].of(r)] for s in ("A", "B")}
         for s in ("A", "B"):
+            _refresh(sides[s], lone[s])
             _returned_bias(sides[s], lone[s], step_rows)
             _by_value(sides[s], lone[s], findings)
         _masks(sides, lone)
-        _rope(sides, lone)
+        _rope(sides, lone, findings)
         for s in ("A", "B"):
             _inputs(sides[s], lone[s])
             _inside(sides[s], lone[s])
-            _links_of_accounted(sides[s], lone[s])
+        _loss_masks(sides, lone, findings)
+        for s in ("A", "B"):
+            side = sides[s]
+            _links_of_accounted(side, lone[s])
             for row in lone[s]:  # a statistics-only step: the same values as an earlier step's accounted record
-                rec = _rec(sides[s], row)
+                rec = _rec(side, row)
                 seen = earlier.get((s, rec.key))
-                if row.accounted is None and seen is not None and seen[0] == _sig(rec):
+                if row.accounted is None and seen is not None and _same_sig(seen[0], _sig(rec)) and rec.seq not in side.flagged:
                     row.accounted = Accounted(seen[1].rule, f"{seen[1].why} (the same values in an earlier step)")
+            _refresh(side, lone[s])
+            _consumers(side, lone[s])
+            if any(row.accounted is None for row in lone[s]):  # copies of what the later rules accounted for
+                _by_value(side, lone[s], findings)
+            _links_of_accounted(side, lone[s])
+            _settle(side, lone[s])
+            for row in lone[s]:
+                rec = _rec(side, row)
                 if row.accounted is not None and rec.has_data:
                     earlier.setdefault((s, rec.key), (_sig(rec), row.accounted))
     return findings
 
 
+def _refresh(side: _Side, lone: list[Row]) -> None:
+    """``side.pending`` and ``side.vouched`` from what the rules have accounted for so far."""
+    side.pending, side.vouched = set(), {}
+    for row in lone:
+        rec = _rec(side, row)
+        if row.accounted is None:
+            side.pending.add(rec.tensor_id)
+        else:
+            side.vouched.setdefault(rec.tensor_id, (rec, row.accounted))
+    side.pending -= side.vouched.keys()  # a tensor one record of which is accounted for: its links follow
+
+
+def _settle(side: _Side, lone: list[Row]) -> None:
+    """No record is accounted for by reference to a record of its side that is itself left unaccounted: a record
+    whose anchor (``side.cites``) no other accounted record holds, and that is not compared or ignored on purpose by
+    itself, is unaccounted again, until none is."""
+    changed = True
+    while changed:
+        changed = False
+        held: dict[tuple[int, int], set[int]] = {}
+        for row in lone:
+            if row.accounted is not None:
+                rec = _rec(side, row)
+                held.setdefault(rec.tensor_id, set()).add(rec.seq)
+        unaccounted = {_rec(side, row).tensor_id for row in lone if row.accounted is None}
+        for row in lone:
+            rec = _rec(side, row)
+            cited = side.cites.get(rec.seq)
+            if row.accounted is None or cited is None or (cited in side.compared and cited not in unaccounted):
+                continue
+            if held.get(cited, set()) - {rec.seq}:
+                continue  # another accounted record holds it
+            if cited in side.ignored and cited not in unaccounted:
+                continue  # ignored on purpose, and no record in a row left unaccounted holds it
+            row.accounted = None
+            del side.cites[rec.seq]
+            changed = True
+    _refresh(side, lone)
+
+
 def _masks_by_meaning(rows: list[Row]) -> None:
     """A pair of masks compared by meaning in a step with tensors, holding the same values in a statistics-only
-    step (the statistics of two conventions differ even where the masks agree): judged as then."""
+    step (the statistics of two conventions differ even where the masks agree; an additive BF16 mask of the dtype's
+    minimum overflows its L2, so that its statistics are not known): judged as then."""
     then: dict[tuple, tuple[tuple, tuple, Row]] = {}
     for row in rows:
         a, b = row.pair.a, row.pair.b
@@ -294,9 +400,10 @@ def _masks_by_meaning(rows: list[Row]) -> None:
         key = (a.key, b.key)
         if row.metrics is not None and row.metrics.source == "tensor" and row.note.startswith("masks compared by meaning"):
             then.setdefault(key, (_sig(a), _sig(b), row))
-        elif (row.verdict == "shape" or (row.metrics is not None and row.metrics.source == "stats")) and key in then:
+        elif (row.verdict in ("shape", "skipped") or (row.metrics is not None and row.metrics.source == "stats")) \
+                and key in then:
             sig_a, sig_b, first = then[key]
-            if (sig_a, sig_b) == (_sig(a), _sig(b)):
+            if _same_sig(sig_a, _sig(a)) and _same_sig(sig_b, _sig(b)):
                 row.metrics, row.verdict = first.metrics, first.verdict
                 row.note = f"{first.note} (step {first.step}; the same values here)"
 
@@ -323,7 +430,9 @@ def _returned_bias(side: _Side, lone: list[Row], rows: list[Row]) -> None:
 
 
 def _by_value(side: _Side, lone: list[Row], findings: list[str]) -> None:
-    """same-tensor and pass-through: grow the compared tensors through equal values until nothing changes."""
+    """same-tensor and pass-through: grow the compared tensors through equal values until nothing changes. An
+    anchor is a record compared, accounted for by a rule, or ignored on purpose by the mapping, never one held by a
+    record left unaccounted (``_Side.anchor``)."""
     by_sig: dict[tuple, list[Record]] = {}
     for rec in side.records:
         if rec.same_as < 0:
@@ -331,24 +440,38 @@ def _by_value(side: _Side, lone: list[Row], findings: list[str]) -> None:
     changed = True
     while changed:
         changed = False
+        _refresh(side, lone)
         for row in lone:
-            if row.accounted is not None:
-                continue
             rec = _rec(side, row)
+            if row.accounted is not None or rec.seq in side.flagged:
+                continue
             if rec.phase not in ("forward", "backward"):
                 continue
             through = _pass_through(side, rec)
-            if through is not None and through.tensor_id in side.compared:
+            if through is not None and (through.tensor_id in side.compared or through.tensor_id in side.vouched):
+                seen = "was compared" if through.tensor_id in side.compared else \
+                    f"is accounted for ({side.vouched[through.tensor_id][1].rule})"
                 row.accounted = Accounted("pass-through", f"{module_label(rec.module)} ({rec.module_class or '?'}) "
-                                          f"returns its input unchanged; {through.label} was compared")
+                                          f"returns its input unchanged; {through.label} {seen}")
+                side.cites[rec.seq] = through.tensor_id
             else:
-                cands = by_sig.get(_value_sig(rec), ())
+                cands = [c for c in by_sig.get(_value_sig(rec), ()) if c.tensor_id != rec.tensor_id]
                 twin = _equal_values(side, rec, [c for c in cands if c.tensor_id in side.compared])
-                ignored = None if twin is not None else _equal_values(
-                    side, rec, [c for c in cands if c.tensor_id in side.ignored])
+                vouched = None if twin is not None else _equal_values(
+                    side, rec, [c for c in cands if c.tensor_id in side.vouched])
+                ignored = None if twin is not None or vouched is not None else _equal_values(
+                    side, rec, [c for c in cands if c.tensor_id in side.ignored and c.tensor_id not in side.pending])
+                if vouched is not None:
+                    first = side.vouched[vouched.tensor_id]
+                    row.accounted = Accounted("same-tensor", f"the same values as {first[0].label}, accounted for "
+                                              f"above ({first[1].rule})")
+                    side.cites[rec.seq] = vouched.tensor_id
+                    changed = True
+                    continue
                 if ignored is not None:
                     row.accounted = Accounted("same-tensor", f"the same values as {ignored.label}, which the mapping "
                                               "ignores on purpose")
+                    side.cites[rec.seq] = ignored.tensor_id
                     changed = True
                     continue
                 if twin is None:
@@ -357,8 +480,10 @@ def _by_value(side: _Side, lone: list[Row], findings: list[str]) -> None:
                                    "an active dropout (p > 0 in training); set its probability to 0 to compare")
                         if finding not in findings:
                             findings.append(finding)
+                        side.flagged.add(rec.seq)
                     continue
                 row.accounted = Accounted("same-tensor", f"the same values as {twin.label}, compared there")
+                side.cites[rec.seq] = twin.tensor_id
             side.compared.add(rec.tensor_id)
             changed = True
 
@@ -410,6 +535,8 @@ def _masks(sides: dict[str, _Side], lone: dict[str, list[Row]]) -> None:
                 row.accounted = Accounted("mask", f"the causal mask [{shape}] ({mask.convention}); {other} passes none")
             elif mask.causal and any(m.causal for m in theirs):
                 row.accounted = Accounted("mask", f"the causal mask [{shape}] ({mask.convention}), as {other}'s")
+            else:  # a mask meaning other positions than the other side's masking: never accounted by a later rule
+                sides[s].flagged.add(rec.seq)
 
 
 def _angles(x: np.ndarray | None) -> np.ndarray | None:
@@ -440,10 +567,60 @@ def _trig(x: np.ndarray | None, first: float) -> np.ndarray | None:
     return t[0]
 
 
-def _rope(sides: dict[str, _Side], lone: dict[str, list[Row]]) -> None:
+def rope_base(first: np.ndarray) -> float | None:
+    """RoPE's base from the angles of position 1 (= the inverse frequencies base^(-2i/D), i < D/2), or None."""
+    half = first.shape[-1]
+    if half < 2:
+        return None
+    inv = first[1:].astype(np.float64)
+    i = np.arange(1, half, dtype=np.float64)
+    ok = (inv > 0) & (inv < 1)
+    if not ok.any():
+        return None
+    return float(np.median(inv[ok] ** (-(2 * half) / (2 * i[ok]))))
+
+
+def _rope_difference(s: str, rec: Record, angles: np.ndarray, other: str, found: dict, atol: float) -> str:
+    """A finding naming how ``s``'s angle table and ``other``'s cos/sin tables (``found``) differ: the base each
+    reads as (position 1's frequencies) and the first position where they part."""
+    (_, cos_rec, cos), (_, sin_rec, sin) = found["cos"], found["sin"]
+    half = angles.shape[-1] // 2
+    theirs = np.arctan2(sin[1, :half], cos[1, :half]) if cos.shape[0] > 1 else None
+    ours_base = rope_base(angles[1, :half])
+    their_base = rope_base(theirs) if theirs is not None else None
+    parts = (np.flatnonzero((np.abs(np.cos(angles) - cos) > atol).any(axis=-1)) if cos.shape == angles.shape
+             else np.zeros(0, dtype=np.int64))
+    where = f"; they part from position {int(parts[0])} of {angles.shape[0]}" if len(parts) else ""
+    bases = (f": {s}'s reads as RoPE base {ours_base:.4g}, {other}'s as base {their_base:.4g}"
+             if ours_base is not None and their_base is not None else "")
+    return (f"the RoPE tables differ: cos and sin of {s}'s angle table {rec.label} are not {other}'s "
+            f"{cos_rec.label} and {sin_rec.label}{bases}{where}. A RoPE base (rope_theta, rotary_base), scaling or "
+            "position convention differs between the runs; the attention that applies them is where it shows")
+
+
+def _same_rope(angles: np.ndarray, cos: np.ndarray, sin: np.ndarray, atol: float, judged: str) -> str | None:
+    """How cos and sin tables hold the angle table ``angles`` ([S, D], row s = s * the inverse frequencies): '' when
+    they are cos and sin of it; a phrase when they are cos and sin of the angles of its inverse frequencies rounded
+    to ``judged`` (a narrow dtype): a model cast whole to BF16 (Hugging Face's ``.to(torch.bfloat16)``) rounds its
+    RoPE frequency buffer with its weights, a rounding of that precision and no other convention; None otherwise."""
+    if cos.shape != angles.shape:
+        return None
+    if np.allclose(np.cos(angles), cos, rtol=0, atol=atol) and np.allclose(np.sin(angles), sin, rtol=0, atol=atol):
+        return ""
+    if dtypes.MANTISSA_BITS.get(judged, 52) >= dtypes.MANTISSA_BITS["float32"]:
+        return None
+    coarse = np.outer(np.arange(angles.shape[0], dtype=np.float64), dtypes.rounded(angles[1], judged))
+    coarse = coarse.astype(np.float32).astype(np.float64)  # the product taken in FP32, as RoPE code computes it
+    if np.allclose(np.cos(coarse), cos, rtol=0, atol=atol) and np.allclose(np.sin(coarse), sin, rtol=0, atol=atol):
+        return f" with its inverse frequencies rounded to {judged} (a RoPE buffer cast with the model's weights)"
+    return None
+
+
+def _rope(sides: dict[str, _Side], lone: dict[str, list[Row]], findings: list[str]) -> None:
     """A RoPE angle table on one side (megatron's rotary_pos_emb [S, 1, 1, D]) and cos/sin tables of one call on the
     other (Hugging Face's rotary_emb [1, S, D] each): the same information when cos and sin of the angles are the
-    tables (to 1e-5). Tables that disagree stay unaccounted: a RoPE difference is never passed over."""
+    tables (to 1e-5). Tables that disagree stay unaccounted and are a finding naming the base each reads as: a RoPE
+    difference is never passed over, even where its effect downstream stays below the dtype's tolerance."""
     for s, other in (("A", "B"), ("B", "A")):
         side, them = sides[s], sides[other]
         tables: list[tuple[Row, Record, np.ndarray]] = []
@@ -472,16 +649,239 @@ def _rope(sides: dict[str, _Side], lone: dict[str, list[Row]]) -> None:
                 # at the precision of the coarser side: a BF16 table is cos(angle) rounded to BF16
                 judged = dtypes.coarsest(dtypes.coarsest(rec.dtype, cos_rec.dtype), sin_rec.dtype)
                 atol = 1e-5 + dtypes.resolution(judged)
-                if cos.shape != angles.shape or not (np.allclose(np.cos(angles), cos, rtol=0, atol=atol)
-                                                     and np.allclose(np.sin(angles), sin, rtol=0, atol=atol)):
+                how = _same_rope(angles, cos, sin, atol, judged)
+                if how is None:
                     continue
                 shape = "x".join(map(str, rec.shape))
-                row.accounted = Accounted("rope", f"a RoPE angle table [{shape}]: cos and sin of it are {other}'s "
-                                          f"{cos_rec.label} and {sin_rec.label} (to {atol:.1e}, {judged})")
+                row.accounted = Accounted("rope", f"a RoPE angle table [{shape}]: cos and sin of it{how} are "
+                                          f"{other}'s {cos_rec.label} and {sin_rec.label} (to {atol:.1e}, {judged})")
                 for r, table, kind in ((cos_row, cos_rec, "cos"), (sin_row, sin_rec, "sin")):
                     r.accounted = Accounted("rope", f"a RoPE {kind} table [{'x'.join(map(str, table.shape))}] of the "
                                             f"angles in {s}'s {rec.label}")
                 break
+        pairs = [found for found in trig.values() if set(found) == {"cos", "sin"}]
+        if pairs and any(row.accounted is None for row, _, _ in tables):
+            # tables that disagree: a RoPE difference, never accounted by a later rule
+            for row, rec, angles in tables:
+                if row.accounted is None:
+                    side.flagged.add(rec.seq)
+                    judged = dtypes.coarsest(rec.dtype, pairs[0]["cos"][1].dtype)
+                    finding = _rope_difference(s, rec, angles, other, pairs[0], 1e-5 + dtypes.resolution(judged))
+                    if finding not in findings:
+                        findings.append(finding)
+            for found in pairs:
+                for r, table, _ in found.values():
+                    if r.accounted is None:
+                        them.flagged.add(table.seq)
+
+
+# ---------------------------------------------------------------------------------------------------- loss masks
+def _token_ids(side: _Side) -> list[tuple[Record, np.ndarray]]:
+    """Integer ``[B, S]`` forward tensors stored in full, each once: the input ids, the labels (not position ids,
+    not 0/1 masks)."""
+    if side.token_ids is None:
+        side.token_ids = []
+        seen: set[tuple[int, int]] = set()
+        for r in side.records:
+            if (r.phase != "forward" or r.kind not in ("input", "output") or len(r.shape) != 2 or not r.has_data
+                    or not r.dtype.startswith(("int", "uint")) or r.tensor_id in seen or r.shape[1] < 2):
+                continue
+            seen.add(r.tensor_id)
+            x = side.array(r)
+            if x is None or x.dtype.kind not in "iu" or _positions(x) or (x.min() >= 0 and x.max() <= 1):
+                continue
+            side.token_ids.append((r, x))
+    return side.token_ids
+
+
+def _as_loss_mask(side: _Side, rec: Record) -> np.ndarray | None:
+    """``rec`` as a loss (or label) mask: 0/1 values shaped like this side's token ids (``[B, S]``, ``[S, B]`` or
+    flattened ``[B*S]``), as a flat bool array in the ids' order (True = the token counts); else None."""
+    source = side.by_seq.get(rec.tensor_id[1], rec)
+    if (rec.phase != "forward" or rec.kind not in ("input", "output") or not rec.has_data or source.phase != "forward"
+            or rec.nan or rec.min < 0 or rec.max > 1 or len(rec.shape) not in (1, 2)
+            or not (rec.dtype == "bool" or rec.dtype.startswith(("int", "uint")) or dtypes.is_float(rec.dtype))):
+        return None
+    for ids, _ in _token_ids(side):
+        b, sq = ids.shape
+        if rec.shape not in ((b, sq), (sq, b), (b * sq,)) or (len(rec.shape) == 1 and b < 2):
+            continue
+        x = side.array(rec)
+        f = dtypes.floats(x) if x is not None and x.dtype.kind not in "biu" else x
+        if f is None or not np.isin(f, (0, 1)).all():
+            return None
+        keep = np.asarray(f) == 1
+        if keep.shape == (sq, b) and (b, sq) != (sq, b):
+            keep = keep.T
+        return keep.reshape(-1)
+    return None
+
+
+def _left_out(side: _Side, numel: int) -> tuple[list[tuple[Record, np.ndarray]], np.ndarray | None]:
+    """What ``side`` leaves out of its loss, by value, for ``numel`` tokens: its loss masks (record, flat keep) and
+    the tokens its labels mark with an ignore index (a negative id), or None where no labels hold one."""
+    if numel in side.left_out:
+        return side.left_out[numel]
+    masks, ignored = [], None
+    seen: set[tuple[int, int]] = set()
+    for r in side.records:
+        if r.tensor_id in seen or r.numel != numel or not r.has_data:
+            continue
+        seen.add(r.tensor_id)
+        keep = _as_loss_mask(side, r)
+        if keep is not None and keep.size == numel:
+            masks.append((r, keep))
+    for _, x in _token_ids(side):
+        if x.size == numel and (x < 0).any():
+            ignored = (x.reshape(-1) < 0) | (ignored if ignored is not None else False)
+    side.left_out[numel] = masks, ignored
+    return masks, ignored
+
+
+def _loss_masks(sides: dict[str, _Side], lone: dict[str, list[Row]], findings: list[str]) -> None:
+    """Loss and label masks with no counterpart, by value: all ones masks nothing (the other side, passing none,
+    counts every token too); one leaving out exactly the tokens the other side's mask or ignore index leaves out
+    means the same; one leaving out the tokens of one id in the input ids (a pad token) is a finding."""
+    for s, other in (("A", "B"), ("B", "A")):
+        side, them = sides[s], sides[other]
+        reported: set[tuple] = set()
+        for row in lone[s]:
+            rec = _rec(side, row)
+            if row.accounted is not None or rec.seq in side.flagged or not rec.has_data or rec.min < 0 or rec.max > 1:
+                continue
+            keep = _as_loss_mask(side, rec)
+            if keep is None:
+                continue
+            shape = "x".join(map(str, rec.shape))
+            theirs, their_ignored = _left_out(them, keep.size)
+            _, own_ignored = _left_out(side, keep.size)
+            if keep.all():
+                if any(not k.all() for _, k in theirs) or (
+                        their_ignored is not None and not (own_ignored is not None and (their_ignored <= own_ignored).all())):
+                    continue  # the other side leaves tokens out: its own mask is what to look at
+                as_theirs = (f"as in {other}'s {theirs[0][0].label}" if theirs else
+                             "as on the other side, which passes none")
+                row.accounted = Accounted("loss-mask", f"a loss mask of all ones [{shape}]: every token counts, "
+                                          f"{as_theirs}")
+                continue
+            out = ~keep
+            n = int(out.sum())
+            same = next((r for r, k in theirs if np.array_equal(~k, out)), None)
+            if same is not None:
+                row.accounted = Accounted("loss-mask", f"a loss mask [{shape}] leaving out {n} of {keep.size} tokens, "
+                                          f"the ones {other}'s {same.label} leaves out")
+                continue
+            if their_ignored is not None and np.array_equal(their_ignored, out):
+                row.accounted = Accounted("loss-mask", f"a loss mask [{shape}] leaving out the {n} of {keep.size} "
+                                          f"tokens {other}'s labels mark with an ignore index")
+                continue
+            side.flagged.add(rec.seq)
+            pad = _pad_token(side, out)
+            elsewhere = (f"{other}'s loss masks leave out other tokens" if theirs else
+                         f"{other} passes no loss mask and counts every token")
+            if pad is None:
+                row.note = f"a loss mask leaving out {n} of {keep.size} tokens; {elsewhere}"
+                continue
+            ids, value = pad
+            row.note = (f"a loss mask leaving out the {n} token(s) whose id in {ids.label} is {value}: a pad token; "
+                        f"{elsewhere}")
+            if (ids.seq, value, n) in reported:
+                continue
+            reported.add((ids.seq, value, n))
+            finding = (f"{s}'s {rec.label} [{shape}], a loss mask, leaves out the {n} of {keep.size} token(s) whose id "
+                       f"in {ids.label} is {value}: {s}'s model takes {value} for its pad token and masks it out of the "
+                       f"loss; {elsewhere}. If {value} is a real token of this data, give {s}'s model a pad token id "
+                       "the data never holds (MindFormers: pad_token_id), or pass both sides the same loss mask")
+            if finding not in findings:
+                findings.append(finding)
+
+
+def _pad_token(side: _Side, out: np.ndarray) -> tuple[Record, int] | None:
+    """(the token ids, the id) where ``out`` (flat, True = left out) is exactly where one id sits in token ids of
+    ``side``."""
+    for ids, x in _token_ids(side):
+        flat = x.reshape(-1)
+        if flat.size != out.size:
+            continue
+        values = np.unique(flat[out])
+        if values.size == 1 and not (flat[~out] == values[0]).any():
+            return ids, int(values[0])
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------- consumers
+def _call_agrees(side: _Side, module: str, call: int, phase: str, kinds: tuple[str, ...]) -> list[Record] | None:
+    """The records of kind ``kinds`` of one module call that were compared and agree, when there is one and none
+    of the call's others diverged or is left unaccounted; None for the model, the decoder or a layer stack, a
+    module with any row that did not agree, or a call with nothing of those kinds compared."""
+    if module == "" or module in side.bad_modules or side.holds_stack(module):
+        return None
+    recs = [r for r in side.calls.get((module, call), ()) if r.phase == phase and r.kind in kinds]
+    if any(r.tensor_id in side.bad_tensors or (r.tensor_id in side.pending and r.tensor_id not in side.ok_tensors)
+           for r in recs):
+        return None
+    ok = [r for r in recs if r.tensor_id in side.ok_tensors]
+    return ok or None
+
+
+def _consumed_by(side: _Side, rec: Record) -> str | None:
+    """Why ``rec`` is accounted for by what consumes it, or None: a module's input by that module's outputs, a
+    module's output by the outputs of the modules taking it as input, an output gradient by the module's input
+    gradients, an input gradient by the output gradient of the module that produced the input."""
+    def shown(recs: list[Record]) -> str:
+        return ", ".join(r.label for r in recs[:2]) + (f" (+{len(recs) - 2})" if len(recs) > 2 else "")
+
+    if rec.phase == "forward" and rec.kind == "input":
+        ok = _call_agrees(side, rec.module, rec.call, "forward", ("output",))
+        return None if ok is None else (f"an input of {module_label(rec.module)} with no counterpart, consumed there: "
+                                        f"its outputs ({shown(ok)}) were compared and agree")
+    if rec.phase == "forward" and rec.kind == "output":
+        calls = sorted({(c.module, c.call) for c in side.consumers.get(rec.tensor_id, ())
+                        if (c.module, c.call) != (rec.module, rec.call)})
+        if not calls:
+            return None
+        agreeing = []
+        for module, call in calls:
+            ok = _call_agrees(side, module, call, "forward", ("output",))
+            if ok is None:
+                return None
+            agreeing += ok
+        names = ", ".join(module_label(m) for m, _ in calls[:2]) + (f" (+{len(calls) - 2})" if len(calls) > 2 else "")
+        return (f"computed by {module_label(rec.module)} for {names}, whose outputs ({shown(agreeing)}) were compared "
+                "and agree")
+    if rec.phase == "backward" and rec.kind == "grad_output":
+        ok = _call_agrees(side, rec.module, rec.call, "backward", ("grad_input",))
+        return None if ok is None else (f"an output gradient of {module_label(rec.module)} with no counterpart, "
+                                        f"consumed by its backward: its input gradients ({shown(ok)}) were compared "
+                                        "and agree")
+    if rec.phase == "backward" and rec.kind == "grad_input":
+        forward = side.by_seq.get(rec.grad_of)
+        if forward is None:
+            return None
+        into = [g for g in side.grads_of(forward.tensor_id) if g.module != rec.module]
+        if not into:
+            return None
+        ok = []
+        for g in into:
+            if g.module == "" or g.module in side.bad_modules or side.holds_stack(g.module) \
+                    or g.tensor_id in side.bad_tensors:
+                return None
+            if g.tensor_id in side.ok_tensors:
+                ok.append(g)
+        return None if not ok else (f"the gradient {module_label(rec.module)} hands back for its input "
+                                    f"{forward.tensor_label}, summed into {shown(ok)}, which was compared and agrees")
+    return None
+
+
+def _consumers(side: _Side, lone: list[Row]) -> None:
+    """Records accounted for by what consumes them, when that was compared and agrees (``_consumed_by``)."""
+    for row in lone:
+        rec = _rec(side, row)
+        if row.accounted is not None or rec.seq in side.flagged:
+            continue
+        why = _consumed_by(side, rec)
+        if why is not None:
+            row.accounted = Accounted("consumer", why)
 
 
 def _links_of_accounted(side: _Side, lone: list[Row]) -> None:
@@ -489,10 +889,11 @@ def _links_of_accounted(side: _Side, lone: list[Row]) -> None:
     accounted = {_rec(side, row).tensor_id: row.accounted for row in lone if row.accounted is not None}
     for row in lone:
         rec = _rec(side, row)
-        if row.accounted is None and rec.tensor_id in accounted:
+        if row.accounted is None and rec.tensor_id in accounted and rec.seq not in side.flagged:
             first = accounted[rec.tensor_id]
             assert first is not None
             row.accounted = Accounted(first.rule, f"the same tensor as a record accounted for above: {first.why}")
+            side.cites[rec.seq] = rec.tensor_id
 
 
 def _inputs(side: _Side, lone: list[Row]) -> None:
@@ -516,6 +917,7 @@ def _inputs(side: _Side, lone: list[Row]) -> None:
                     and cand.tensor_id in side.compared and np.array_equal(x[:, :-1], y[:, 1:])):
                 row.accounted = Accounted("labels", f"next-token labels: {cand.label} shifted by one (the other side "
                                           "shifts inside its loss)")
+                side.cites[rec.seq] = cand.tensor_id
                 break
 
 
@@ -523,7 +925,7 @@ def _inside(side: _Side, lone: list[Row]) -> None:
     """Records of parameter-free modules, and extra outputs, strictly inside a module whose compared records agree."""
     for row in lone:
         rec = _rec(side, row)
-        if row.accounted is not None or rec.phase not in ("forward", "backward"):
+        if row.accounted is not None or rec.phase not in ("forward", "backward") or rec.seq in side.flagged:
             continue
         extra = rec.kind in ("output", "grad_output") and rec.module in side.ok_modules
         if not extra and side.has_params(rec.module):

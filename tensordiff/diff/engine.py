@@ -57,6 +57,7 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
             raise AlignmentError(f"{path_a} (steps {ca.steps}) and {path_b} (steps {cb.steps}) have no step in common")
         rows: list[Row] = []
         matched_by_name = 0
+        first_step = min(ca.steps + cb.steps)  # its weights are the ones the runs loaded
         run_dtype = dtypes.coarsest(compute_dtype(ca, common[0]), compute_dtype(cb, common[0]))
         pending: list[tuple[Row, Future[Measured]]] = []
         many = max(_files(ca), _files(cb))  # rank files: merged and compared in worker processes where they pay
@@ -77,7 +78,8 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
             for row, measured in pending:  # in row order: the first error raised is the one a serial diff raises
                 pair = row.pair
                 row.metrics, row.tol, row.verdict, row.note = compare_pair(
-                    ca, cb, pair, options.tolerances, options.ulp_k, run_dtype, measured=measured.result())
+                    ca, cb, pair, options.tolerances, options.ulp_k, run_dtype, measured=measured.result(),
+                    first_step=first_step)
                 row.judged = judged_dtype(pair.a.dtype, pair.b.dtype, run_dtype)  # type: ignore[union-attr]
                 if pair.how == "order":
                     row.note = (row.note + "; " if row.note else "") + "matched by order"

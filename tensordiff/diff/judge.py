@@ -38,14 +38,17 @@ Measured = tuple[Metrics | None, Literal["", "shape", "skipped"], str]
 
 
 def compare_pair(ca: CaptureFile, cb: CaptureFile, pair: Pair, tolerances: Tolerances, ulp_k: int,
-                 run_dtype: str = "", measured: Measured | None = None) -> tuple[Metrics | None, float, RowVerdict, str]:
+                 run_dtype: str = "", measured: Measured | None = None,
+                 first_step: int | None = None) -> tuple[Metrics | None, float, RowVerdict, str]:
     """(metrics or None, tolerance, verdict, note) of one matched pair; ``measured``: ``measure_pair``'s answer for it,
-    when already known (computed in a worker, or under another record of the same tensors)."""
+    when already known (computed in a worker, or under another record of the same tensors); ``first_step``: the
+    first step either run recorded (its weights are the ones loaded: ``Tolerances.limit``'s ``loaded``)."""
     a, b = pair.a, pair.b
     assert a is not None and b is not None
     # a noise file measured on either side's program (its names): A's key first
     key = a.key if a.key in tolerances.noise or b.key not in tolerances.noise else b.key
-    tol = tolerances.limit(a.dtype, b.dtype, key, run_dtype)
+    loaded = a.phase == "weights" and a.step == first_step and a.kind == "param"
+    tol = tolerances.limit(a.dtype, b.dtype, key, run_dtype, loaded=loaded)
     metrics, failed, note = measured if measured is not None else measure_pair(ca, cb, pair, ulp_k)
     if metrics is None:
         return None, tol, failed or "skipped", note

@@ -24,6 +24,10 @@ DEFAULT_RTOL: dict[str, float] = {
 #: Both tensors of a pair in the same narrow dtype (BF16 against BF16, from runs that round differently): the
 #: limit grows by sqrt(2), the two runs' independent rounding errors adding in quadrature.
 BOTH_NARROW = 2 ** 0.5
+#: Starting weights of two runs in a narrow dtype (FP16, BF16, FP8) are copies of one checkpoint: equal, or one
+#: rounding apart (one side cast from FP32, the other stored narrow): a relative L2 of at most this many times the
+#: dtype's resolution (2**-8 for BF16). Arithmetic's limits (``DEFAULT_RTOL``) are far above one rounding.
+LOADED_ROUNDINGS = 1.0
 #: Integer and boolean tensors (token ids, masks) must match exactly.
 EXACT = 0.0
 
@@ -41,13 +45,20 @@ class Tolerances:
     noise_factor: float = 3.0
     """A pair is allowed ``noise_factor`` times its measured noise."""
 
-    def limit(self, dtype_a: str, dtype_b: str, key: tuple | None = None, run_dtype: str = "") -> float:
+    def limit(self, dtype_a: str, dtype_b: str, key: tuple | None = None, run_dtype: str = "",
+              loaded: bool = False) -> float:
         """Relative-L2 limit for a pair; ``run_dtype``: the narrowest compute dtype of the two runs (a BF16
-        run's FP32 outputs, such as its loss, carry BF16 error and are judged as BF16)."""
+        run's FP32 outputs, such as its loss, carry BF16 error and are judged as BF16). ``loaded``: weights as the
+        runs loaded them (the first step's), which no arithmetic made: in a narrow dtype they are held to one
+        rounding (``LOADED_ROUNDINGS`` x the dtype's resolution), not to the arithmetic's limit, so that a weight
+        converted 1% wrong is not passed over as BF16 noise."""
         judged = judged_dtype(dtype_a, dtype_b, run_dtype)
         if not dtypes.is_float(judged):
             return EXACT
         base = self.override if self.override is not None else self.by_dtype.get(judged, DEFAULT_RTOL["float32"])
+        narrow = dtypes.MANTISSA_BITS.get(judged, 52) <= dtypes.MANTISSA_BITS["float16"]
+        if loaded and narrow and self.override is None and not self.noise:
+            return min(base, LOADED_ROUNDINGS * dtypes.resolution(judged))
         if (self.override is None and dtype_a == dtype_b == judged
                 and dtypes.MANTISSA_BITS.get(judged, 52) <= dtypes.MANTISSA_BITS["float16"]):
             # the limits are set for a narrow run against a float32 one; two narrow runs each carry their own

@@ -67,6 +67,8 @@ class DiffReport:
             yield Panel(body, title=title, title_align="left", border_style=style,
                         box=box.ASCII if console.legacy_windows else box.ROUNDED)
             yield from self._hints()
+            for finding in res.findings:  # what the accounting found besides (a RoPE table, a pad-token loss mask)
+                yield Text(f"Also found: {finding}", style="tensordiff.unmatched")
         elif res.outcome == "inconclusive":
             yield Text("Inconclusive: no divergence among the pairs compared, but not everything was compared "
                        "(exit code 3):", style="tensordiff.inconclusive")
@@ -312,6 +314,7 @@ class DiffReport:
             "exact": res.exact or None,
             "first_divergence": res.first.as_dict() if res.first else None,
             "outcome": res.outcome, "exit_code": res.exit_code, "inconclusive_reasons": res.reasons,
+            "findings": res.findings,
             "mapping_note": res.mapping_note or None,
             "swapped": res.swapped,
             "rank_inconsistencies": res.rank_inconsistencies,

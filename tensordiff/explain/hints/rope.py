@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from ...diff.accounting import rope_base
 from ...record import Record
 from .base import Hint, NotApplicable, Site, fit_sides, make_hint
 
@@ -230,19 +231,6 @@ def check_rope_attention(site: Site) -> Iterator[Hint]:
         raise NotApplicable("the q, k, v recorded before it do not split into heads of this width")
 
 
-def _base_from_angles(first: np.ndarray) -> float | None:
-    """RoPE's base from the angles of position 1 (= the inverse frequencies base^(-2i/D), i < D/2), or None."""
-    half = first.shape[-1]
-    if half < 2:
-        return None
-    inv = first[1:].astype(np.float64)
-    i = np.arange(1, half, dtype=np.float64)
-    ok = (inv > 0) & (inv < 1)
-    if not ok.any():
-        return None
-    return float(np.median(inv[ok] ** (-(2 * half) / (2 * i[ok]))))
-
-
 def _table_bases(site: Site) -> str:
     """Each side's rotary table read back as a base: A's angle table (Megatron's rotary_pos_emb output, [S, 1, 1, D])
     or cos table (Hugging Face's rotary_emb first output, [.., S, D]); '' when neither side recorded one."""
@@ -271,7 +259,7 @@ def _table_bases(site: Site) -> str:
                 what = "angle table"
             else:
                 continue
-            base = _base_from_angles(angles)
+            base = rope_base(angles)
             if base is not None:
                 found.append(f"{side}'s {what} ({r.module}) reads as base {base:.4g}")
                 break
