@@ -561,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "out", "matrix"))
     p.add_argument("--sample", action="store_true", help="only the fixed sample CI runs")
-    p.add_argument("--only", help="only cases whose name holds this")
+    p.add_argument("--only", help="only cases whose name holds one of these (comma-separated)")
     p.add_argument("--clean", action="store_true", help="clean pairs only")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
@@ -569,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sample:
         cases = [c for c in cases if c.sample]
     if args.only:
-        cases = [c for c in cases if args.only in c.name]
+        cases = [c for c in cases if any(o in c.name for o in args.only.split(","))]
     if args.clean:
         cases = [c for c in cases if not c.fault]
     results = Runner(args.out, verbose=args.verbose).run_all(cases)
