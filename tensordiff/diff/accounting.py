@@ -309,7 +309,6 @@ def account(rows: list[Row], records: dict[str, dict[int, list[Record]]], read: 
     dropout, a loss mask leaving out pad tokens). ``records``/``read``: per side ('A', 'B'), the records of each
     compared step and a tensor reader."""
     findings: list[str] = []
-    _masks_by_meaning(rows)
     earlier: dict[tuple[str, tuple], tuple[tuple, Accounted]] = {}  # (side, record key) -> (values, why)
     steps = sorted({r.step for r in rows})
     for step in steps:
@@ -388,10 +387,11 @@ def _settle(side: _Side, lone: list[Row]) -> None:
     _refresh(side, lone)
 
 
-def _masks_by_meaning(rows: list[Row]) -> None:
+def masks_by_meaning(rows: list[Row]) -> None:
     """A pair of masks compared by meaning in a step with tensors, holding the same values in a statistics-only
     step (the statistics of two conventions differ even where the masks agree; an additive BF16 mask of the dtype's
-    minimum overflows its L2, so that its statistics are not known): judged as then."""
+    minimum overflows its L2, so that its statistics are not known): judged as then. Runs before
+    ``coverage.mark_unmatched``, so that a record holding such a mask's tensor is linked to it in that step too."""
     then: dict[tuple, tuple[tuple, tuple, Row]] = {}
     for row in rows:
         a, b = row.pair.a, row.pair.b

@@ -21,7 +21,7 @@ from ..mapping import RenameRules
 from ..record import Record
 from ..store import CaptureFile, MergedCapture, open_capture
 from ..store.fanout import ENV_JOBS, executor_for
-from .accounting import account
+from .accounting import account, masks_by_meaning
 from .align import Pair, align_step
 from .autoselect import orient
 from .coverage import coverage, judge_outcome, mark_uncertain, mark_unmatched, not_recorded, not_recorded_phases
@@ -102,6 +102,7 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
             judge_against_reference(rows, ca, cb, common, options)
         mark_uncertain(rows)
         skip_a, skip_b = not_recorded(ca.attrs), not_recorded(cb.attrs)
+        masks_by_meaning(rows)
         mark_unmatched(rows, skip_a, skip_b, not_recorded_phases(ca.attrs), not_recorded_phases(cb.attrs))
         findings = account(rows, {"A": records_a, "B": records_b}, {"A": ca.array, "B": cb.array})
         covered = coverage(rows)

@@ -95,7 +95,7 @@ def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
     if getattr(cb, "tp", 1) > 1 and hasattr(cb, "tp_copies"):  # B merged from tensor-parallel rank files
         checks.append(("partial sum", check_partial_sum))
         causes.insert(causes.index("checkpoint"), "partial sum")
-    if getattr(cb, "pp", 1) > 1 and hasattr(cb, "received_from"):  # B merged from pipeline-parallel stage files
+    if any(getattr(c, "pp", 1) > 1 and hasattr(c, "received_from") for c in (cb, ca)):  # merged from PP stage files
         checks.insert(0, ("pipeline stages", check_pipeline))  # ties: the handover before a factor of 0 or layout
         causes.insert(causes.index("checkpoint"), "pipeline stages")
     if result is not None:

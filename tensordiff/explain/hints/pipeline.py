@@ -1,4 +1,4 @@
-"""Pipeline hints, tested when B is merged from pipeline-parallel stage files:
+"""Pipeline hints, tested when B is merged from pipeline-parallel stage files (pp-tied also when A is):
 
 * pp-boundary: a stage received the hidden state other than the previous stage sent it;
 * pp-layer-offset: a later stage loaded its layers from the checkpoint by their stage-local numbers;
@@ -50,6 +50,9 @@ _LAYER = re.compile(r"(^|\.)decoder\.layers\.(\d+)(?=\.|$)")
 def check_pipeline(site: Site) -> Iterator[Hint]:
     """The pipeline causes: a step-0 weight of a later stage (its layer numbers), else the handover."""
     if getattr(site.cb, "received_from", None) is None:
+        if site.a.phase == "param_grad" and getattr(site.ca, "received_from", None) is not None:
+            yield from check_pp_tied(site, mirrored=True)  # the captures given the other way: A is the stage files
+            return
         raise NotApplicable("B is not merged from pipeline stage files")
     if site.a.phase == "weights":
         yield from check_pp_layer_offset(site)
@@ -59,37 +62,44 @@ def check_pipeline(site: Site) -> Iterator[Hint]:
         yield from check_pp_boundary(site)
 
 
-def check_pp_tied(site: Site) -> Iterator[Hint]:
+def check_pp_tied(site: Site, mirrored: bool = False) -> Iterator[Hint]:
     """B's gradient of a tied weight (the first stage's word embeddings) differs from A's: if the sum of the copies'
     gradients over the stages that hold one (the last stage's output layer weight) reproduces A, each stage stepped on
-    its own share and the all-reduce over the embedding group is missing."""
-    copies_of = getattr(site.cb, "tied_copies", None)
-    copies = copies_of(site.b) if copies_of is not None and site.b.kind == "grad" else None
+    its own share and the all-reduce over the embedding group is missing. ``mirrored``: A is the run merged from
+    stage files and B the reference (the captures given in the other order): the same test, the sides' roles
+    exchanged."""
+    cap, rec, other = (site.ca, site.a, "B") if mirrored else (site.cb, site.b, "A")
+    own = "A" if mirrored else "B"
+    copies_of = getattr(cap, "tied_copies", None)
+    copies = copies_of(rec) if copies_of is not None and rec.kind == "grad" else None
     if not copies:
         raise NotApplicable("not the gradient of a weight tied across pipeline stages")
     if site.row.pair.join is not None:
         raise NotApplicable("B's record is joined from several of B's records")
 
-    def as_a(x: np.ndarray) -> np.ndarray:
+    def in_a_layout(x: np.ndarray) -> np.ndarray:
+        if mirrored:  # A's own records are in A's layout
+            return np.asarray(x, dtype=np.float64)
         return np.asarray(site.row.pair.b_tensor(lambda _rec: x), dtype=np.float64)
 
     try:
-        total = np.sum([as_a(x) for _, x in copies], axis=0)
+        total = np.sum([in_a_layout(x) for _, x in copies], axis=0)
     except Exception as err:
-        raise NotApplicable(f"B's stage copies cannot be put in A's layout ({type(err).__name__})") from None
-    if total.shape != site.xa.shape:
-        raise NotApplicable("B's stage copies have another shape than A")
-    after = rel_l2(site.xa, total)
+        raise NotApplicable(f"{own}'s stage copies cannot be put in A's layout ({type(err).__name__})") from None
+    target = site.xb if mirrored else site.xa
+    if total.shape != target.shape:
+        raise NotApplicable(f"{own}'s stage copies have another shape than {other}")
+    after = rel_l2(target, total)
     if explained_share(site.before, after) < MIN_EXPLAINED:
         return
-    name = getattr(site.cb, "tied_copy_name", lambda m, s: "")(site.b.module, site.b.slot) or "its copy"
+    name = getattr(cap, "tied_copy_name", lambda m, s: "")(rec.module, rec.slot) or "its copy"
     stages = [k for k, _ in copies]
-    yield make_hint("pp-tied", f"B's gradient of the tied {site.b.module}.{site.b.slot} is pipeline stage "
-                    f"{stages[0]}'s share only: the sum with stage {stages[-1]}'s copy ({name}) reproduces A (the "
-                    "all-reduce over the embedding group is missing)", site, after,
+    yield make_hint("pp-tied", f"{own}'s gradient of the tied {rec.module}.{rec.slot} is pipeline stage "
+                    f"{stages[0]}'s share only: the sum with stage {stages[-1]}'s copy ({name}) reproduces {other} "
+                    "(the all-reduce over the embedding group is missing)", site, after,
                     f"the word embeddings and the output layer share one weight; with pipeline stages the first holds "
                     f"it and the last a copy, each computing its own part of the gradient. The sum of the "
-                    f"{len(copies)} stages' gradients matches A to rel L2 {after:.1e}; megatron's "
+                    f"{len(copies)} stages' gradients matches {other} to rel L2 {after:.1e}; megatron's "
                     "finalize_model_grads all-reduces them over the embedding group (_allreduce_word_embedding_grads) "
                     "so both copies take the same step", stages=stages, copy=name)
 
