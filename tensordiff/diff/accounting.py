@@ -27,6 +27,13 @@ record it accounts. Rules, in the order they are tried:
     a RoPE angle table on one side whose cos and sin are the other side's cos/sin tables, to the precision of the
     coarser of the two (1e-5 in FP32; a BF16 table is cos(angle) rounded to BF16). In a narrow dtype the tables may
     also be of the inverse frequencies rounded to it (a model cast whole to BF16 casts its RoPE buffer too).
+``loss-mask``
+    a loss mask on one side only that is all ones, or leaves out exactly the tokens the other side's mask or ignore
+    index leaves out; one leaving out the positions of one token id (a pad token) is a finding naming it.
+``consumer``
+    a record whose consumer was compared and agrees at its precision (a module's input by that call's outputs, a
+    value computed for other modules by their outputs, an output gradient by the module's input gradients); never
+    with the model, the decoder or a layer stack as the consumer, never for a record that is a finding.
 ``inside``
     a record of a parameter-free module (or an extra output) strictly inside a module both sides recorded and whose
     compared records agree (SDPA on one side, explicit softmax and dropout on the other). Never for a module with
