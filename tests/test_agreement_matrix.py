@@ -51,12 +51,13 @@ def test_a_fault_diverges_at_its_module_and_phase(results, case):
 
 
 # ------------------------------------------------------------------------------- BF16 RoPE tables, judged by meaning
-def test_bf16_rope_tables_of_a_model_cast_whole_agree_and_another_base_is_named(tmp_path):
-    """Hugging Face Llama cast whole to BF16 (``.to(torch.bfloat16)``) casts its RoPE ``inv_freq`` buffer too: its
-    cos/sin tables are of frequencies rounded to BF16, which at 128 positions and head dim 32 part from megatron's
-    FP32 angles by far more than BF16's resolution. The pair agrees in both orders, the tables accounted by the
-    rope rule saying so; a RoPE base of 500000 on B is a divergence, and the tables themselves are named with the
-    base each reads as."""
+def test_bf16_rope_tables_are_compared_as_angles_and_another_base_diverges_there(tmp_path):
+    """megatron-core's RoPE angle table against Hugging Face's cos and sin tables: compared as one pair, B's tables
+    read back as angles. Llama cast whole to BF16 (``.to(torch.bfloat16)``) casts its ``inv_freq`` buffer too, so its
+    tables are of frequencies rounded to BF16: at 128 positions and head dim 32 they part from megatron's FP32 angles
+    by far more than BF16's resolution in cos, yet by less than one BF16 rounding in the angles: the pair agrees in
+    both orders. A RoPE base of 500000 on B is a divergence at the table itself, the rope hint naming both bases,
+    however small its effect downstream."""
     import json
     from dataclasses import replace
 
@@ -69,16 +70,19 @@ def test_bf16_rope_tables_of_a_model_cast_whole_agree_and_another_base_is_named(
     assert (clean.exit_code, clean.outcome, clean.orders) == (0, "agree", "0/0"), clean.unaccounted[:6] + clean.reasons
     with open(tmp_path / f"r-{_key('bf16-rope', False)}.json", encoding="utf-8") as fh:
         doc = json.load(fh)
-    rope = [r["accounted"]["why"] for r in doc["rows"] if r["accounted"] and r["accounted"]["rule"] == "rope"
-            and r["a"] == "module.rotary_pos_emb output.0"]
-    assert rope and all("with its inverse frequencies rounded to bfloat16" in why for why in rope), rope
-    assert doc["findings"] == []
+    [table] = [r for r in doc["rows"] if r["step"] == 0 and r["a"] == "module.rotary_pos_emb output.0"]
+    assert table["verdict"] == "ok" and table["b"] == "model.rotary_emb output.0"
+    assert table["note"].startswith("RoPE tables compared by meaning: B's cos and sin read back as angles")
+    assert 0 < table["metrics"]["rel_l2"] <= table["tolerance"] == 2 ** -8  # the frequencies' BF16 rounding
+    assert not [r for r in doc["rows"] if r["b"] in ("model.rotary_emb output.0", "model.rotary_emb output.1")
+                and r["a"] is None and not r["linked"]]
 
     fault = runner.run(Case("bf16-rope+rope-base", arch, Side("mcore"), Side("hf-llama", fault="rope-base")))
     assert fault.exit_code == 1 and fault.outcome == "diverged", fault.reasons
-    with open(tmp_path / f"r-{_key('bf16-rope+rope-base', True)}.json", encoding="utf-8") as fh:
-        back = json.load(fh)  # the other order: the finding names the megatron side A all the same
-    [finding] = back["findings"]
-    assert finding.startswith("the RoPE tables differ: cos and sin of A's angle table module.rotary_pos_emb "
-                              "output.0 are not B's model.rotary_emb output.0 and model.rotary_emb output.1: A's reads "
-                              "as RoPE base 1e+04, B's as base 5"), finding
+    for reversed_ in (False, True):
+        with open(tmp_path / f"r-{_key('bf16-rope+rope-base', reversed_)}.json", encoding="utf-8") as fh:
+            doc = json.load(fh)
+        first, top = doc["first_divergence"], doc["hints"][0]
+        assert (first["step"], first["phase"], first["tensor_a"]) == (0, "forward", "module.rotary_pos_emb output.0")
+        assert top["cause"] == "rope" and top["explained"] > 0.99 and "base 500000" in top["title"] \
+            and "base 10000" in top["title"], top

@@ -31,8 +31,8 @@ FAULTS = {
                 "norm-epsilon", "1.00e-03"),
     "gelu": (["--act", "gelu_pytorch_tanh"], ("forward", "decoder.layers.0.mlp.linear_fc2", "input", "0"),
              "activation", "gelu"),
-    "rope-theta": (["--rope-theta", "500000"], ("forward", "decoder.layers.0.self_attention.linear_proj", "input", "0"),
-                   "rope", "base 500000"),
+    # at the tables themselves: megatron's angles against HF's cos and sin read back as angles
+    "rope-theta": (["--rope-theta", "500000"], ("forward", "rotary_pos_emb", "output", "0"), "rope", "base 500000"),
 }
 
 
@@ -96,9 +96,9 @@ def test_a_fault_on_the_hf_side_is_found_at_its_module_with_the_right_hint(clean
     # the captures' recorded model configs: the one setting that differs, named as bearing on the divergence
     bearing = [d["key"] for d in report["config_differences"]["bearing"]]
     assert bearing == [{"rms-eps": "norm_epsilon", "gelu": "activation", "rope-theta": "rotary_base"}[fault]]
-    if fault == "rope-theta":  # the tables of both conventions read back: Megatron's angles, HF's cos
-        assert "A's angle table (rotary_pos_emb) reads as base 1e+04" in top["evidence"]
-        assert "B's cos table (model.rotary_emb) reads as base 5e+05" in top["evidence"]
+    if fault == "rope-theta":  # the tables of both conventions, fitted: Megatron's angles, HF's cos and sin
+        assert first["tensor_b"] == "model.rotary_emb output.0" and "A's uses rotate-half (NeoX) pairs, base 10000" \
+            in top["title"]
 
 
 def test_a_wrong_query_group_count_is_never_a_pass(clean, tmp_path):

@@ -54,6 +54,8 @@ import numpy as np
 
 from .. import dtypes
 from ..record import Record, is_inside, module_label
+from ..transforms import Split
+from .align import Pair
 from .result import COMPARED, Accounted, Row
 
 _NUMBERED = re.compile(r"(^|\.)\d+(\.|$)")
@@ -572,6 +574,92 @@ def _trig(x: np.ndarray | None, first: float) -> np.ndarray | None:
     if any(not np.array_equal(t[0], u) for u in t[1:]):
         return None
     return t[0]
+
+
+class RopeAngles(Split):
+    """B's RoPE cos and sin tables read back as the angle table A holds (``[S, 1, 1, D]``, megatron's
+    ``rotary_pos_emb``): atan2 of sin and cos, unwrapped along the positions (consecutive positions differ by an
+    inverse frequency, at most 1 rad), in A's shape. Compared so, the two conventions are judged by relative L2 at
+    the coarser side's tolerance like any pair: a base or layout that differs is a divergence at the table, and the
+    RoPE hints read both tables."""
+
+    name = "rope_angles"
+
+    def __init__(self, shape: tuple[int, ...]):
+        super().__init__(0)
+        self.shape = tuple(shape)
+
+    def __str__(self) -> str:
+        return "rope_angles(cos, sin)"
+
+    def parts_shapes(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+        raise ValueError("an angle table is not split into cos and sin tables")
+
+    def joined_shape(self, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+        return self.shape
+
+    def split(self, x: np.ndarray) -> list[np.ndarray]:
+        raise ValueError("an angle table is not split into cos and sin tables")
+
+    def join(self, parts: list[np.ndarray]) -> np.ndarray:
+        s, d = self.shape[0], self.shape[-1]
+        cos, sin = (np.asarray(dtypes.floats(p), dtype=np.float64).reshape(-1, s, d)[0] for p in parts)
+        return np.unwrap(np.arctan2(sin, cos), axis=0).reshape(self.shape)
+
+
+def rope_by_meaning(rows: list[Row], read_a: Read, read_b: Read) -> list[tuple[Row, Row | None]]:
+    """A's RoPE angle table with no counterpart and one call's cos and sin tables of B with none (Hugging Face's
+    ``rotary_emb`` outputs 0 and 1): paired as one comparison (``RopeAngles``), B's two rows taken into it (removed
+    from ``rows``). Returns the rows to measure, each with None, or, in a statistics-only step whose three records
+    hold the same values as in an earlier step's pair, that pair's row (judged as then). Runs before
+    ``coverage.mark_unmatched``: what holds the same tensors is linked to the pair."""
+    out: list[tuple[Row, Row | None]] = []
+    then: dict[tuple, tuple[tuple, Row]] = {}
+    taken: set[int] = set()
+    by_step: dict[int, list[Row]] = {}
+    for row in rows:
+        by_step.setdefault(row.step, []).append(row)
+    for step_rows in by_step.values():
+        lone_a = [r for r in step_rows if r.verdict == "unmatched" and r.pair.a is not None and r.pair.b is None
+                  and r.pair.a.phase == "forward" and r.pair.a.kind == "output" and r.pair.a.same_as < 0]
+        lone_b = [r for r in step_rows if r.verdict == "unmatched" and r.pair.b is not None and r.pair.a is None
+                  and r.pair.b.phase == "forward" and r.pair.b.kind == "output" and r.pair.b.same_as < 0]
+        if not lone_a or not lone_b:
+            continue
+        calls: dict[tuple[str, int], list[Row]] = {}
+        for r in lone_b:
+            calls.setdefault((r.pair.b.module, r.pair.b.call), []).append(r)  # type: ignore[union-attr]
+        for row in lone_a:
+            a = row.pair.a
+            assert a is not None
+            for (_, _), outs in calls.items():
+                if len(outs) != 2 or any(id(r) in taken for r in outs):
+                    continue
+                cos_row, sin_row = sorted(outs, key=lambda r: r.pair.b.slot)  # type: ignore[union-attr]
+                cos, sin = cos_row.pair.b, sin_row.pair.b
+                assert cos is not None and sin is not None
+                key = (a.key, cos.key, sin.key)
+                sigs = (_sig(a), _sig(cos), _sig(sin))
+                earlier = None
+                if a.has_data and cos.has_data and sin.has_data:
+                    angles = _angles(read_a(a))
+                    ct, st = _trig(read_b(cos), 1.0), _trig(read_b(sin), 0.0)
+                    if angles is None or ct is None or st is None or ct.shape != angles.shape \
+                            or st.shape != angles.shape:
+                        continue
+                elif key in then and all(_same_sig(x, y) for x, y in zip(then[key][0], sigs)):
+                    earlier = then[key][1]
+                else:
+                    continue
+                row.pair = Pair(a=a, b=cos, how="rule", parts=(cos, sin), join=RopeAngles(a.shape))
+                taken.update((id(cos_row), id(sin_row)))
+                if earlier is None:
+                    then.setdefault(key, (sigs, row))
+                out.append((row, earlier))
+                break
+    if taken:
+        rows[:] = [r for r in rows if id(r) not in taken]
+    return out
 
 
 def rope_base(first: np.ndarray) -> float | None:

@@ -21,7 +21,7 @@ from ..mapping import RenameRules
 from ..record import Record
 from ..store import CaptureFile, MergedCapture, open_capture
 from ..store.fanout import ENV_JOBS, executor_for
-from .accounting import account, masks_by_meaning
+from .accounting import account, masks_by_meaning, rope_by_meaning
 from .align import Pair, align_step
 from .autoselect import orient
 from .coverage import coverage, judge_outcome, mark_uncertain, mark_unmatched, not_recorded, not_recorded_phases
@@ -31,7 +31,7 @@ from .judge import Measured, compare_pair, compute_dtype, measure_pair, tensor_k
 from .nonfinite import describe, first_nonfinite
 from .reference import judge_against_reference
 from .result import DiffOptions, DiffResult, Row
-from .tolerance import judged_dtype
+from .tolerance import LOADED_ROUNDINGS, judged_dtype
 from .workers import BATCH_BYTES, BATCH_PAIRS, measure_batch, records_of
 
 
@@ -83,6 +83,23 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
                 row.judged = judged_dtype(pair.a.dtype, pair.b.dtype, run_dtype)  # type: ignore[union-attr]
                 if pair.how == "order":
                     row.note = (row.note + "; " if row.note else "") + "matched by order"
+        for row, earlier in rope_by_meaning(rows, ca.array, cb.array):  # RoPE tables in two conventions
+            if earlier is not None:  # a statistics-only step holding the same tables: judged as then
+                row.metrics, row.tol, row.verdict = earlier.metrics, earlier.tol, earlier.verdict
+                row.note, row.judged = f"{earlier.note} (step {earlier.step}; the same values here)", earlier.judged
+                continue
+            row.metrics, row.tol, row.verdict, row.note = compare_pair(
+                ca, cb, row.pair, options.tolerances, options.ulp_k, run_dtype, first_step=first_step)
+            row.judged = judged_dtype(row.pair.a.dtype, row.pair.b.dtype, run_dtype)  # type: ignore[union-attr]
+            # a table no arithmetic of the run made: held to one rounding of its dtype (frequencies rounded to BF16
+            # with a model cast whole), not to the arithmetic's tolerance, so that another base is never passed over
+            narrow = dtypes.MANTISSA_BITS.get(row.judged, 52) <= dtypes.MANTISSA_BITS["float16"]
+            if narrow and row.metrics is not None and options.tolerances.override is None:
+                row.tol = min(row.tol, LOADED_ROUNDINGS * dtypes.resolution(row.judged))
+                if row.verdict == "ok" and row.metrics.rel_l2 > row.tol:
+                    row.verdict = "diverged"
+            row.note = "RoPE tables compared by meaning: B's cos and sin read back as angles" + (
+                f"; {row.note}" if row.note else "")
         if matched_by_name == 0:
             raise AlignmentError(
                 f"{path_a} and {path_b} have no module in common ({_sample(ca, common[0])} vs {_sample(cb, common[0])}); "
