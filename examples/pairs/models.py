@@ -390,6 +390,23 @@ FAULTS = {
 }
 
 
+def fault_effect(fault: str, arch: Arch) -> float | None:
+    """The relative change (L2) a fault makes to the one function it replaces, on inputs of the scale the model
+    feeds it, computed in float64; None for a fault that is not one function's change (a weight, the RoPE base, an
+    active dropout). A fault whose effect is below one rounding of the dtype the pair trains in
+    (``dtypes.resolution``) leaves both programs computing the same numbers in that dtype: no fault there."""
+    if fault == "act":  # the MLP's activation on its pre-activations (unit scale after the norm and fc1)
+        x = torch.randn(1 << 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+        base = F.gelu(x) if arch.act == "gelu" else F.silu(x)
+        other = F.gelu(x, approximate="tanh") if arch.act == "gelu" else F.gelu(x)
+        return float((other - base).norm() / base.norm())
+    if fault in ("norm-eps", "eps-tiny"):  # 1 / sqrt(ms + eps) with ms the hidden states' mean square (init_std**2)
+        ms = arch.init_std ** 2
+        eps = 1e-2 if fault == "norm-eps" else arch.eps * 1.01
+        return abs((ms + arch.eps) ** 0.5 / (ms + eps) ** 0.5 - 1.0)
+    return None
+
+
 def _layers(model: Any, family: str) -> Any:
     model = getattr(model, "module", model)  # megatron's Float16Module
     if family == "mcore":

@@ -537,9 +537,11 @@ def _masks(sides: dict[str, _Side], lone: dict[str, list[Row]]) -> None:
                                           f"({match.convention}) means")
             elif mask.padding and mask.nothing:
                 row.accounted = Accounted("mask", f"a padding mask [{shape}] that masks nothing (every token real)")
-            elif mask.causal and not any(m.causal or m.nothing for m in theirs):
+            elif mask.causal and not any(m.causal or (m.nothing and not m.padding) for m in theirs):
+                # a square mask of the other side attending everywhere is full attention; a padding mask of ones
+                # (Hugging Face's attention_mask) masks no token, and the model applies its causal masking itself
                 row.accounted = Accounted("mask", f"the causal mask [{shape}] ({mask.convention}); {other} passes none "
-                                          "and applies causal masking itself")
+                                          "(or only a padding mask of ones) and applies causal masking itself")
             elif mask.causal and not theirs:
                 row.accounted = Accounted("mask", f"the causal mask [{shape}] ({mask.convention}); {other} passes none")
             elif mask.causal and any(m.causal for m in theirs):

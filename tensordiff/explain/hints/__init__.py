@@ -21,6 +21,7 @@ captured arrays.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from ...diff.result import DiffResult, Row
 from ...store import CaptureFile, open_capture
 from .activation import check_activation
 from .aux_loss import check_aux_loss
-from .base import MIN_EXPLAINED, CheckStatus, Hint, NotApplicable, Site
+from .base import MIN_EXPLAINED, CheckStatus, Hint, NotApplicable, Site, mirrored
 from .checkpoint import check_checkpoint
 from .dropout import check_dropout
 from .dtype import check_dtype
@@ -92,8 +93,9 @@ def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
     status: dict[str, CheckStatus] = {}
     checks: list[tuple[str, Callable[[Site], Iterator[Hint]]]] = list(CHECKS)
     causes = list(CHECKED)
-    if getattr(cb, "tp", 1) > 1 and hasattr(cb, "tp_copies"):  # B merged from tensor-parallel rank files
-        checks.append(("partial sum", check_partial_sum))
+    merged_tp = [c for c in (cb, ca) if getattr(c, "tp", 1) > 1 and hasattr(c, "tp_copies")]
+    if merged_tp:  # a side merged from tensor-parallel rank files (B; else A: the captures given the other way)
+        checks.append(("partial sum", check_partial_sum if merged_tp[0] is cb else partial(mirrored, check_partial_sum)))
         causes.insert(causes.index("checkpoint"), "partial sum")
     if any(getattr(c, "pp", 1) > 1 and hasattr(c, "received_from") for c in (cb, ca)):  # merged from PP stage files
         checks.insert(0, ("pipeline stages", check_pipeline))  # ties: the handover before a factor of 0 or layout

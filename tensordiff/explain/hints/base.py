@@ -11,8 +11,10 @@ reason.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,3 +170,23 @@ def fit_sides(site: Site, outs: dict) -> tuple[Any, Any, float] | None:
 
 def make_hint(cause: str, title: str, site: Site, after: float, evidence: str = "", **details: Any) -> Hint:
     return Hint(cause, title, explained_share(site.before, after), site.before, after, evidence, details)
+
+
+#: A side's name in a hint's sentence ("B's", "matches A", "reproduces A"), not a letter of a shape ("[B, S, H]")
+_SIDE = re.compile(r"(?<!\[)\b([AB])\b(?![,\]])")
+
+
+def mirrored(check: Callable[[Site], Iterator[Hint]], site: Site) -> Iterator[Hint]:
+    """``check``, written for B merged from rank files, with the sides' roles exchanged (A is the merged run and B
+    the reference: the captures given the other way): run on the mirrored pair of a same-layout record (no
+    transform, join or returned bias), its sentences' A and B swapped back."""
+    pair = site.row.pair
+    if pair.ops or pair.join is not None or pair.bias_a is not None or pair.bias_b is not None:
+        raise NotApplicable("A's record is transformed or joined by the mapping")
+    mirror = Site(dataclasses.replace(site.row, pair=dataclasses.replace(pair, a=pair.b, b=pair.a)), site.cb, site.ca)
+
+    def swap(text: str) -> str:
+        return _SIDE.sub(lambda m: "B" if m.group(1) == "A" else "A", text)
+
+    for hint in check(mirror):
+        yield dataclasses.replace(hint, title=swap(hint.title), evidence=swap(hint.evidence))

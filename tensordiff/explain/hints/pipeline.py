@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import numpy as np
 
 from ... import dtypes
-from .base import MIN_EXPLAINED, Hint, NotApplicable, Site, explained_share, make_hint, rel_l2
+from .base import MIN_EXPLAINED, Hint, NotApplicable, Site, explained_share, make_hint, mirrored, rel_l2
 
 
 def _rounded(x: np.ndarray, dt: Any) -> np.ndarray:
@@ -54,7 +53,8 @@ def check_pipeline(site: Site) -> Iterator[Hint]:
         if getattr(site.ca, "received_from", None) is None:
             raise NotApplicable("neither side is merged from pipeline stage files")
         # the captures given the other way: A is the stage files
-        yield from check_pp_tied(site, mirrored=True) if site.a.phase == "param_grad" else _mirrored(site)
+        yield from check_pp_tied(site, mirrored=True) if site.a.phase == "param_grad" else \
+            mirrored(check_pipeline, site)
         return
     if site.a.phase == "weights":
         yield from check_pp_layer_offset(site)
@@ -62,22 +62,6 @@ def check_pipeline(site: Site) -> Iterator[Hint]:
         yield from check_pp_tied(site)
     else:
         yield from check_pp_boundary(site)
-
-
-_SIDE = re.compile(r"\b([AB])(?='s\b)|(?<=matches )([AB])\b")
-
-
-def _mirrored(site: Site) -> Iterator[Hint]:
-    """The pipeline checks with the sides' roles exchanged (A merged from stage files, B the reference): run on the
-    mirrored pair of a same-layout record (no transform, join or returned bias), their sentences' A and B swapped
-    back."""
-    pair = site.row.pair
-    if pair.ops or pair.join is not None or pair.bias_a is not None or pair.bias_b is not None:
-        raise NotApplicable("A's record is transformed or joined by the mapping")
-    mirror = Site(replace(site.row, pair=replace(pair, a=pair.b, b=pair.a)), site.cb, site.ca)
-    swap = partial(_SIDE.sub, lambda m: "B" if (m.group(1) or m.group(2)) == "A" else "A")
-    for hint in check_pipeline(mirror):
-        yield replace(hint, title=swap(hint.title), evidence=swap(hint.evidence))
 
 
 def check_pp_tied(site: Site, mirrored: bool = False) -> Iterator[Hint]:
