@@ -106,6 +106,15 @@ def _diff(runs, b, tmp_path, *extra):
     return code, json.loads(report.read_text()) if report.exists() else None
 
 
+def _diff_reversed(runs, a, tmp_path, *extra):
+    """The run's rank files given first, the reference second."""
+    from tensordiff.cli import main
+
+    report = tmp_path / "back.json"
+    code = main(["diff", runs[a], runs["ref"], "--json", str(report), *extra])
+    return code, json.loads(report.read_text()) if report.exists() else None
+
+
 @pytest.mark.parametrize("layout", ["tp2", "sp2", "dp2", "tp2dp2"])
 def test_rank_files_of_any_layout_merge_on_read_and_agree_with_the_single_device_run(runs, layout, tmp_path):
     code, report = _diff(runs, layout, tmp_path)
@@ -177,6 +186,11 @@ def test_sequence_parallel_norm_grads_not_all_reduced_are_a_tp_partial_sum(runs,
     top = report["hints"][0]
     assert top["cause"] == "tp-partial" and top["explained"] > 0.99
     assert "the sum over its 2 tensor-parallel ranks reproduces A" in top["title"]
+    # the rank files given first: the same place, the same hint, its sides named the other way
+    code, back = _diff_reversed(runs, "spnr", tmp_path)
+    assert code == 1 and back["first_divergence"]["module_a"] == "decoder.layers.0.input_layernorm"
+    assert back["hints"][0]["cause"] == "tp-partial" and back["hints"][0]["explained"] > 0.99
+    assert "A holds a partial sum: the sum over its 2 tensor-parallel ranks reproduces B" in back["hints"][0]["title"]
 
 
 def test_the_cross_rank_check_alone_finds_unreduced_sequence_parallel_grads(runs, capsys):
@@ -284,6 +298,9 @@ def test_a_stage_handing_its_hidden_state_on_batch_first_is_found_where_the_next
     assert top["cause"] == "pp-boundary" and top["explained"] > 0.99
     assert "handed over between pipeline stages (batch first)" in top["title"]
     assert (top["details"]["sender_stage"], top["details"]["receiver_stage"]) == (0, 1)
+    code, back = _diff_reversed(pp_runs, "ppbf", tmp_path)  # the stage files given first
+    assert code == 1 and back["hints"][0]["cause"] == "pp-boundary" and back["hints"][0]["title"].startswith(
+        "A's pipeline stage 1 received") and "(batch first)" in back["hints"][0]["title"]
 
 
 def test_a_stage_loading_its_layers_by_stage_local_numbers_is_found_at_layer_1s_weights(pp_runs, tmp_path):

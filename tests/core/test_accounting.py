@@ -155,6 +155,14 @@ def test_a_causal_mask_the_other_side_does_not_pass_is_accounted_as_causal(tmp_p
     not_causal = np.zeros((1, 1, S, S), dtype=bool)                               # masks nothing: not what B does
     res = run(tmp_path, layer(mask=not_causal), layer())
     assert res.exit_code == 3 and not accounted(res)
+    # B passes only a padding mask of ones (Hugging Face's attention_mask) and masks causally itself
+    ones = [T("forward", "layers.0.attn", "input", "attention_mask", np.ones((B, S), dtype=np.int64), enter=3,
+              parent="layers.0", module_class="Attn")]
+    res = run(tmp_path, layer(mask=CAUSAL_BOOL), layer(extra=ones))
+    assert res.outcome == "agree" and accounted(res) == {"layers.0.attn input.mask": "mask",
+                                                         "layers.0.attn input.attention_mask": "mask"}
+    res = run(tmp_path, layer(mask=not_causal), layer(extra=ones))               # full attention is still not it
+    assert res.exit_code == 3 and "layers.0.attn input.mask" not in accounted(res)
 
 
 def test_a_bias_returned_apart_is_added_before_comparing(tmp_path):
