@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import tarfile
 import time
@@ -70,33 +69,12 @@ def cases(size: str, dtype: str) -> list[Case]:
 
 
 class GpuRunner(Runner):
-    """``matrix.Runner`` whose captures run ``train.py`` with ``--device`` / ``--optim`` (and keep its output)."""
+    """``matrix.Runner`` whose captures run ``train.py`` with ``--device`` / ``--optim``."""
 
     def __init__(self, out: str, steps: int, train_args: list[str]):
         super().__init__(out, steps)
         self.train_args = train_args
         self.env["PYTHONUNBUFFERED"] = "1"
-        self.logs: dict[str, str] = {}
-        """capture path -> the training script's output (its loss lines)."""
-
-    def capture(self, arch: Arch, side: Side) -> str:
-        path = os.path.join(self.out, f"c-{_key(asdict(arch), side.as_dict(), self.steps, self.train_args)}.h5")
-        if os.path.exists(path):
-            return path
-        t0 = time.perf_counter()
-        cmd = [sys.executable, "-m", "tensordiff", "capture", "--auto", "-o", path + ".part.h5", "--steps",
-               str(self.steps), "--", sys.executable, os.path.join(ROOT, "examples", "pairs", "train.py"), "--arch",
-               json.dumps(asdict(arch)), "--side", json.dumps(side.as_dict()), "--weights", self.weights(arch),
-               "--steps", str(self.steps), *self.train_args]
-        proc = subprocess.run(cmd, env=self.env, cwd=self.out, capture_output=True, text=True, timeout=900)
-        self.logs[path] = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines()
-                                    if " step " in line or line.startswith("tensordiff:"))[-2000:]
-        if proc.returncode != 0:
-            raise RuntimeError(f"capture of {side.as_dict()} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
-                               f"{proc.stderr[-3000:]}")
-        os.replace(path + ".part.h5", path)
-        self.seconds[path] = time.perf_counter() - t0
-        return path
 
     def diff_doc(self, name: str, reversed_: bool) -> dict:
         with open(os.path.join(self.out, f"r-{_key(name, reversed_)}.json"), encoding="utf-8") as fh:

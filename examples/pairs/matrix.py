@@ -357,6 +357,10 @@ class Runner:
         self.env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.seconds: dict[str, float] = {}
         """capture path -> seconds its capture took in this run (cached ones: absent)."""
+        self.train_args: list[str] = []
+        """more options for train.py (benchmarks/agreement_gpu.py: --device, --optim), part of a capture's key."""
+        self.logs: dict[str, str] = {}
+        """capture path -> the training script's output (its loss lines)."""
         self.failed: dict[Layout, str] = {}
         """distributed runs that failed in this run, with why (not run again for the next case that needs them)."""
 
@@ -372,15 +376,18 @@ class Runner:
         return path
 
     def capture(self, arch: Arch, side: Side) -> str:
-        path = os.path.join(self.out, f"c-{_key(asdict(arch), side.as_dict(), self.steps)}.h5")
+        extra = [self.train_args] if self.train_args else []  # the key of a plain capture stays what it was
+        path = os.path.join(self.out, f"c-{_key(asdict(arch), side.as_dict(), self.steps, *extra)}.h5")
         if os.path.exists(path):
             return path
         t0 = time.perf_counter()
         cmd = [sys.executable, "-m", "tensordiff", "capture", "--auto", "-o", path + ".part.h5", "--steps",
                str(self.steps), "--", sys.executable, os.path.join(HERE, "train.py"), "--arch",
                json.dumps(asdict(arch)), "--side", json.dumps(side.as_dict()), "--weights", self.weights(arch),
-               "--steps", str(self.steps)]
+               "--steps", str(self.steps), *self.train_args]
         proc = subprocess.run(cmd, env=self.env, cwd=self.out, capture_output=True, text=True, timeout=900)
+        self.logs[path] = "\n".join(line for line in (proc.stdout + proc.stderr).splitlines()
+                                    if " step " in line or line.startswith("tensordiff:"))[-2000:]
         if proc.returncode != 0:
             raise RuntimeError(f"capture of {side.as_dict()} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                                f"{proc.stderr[-3000:]}")
