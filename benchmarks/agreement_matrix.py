@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     faults = [r for r in results if r.fault]
     lines = table(results)
     rates = (f"clean pairs that agree: {sum(r.passed for r in clean)}/{len(clean)}; "
-             f"faults diverged at their module and phase: {sum(r.passed for r in faults)}/{len(faults)} "
+             f"faults diverged at their module and phase, the right hint first: {sum(r.passed for r in faults)}/{len(faults)} "
              f"({time.perf_counter() - t0:.0f} s)")
     print("\n".join(lines))
     print(rates)

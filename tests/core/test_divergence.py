@@ -159,6 +159,27 @@ def test_gradual_growth_below_the_jump_is_reported_as_not_introduced(tmp_path):
     assert "introduced in" not in first.explanation
 
 
+def test_growth_from_a_difference_made_out_of_identical_inputs_is_named_where_it_was_made(tmp_path):
+    # fc1's output differs by 8e-6 (within FP32's 1e-5) while its input and weights are bitwise identical; it grows
+    # to 1.1e-5 (over) at fc2's input, less than 3x: accumulated, but most of it was made at fc1, from nothing
+    b = with_errors(run_model(), h1=8e-6, a=1.1e-5, y=1.2e-5)
+    result, first = first_of(tmp_path, b)
+    assert row(result, "forward", "block.fc1", "output").verdict == "ok"
+    assert row(result, "forward", "block.fc2", "input").verdict == "diverged"
+    assert (first.phase, first.module_a, first.kind, first.introduced) == ("forward", "block.fc1", "output", True)
+    assert first.incoming == 0.0 and first.rel_l2 == pytest.approx(8e-6, rel=0.05)
+    assert "made from inputs that are bitwise identical" in first.explanation
+    assert "grows to 1.1e-05 at block.fc2 input.0" in first.explanation
+
+
+@pytest.mark.parametrize("errors", [dict(x=1e-7, h1=8e-6, a=1.1e-5, y=1.2e-5),   # what came in was not identical
+                                    dict(h1=4e-6, a=1.1e-5, y=1.2e-5)])          # less than half of what exceeds
+def test_growth_without_such_an_origin_stays_accumulated(tmp_path, errors):
+    _, first = first_of(tmp_path, with_errors(run_model(), **errors))
+    assert (first.module_a, first.kind, first.introduced) == ("block.fc2", "input", False)
+    assert "No single place introduces it" in first.explanation
+
+
 def test_weights_differing_at_step_0_name_the_checkpoint(tmp_path):
     result, first = first_of(tmp_path, run_model(w2=(W2 * 1.01).astype(np.float32)))
     assert row(result, "weights", "block.fc1", "param").verdict == "ok"

@@ -122,7 +122,7 @@ def check_activation_forward(site: Site) -> Iterator[Hint]:
         name_a, name_b, after = fit
         yield make_hint("activation", f"B computes {name_b} where A computes {name_a}", site, after,
                     f"input: A's {label}; A = {name_a} of it (rel L2 {rel_l2(outs[name_a], site.xa):.1e}), "
-                    f"B = {name_b} of it (rel L2 {after:.1e})", a=name_a, b=name_b, input=label)
+                    f"B = {name_b} of it (rel L2 {rel_l2(outs[name_b], site.xb):.1e})", a=name_a, b=name_b, input=label)
         return
     if not fitting:
         raise NotApplicable("no input of a fitting shape" if stored else "no input or earlier output stored")
@@ -167,14 +167,15 @@ def check_activation_backward(site: Site) -> Iterator[Hint]:
             continue
         tried = True
         for suffix, pre in pres:
-            fit = fit_sides(site, {name: g * d(pre) for name, d in DERIVATIVES.items()})
+            grads = {name: g * d(pre) for name, d in DERIVATIVES.items()}
+            fit = fit_sides(site, grads)
             if fit is None:
                 continue
             name_a, name_b, after = fit
             yield make_hint("activation-backward", f"B's backward multiplies by the derivative of {name_b}; A's by that "
                         f"of {name_a}", site, after,
                         f"A's {up.module} {up.tensor_label} × {name_b}'({fwd.module} {fwd.tensor_label}{suffix}) "
-                        f"reproduces B to rel L2 {after:.1e}", a=name_a, b=name_b)
+                        f"reproduces B to rel L2 {rel_l2(grads[name_b], site.xb):.1e}", a=name_a, b=name_b)
             return
     if not tried:
         raise NotApplicable("no gradient from above of its shape stored")

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from ... import dtypes
 from ...diff.metrics import rel_l2
 from ...diff.result import Row
 from ...record import Record, is_inside
@@ -87,6 +88,11 @@ def explained_share(before: float, after: float) -> float:
 
 
 # ----------------------------------------------------------------------------- the site
+#: How far a float64 rebuild of a narrow-dtype computation may be from it and still stand for it, in roundings of
+#: that dtype (``Site.reproduces``).
+REBUILD_ROUNDINGS = 4
+
+
 class Site:
     """The diverged pair and what side A captured around it."""
 
@@ -111,6 +117,16 @@ class Site:
         self.before = rel_l2(self.xa, self.xb) if self.ready else math.nan
         self._weights: dict[str, dict[str, np.ndarray]] = {}
         self._inputs: dict[tuple[str, int], list[tuple[Record, np.ndarray]]] = {}
+
+    def reproduces(self, residual: float, before: float | None = None) -> bool:
+        """A rebuild (computed in float64 from A's own tensors) that is ``residual`` (relative L2) away from A stands for
+        A's computation: within 5% of the gap, or, where the gap is wide, within ``REBUILD_ROUNDINGS`` roundings of the
+        dtype the pair was judged in (a BF16 attention rounds its scores, softmax and output; a float64 rebuild of it
+        cannot come closer), and never more than half the gap (``before``: the gap where the rebuild covers part of
+        the tensor)."""
+        gap = self.before if before is None else before
+        floor = REBUILD_ROUNDINGS * dtypes.resolution(self.row.judged or self.a.dtype)
+        return residual <= min(0.5 * gap, max(0.05 * gap, floor))
 
     def array(self, rec: Record) -> np.ndarray | None:
         x = self.ca.array(rec)
@@ -155,17 +171,18 @@ class Site:
 
 
 def fit_sides(site: Site, outs: dict) -> tuple[Any, Any, float] | None:
-    """Of candidate rebuilds, the one closest to A and the one closest to B: (key A, key B, B's residual), or
+    """Of candidate rebuilds, the one closest to A and the one closest to B: (key A, key B, the larger residual), or
     None when no candidate reproduces A (the inputs are not this op's) or A's and B's best are the same."""
     if not outs:
         return None
     key_a = min(outs, key=lambda k: rel_l2(outs[k], site.xa))
-    if rel_l2(outs[key_a], site.xa) > 0.05 * site.before:
+    if not site.reproduces(rel_l2(outs[key_a], site.xa)):
         return None
     key_b = min(outs, key=lambda k: rel_l2(outs[k], site.xb))
     if key_b == key_a:
         return None
-    return key_a, key_b, rel_l2(outs[key_b], site.xb)
+    # what is left is the larger of the two rebuilds' residuals: the same whichever capture is given first
+    return key_a, key_b, max(rel_l2(outs[key_b], site.xb), rel_l2(outs[key_a], site.xa))
 
 
 def make_hint(cause: str, title: str, site: Site, after: float, evidence: str = "", **details: Any) -> Hint:

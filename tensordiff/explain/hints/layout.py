@@ -64,6 +64,22 @@ def check_layout(site: Site) -> Iterator[Hint]:
         yield make_hint("layout", f"B's rows are A's rows in another order ({_blocks(perm)})", site, 0.0,
                         f"every row of B is a row of A, {int(np.sum(perm != np.arange(len(perm))))} of {len(perm)} "
                         f"moved; the statistics of the two tensors are the same.{why}", rows=_blocks(perm))
+        return
+    if site.xa.size >= 256 and site.xa.size == site.xb.size:
+        # the same values, as a multiset, in an arrangement none of the above is: a transpose a framework's
+        # backward ignores, a reshape of a permuted view
+        sa, sb = np.sort(site.xa, axis=None), np.sort(site.xb, axis=None)
+        left = rel_l2(sa, sb)
+        # one set of values: sorted, they part by less than one mean spacing of A's values. Two samples of one
+        # distribution (two random inits, two dropout streams) part by ~1/sqrt(n) of its width, ~sqrt(n) spacings
+        spacing = float(sa[-1] - sa[0]) / (sa.size - 1)
+        if (float(np.mean(np.abs(sa - sb))) <= spacing and site.reproduces(left)
+                and explained_share(site.before, left) >= MIN_EXPLAINED):
+            yield make_hint("layout", "B holds A's values in another arrangement: the same values, moved (a transpose, "
+                            "permute or reshape in B's code, or its backward, that A does not make)", site, left,
+                            f"A's and B's values sorted agree to rel L2 {left:.1e}, against {site.before:.3g} as laid "
+                            "out; no single transpose, interleave, half swap or row permutation of A reproduces B",
+                            op="rearranged")
 
 
 def _row_permutation(xa: np.ndarray, xb: np.ndarray) -> np.ndarray | None:

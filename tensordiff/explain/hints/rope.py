@@ -9,13 +9,16 @@ See docs/hints/rope.md."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
+from ... import dtypes
 from ...diff.accounting import rope_base
 from ...record import Record
-from .base import Hint, NotApplicable, Site, fit_sides, make_hint
+from .base import REBUILD_ROUNDINGS, Hint, NotApplicable, Site, fit_sides, make_hint, rel_l2
 
 
 def _rope(x: np.ndarray, base: float, interleaved: bool, offset: int, seq_axis: int) -> np.ndarray:
@@ -47,6 +50,9 @@ def check_rope(site: Site) -> Iterator[Hint]:
     """B's RoPE differs: its rotary angle table (a rotary module's output), or q/k rotated another way."""
     x = site.xa
     if x.ndim == 3:
+        if "rotary" in (site.a.module + site.a.module_class).lower():
+            yield from check_rope_cos_table(site)
+            return
         yield from check_rope_attention(site)
         return
     if x.ndim != 4:
@@ -119,36 +125,66 @@ _BASES = (10000.0, 500000.0, 1000000.0, 50000.0)
 
 
 def _qkv_candidates(site: Site, width: int) -> Iterator[tuple[str, list[np.ndarray]]]:
-    """A's q, k, v before RoPE from inside the same attention call, [..., features] in the site's layout:
-    ('packed', [qkv]) for one fused projection, ('separate', [q, k, v]) for three."""
-    lead = site.xa.shape[:-1]
-    outs = [r for r in site.earlier_outputs(limit=8) if r.has_data and tuple(r.shape[:-1]) == lead]
+    """A's q, k, v from inside the same attention call, [..., features] in the site's layout: ('packed', [qkv]) for
+    one fused projection; three projections (or their per-head [.., heads, hd] forms, a q/k norm's output); the
+    inputs of the module call that made the tensor (Megatron's ``core_attention``: q, k, v as it received them)."""
+    lead = tuple(site.xa.shape[:-1])
+    arrays: dict[int, np.ndarray | None] = {}
+
+    def flat(r: Record) -> np.ndarray | None:
+        if r.seq not in arrays:
+            x = site.array(r)
+            arrays[r.seq] = None if x is None else x.reshape(*lead, -1)
+        return arrays[r.seq]
+
+    def width_of(r: Record) -> int | None:
+        shape = tuple(r.shape)
+        if shape[:-1] == lead:
+            return shape[-1]
+        if len(shape) == len(lead) + 2 and shape[:-2] == lead:
+            return shape[-2] * shape[-1]
+        return None
+
+    outs = [r for r in site.earlier_outputs(limit=10) if r.has_data and width_of(r) is not None]
     outs.reverse()  # execution order
     for r in outs:
-        if r.shape[-1] > width:
-            x = site.array(r)
+        if tuple(r.shape[:-1]) == lead and r.shape[-1] > width:
+            x = flat(r)
             if x is not None:
                 yield "packed " + r.module, [x]
-    proj = [r for r in outs if r.shape[-1] <= width]
-    for i in range(len(proj) - 2):
-        q, k, v = proj[i:i + 3]
-        if q.shape[-1] == width and k.shape[-1] == v.shape[-1] and width % k.shape[-1] == 0:
-            xs = [site.array(r) for r in (q, k, v)]
+    proj = [r for r in outs if (width_of(r) or 0) <= width]
+    for q, k, v in itertools.combinations(proj, 3):
+        wq, wk, wv = width_of(q), width_of(k), width_of(v)
+        if wq == width and wk == wv and wk is not None and width % wk == 0:
+            xs = [flat(r) for r in (q, k, v)]
             if all(x is not None for x in xs):
                 yield f"{q.module}, {k.module}, {v.module}", xs  # type: ignore[misc]
+    src = site.a if site.a.kind == "output" else site.by_seq.get(site.a.same_as)
+    if src is not None and src.phase == "forward" and src.kind == "output":
+        ins = [r for r in site.recs_a if r.phase == "forward" and r.kind == "input" and r.module == src.module
+               and r.call == src.call and r.has_data and width_of(r) is not None and len(r.shape) == len(lead) + 2]
+        if len(ins) >= 3 and width_of(ins[0]) == width:
+            xs = [flat(r) for r in ins[:3]]
+            if all(x is not None for x in xs):
+                yield f"{src.module}'s inputs", xs  # type: ignore[misc]
+
+
+def attention_probs(q: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """Causal softmax probabilities [heads, S, S] of q [S, heads, hd] against k [S, groups, hd] (GQA: repeated)."""
+    s_len, heads, hd = q.shape
+    k = np.repeat(k, heads // k.shape[1], axis=1)
+    scores = np.matmul(q.transpose(1, 0, 2), k.transpose(1, 2, 0)) / np.sqrt(hd)  # [heads, S, S]
+    scores = np.where(np.triu(np.ones((s_len, s_len), dtype=bool), 1)[None], -np.inf, scores)
+    scores -= scores.max(axis=-1, keepdims=True)
+    p = np.exp(scores)
+    return p / p.sum(axis=-1, keepdims=True)
 
 
 def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
     """Causal softmax attention, [S, heads, hd] / [S, groups, hd] -> [S, heads*hd] (GQA: groups repeated)."""
     s_len, heads, hd = q.shape
-    rep = heads // k.shape[1]
-    k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
-    scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd)
-    scores = np.where(np.triu(np.ones((s_len, s_len), dtype=bool), 1)[None], -np.inf, scores)
-    scores -= scores.max(axis=-1, keepdims=True)
-    p = np.exp(scores)
-    p /= p.sum(axis=-1, keepdims=True)
-    return np.einsum("hqk,khd->qhd", p, v).reshape(s_len, heads * hd)
+    v = np.repeat(v, heads // v.shape[1], axis=1)
+    return np.matmul(attention_probs(q, k), v.transpose(1, 0, 2)).transpose(1, 0, 2).reshape(s_len, heads * hd)
 
 
 def _splits(packed: np.ndarray, width: int) -> Iterator[tuple[str, int, list[np.ndarray]]]:
@@ -166,14 +202,60 @@ def _splits(packed: np.ndarray, width: int) -> Iterator[tuple[str, int, list[np.
         yield f"[q | k | v] ({heads} heads, {groups} groups)", hd, list(np.split(packed, [width, width + groups * hd], -1))
 
 
-def check_rope_attention(site: Site) -> Iterator[Hint]:
-    """The attention output differs and RoPE is applied as code: rebuild it from A's q, k, v before RoPE with each
-    convention (pairs, base, position offset) and see which reproduces A and which reproduces B."""
+@dataclass
+class AttentionRebuild:
+    """A's attention inputs found for an attention output: q, k, v before RoPE ([n, heads|groups, hd], float64) of the
+    first sequence's first ``n`` positions, where they came from, and both sides' outputs cropped alike."""
+
+    source: str
+    packing: str
+    hd: int
+    n: int
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    xa: np.ndarray
+    xb: np.ndarray
+    before: float
+
+    def prefix(self, n: int) -> AttentionRebuild:
+        """The same on the first ``n`` positions (causal attention there depends on them only)."""
+        if n >= self.n:
+            return self
+        xa, xb = self.xa[:n], self.xb[:n]
+        before = float(np.linalg.norm(xa - xb) / max(float(np.linalg.norm(xa)), 1e-30))
+        return AttentionRebuild(self.source, self.packing, self.hd, n, self.q[:n], self.k[:n], self.v[:n], xa, xb,
+                                before)
+
+    def describe(self, what: str = "") -> str:
+        """'attention rebuilt from A's X (packing, head_dim d){what}, on the first n positions of one sequence'."""
+        return (f"attention rebuilt from A's {self.source} ({self.packing}, head_dim {self.hd}){what}, on the first "
+                f"{self.n} positions of one sequence")
+
+
+#: Positions a candidate q, k, v is first tried on: one that does not rebuild A there is not this attention's.
+_SCREEN = 32
+
+
+def attention_rebuilds(site: Site) -> Iterator[AttentionRebuild]:
+    """Each way A's recorded q, k, v (a packed projection's output or three projections, earlier in the same call)
+    split into heads of the attention output's width, in each sequence layout ([S, B, H] or [B, S, H]), that
+    rebuilds A's attention output under some RoPE convention (or none) on the first ``_SCREEN`` positions. Raises
+    NotApplicable when nothing recorded before the tensor can be its q, k, v."""
+    floor = max(1e-4, REBUILD_ROUNDINGS * dtypes.resolution(site.row.judged or site.a.dtype))
+    for rb in _attention_candidates(site):
+        small = rb.prefix(_SCREEN)
+        rebuilt = [_attention(q, k, small.v) for q, k in rope_variants(small).values()]
+        if any(min(_rel(o, small.xa), _rel(o, small.xb)) <= floor for o in rebuilt):  # either side: one may drop out
+            yield rb
+
+
+def _attention_candidates(site: Site) -> Iterator[AttentionRebuild]:
     x = site.xa
     width = x.shape[-1]
     found = list(_qkv_candidates(site, width))
     if not found:
-        raise NotApplicable("no q, k, v recorded before this 3-D tensor in the same call (RoPE applied as code "
+        raise NotApplicable("no q, k, v recorded before this 3-D tensor in the same call (attention computed as code "
                             "needs the projection's output)")
     tried = False
     for seq_axis in (0, 1):  # [S, B, H] (Megatron) or [B, S, H]
@@ -198,37 +280,135 @@ def check_rope_attention(site: Site) -> Iterator[Hint]:
                         layouts.append(("separate", hd, [q, k, v]))
             for packing, hd, (q, k, v) in layouts:
                 qh, kh, vh = (t.reshape(t.shape[0], -1, hd).astype(np.float64) for t in (q, k, v))
-                outs: dict[tuple | None, np.ndarray] = {}
-                for interleaved in (False, True):  # no position offsets: attention sees relative positions only
-                    for base in _BASES:
-                        outs[(interleaved, base, 0)] = _attention(_rope(qh, base, interleaved, 0, 0),
-                                                                  _rope(kh, base, interleaved, 0, 0), vh)
-                outs[None] = _attention(qh, kh, vh)
                 tried = True
-                err_a = {key: float(np.linalg.norm(o - xa) / max(float(np.linalg.norm(xa)), 1e-30)) for key, o in outs.items()}
-                key_a = min(err_a, key=lambda key: err_a[key])
-                if err_a[key_a] > 0.05 * before:
-                    continue  # these are not this attention's inputs, or not in this packing
-                err_b = {key: float(np.linalg.norm(o - xb) / max(float(np.linalg.norm(xb)), 1e-30)) for key, o in outs.items()}
-                key_b = min(err_b, key=lambda key: err_b[key])
-                if key_b == key_a:
-                    return
-
-                def name(key: tuple | None) -> str:
-                    return "no RoPE" if key is None else _rope_name(key)
-
-                tables = _table_bases(site)
-                hint = make_hint("rope", f"B applies RoPE with {name(key_b)}; A with {name(key_a)}", site, err_b[key_b],
-                                 f"attention rebuilt from A's {source} ({packing}, head_dim {hd}) before RoPE, on the "
-                                 f"first {n} positions of one sequence: A's RoPE reproduces A to {err_a[key_a]:.1e}, "
-                                 f"B's reproduces B to {err_b[key_b]:.1e}" + (f"; {tables}" if tables else ""),
-                                 a=name(key_a), b=name(key_b))
-                hint.before = before
-                hint.explained = max(0.0, min(1.0, 1.0 - err_b[key_b] / before))
-                yield hint
-                return
+                yield AttentionRebuild(source, packing, hd, n, qh, kh, vh, xa, xb, before)
     if not tried:
         raise NotApplicable("the q, k, v recorded before it do not split into heads of this width")
+
+
+def rope_variants(rb: AttentionRebuild) -> dict[tuple | None, tuple[np.ndarray, np.ndarray]]:
+    """q and k under each RoPE convention (pairs, base; no position offsets: attention sees relative positions
+    only), and as they are (None)."""
+    out: dict[tuple | None, tuple[np.ndarray, np.ndarray]] = {}
+    for interleaved in (False, True):
+        for base in _BASES:
+            out[(interleaved, base, 0)] = (_rope(rb.q, base, interleaved, 0, 0), _rope(rb.k, base, interleaved, 0, 0))
+    out[None] = (rb.q, rb.k)
+    return out
+
+
+def _rel(o: np.ndarray, x: np.ndarray) -> float:
+    return float(np.linalg.norm(o - x) / max(float(np.linalg.norm(x)), 1e-30))
+
+
+def check_rope_attention(site: Site) -> Iterator[Hint]:
+    """The attention output differs and RoPE is applied as code: rebuild it from A's q, k, v before RoPE with each
+    convention (pairs, base, position offset) and see which reproduces A and which reproduces B."""
+    for rb in attention_rebuilds(site):
+        outs = {key: _attention(q, k, rb.v) for key, (q, k) in rope_variants(rb).items()}
+        err_a = {key: _rel(o, rb.xa) for key, o in outs.items()}
+        key_a = min(err_a, key=lambda key: err_a[key])
+        if not site.reproduces(err_a[key_a], rb.before):
+            continue  # these are not this attention's inputs, or not in this packing
+        err_b = {key: _rel(o, rb.xb) for key, o in outs.items()}
+        key_b = min(err_b, key=lambda key: err_b[key])
+        if key_b == key_a:
+            return
+
+        def name(key: tuple | None) -> str:
+            return "no RoPE" if key is None else _rope_name(key)
+
+        tables = _table_bases(site)
+        left = max(err_a[key_a], err_b[key_b])  # the same whichever capture is given first
+        hint = make_hint("rope", f"B applies RoPE with {name(key_b)}; A with {name(key_a)}", site, left,
+                         f"{rb.describe(' before RoPE')}: A's RoPE reproduces A to {err_a[key_a]:.1e}, B's reproduces B "
+                         f"to {err_b[key_b]:.1e}" + (f"; {tables}" if tables else ""), a=name(key_a), b=name(key_b))
+        hint.before = rb.before
+        hint.explained = max(0.0, min(1.0, 1.0 - left / rb.before))
+        yield hint
+        return
+
+
+def _read_table(x: np.ndarray, slot: str) -> tuple[str, float, bool] | None:
+    """A rotary table read back: (what it is, its base, interleaved pairs), or None when ``x`` is not one. A
+    Megatron angle table ([S, 1, 1, D], position 0 all zeros) or a Hugging Face cos table ([.., S, D], the first
+    output, position 0 all ones)."""
+    if x.ndim < 2 or x.shape[-1] < 4:
+        return None
+    d = x.shape[-1]
+    rows = x.reshape(-1, x.shape[-2], d) if x.ndim >= 3 and x.shape[-2] > 1 else x.reshape(x.shape[0], d)
+    table = rows[0] if rows.ndim == 3 else rows  # [S, D]
+    if table.shape[0] < 2:
+        return None
+    pairs = bool(np.isclose(table[1, 0], table[1, 1]))  # interleaved: [f0, f0, f1, f1, ...]
+    row1 = table[1, 0::2] if pairs else table[1, : d // 2]
+    if np.all(np.abs(table) <= 1.0 + 1e-6) and slot in ("0", "cos") and table[0].min() > 0.999:
+        angles = np.arccos(np.clip(row1, -1.0, 1.0))  # a cos table: position 0 is all ones
+        what = "cos table"
+    elif np.allclose(table[0], 0.0):
+        angles = row1
+        what = "angle table"
+    else:
+        return None
+    base = rope_base(angles)
+    return None if base is None else (what, base, pairs)
+
+
+def _nice(base: float) -> float:
+    """A base read back from a table, shown as the round number it is (9999.86 -> 10000)."""
+    for digits in (1, 2, 3):
+        r = float(f"{base:.{digits}g}")
+        if abs(r - base) <= 2e-3 * base:
+            return r
+    return base
+
+
+def _fit_cos(x: np.ndarray, guess: float, pairs: bool, dtype: str) -> tuple[float, float, bool]:
+    """The base whose cos table is closest to ``x`` ([.., S, D]), searched around ``guess`` (a read-back of position
+    1, coarse in a narrow dtype) and at its round neighbours: (base, relative L2 residual, frequencies rounded to
+    ``dtype``: a model cast whole to BF16 rounds its inverse-frequency buffer too)."""
+    d, s_len = x.shape[-1], x.shape[-2]
+    pos = np.arange(s_len, dtype=np.float64)
+    narrow = dtypes.MANTISSA_BITS.get(dtype, 52) < dtypes.MANTISSA_BITS["float32"]
+
+    def residual(base: float, rounded: bool) -> float:
+        inv = 1.0 / (base ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        if rounded:
+            inv = dtypes.rounded(inv, dtype)
+        ang = np.outer(pos, inv)
+        emb = np.repeat(ang, 2, axis=-1) if pairs else np.concatenate([ang, ang], axis=-1)
+        return rel_l2(np.broadcast_to(np.cos(emb), x.shape), x)
+
+    grid = [float(b) for b in guess * np.exp(np.linspace(-1.5, 1.5, 121))]
+    grid += [_nice(b) for b in grid] + list(_BASES)
+    roundings = (False, True) if narrow else (False,)
+    best = min((residual(b, r), b, r) for b in set(grid) for r in roundings)
+    # the roundest base that fits about as well: a narrow table cannot tell 9908 from 10000 over a few positions
+    enough = max(1.25 * best[0], 0.25 * dtypes.resolution(dtype))
+    for digits in (1, 2, 3):
+        nice = float(f"{best[1]:.{digits}g}")
+        fits = min((residual(nice, r), nice, r) for r in roundings)
+        if fits[0] <= enough:
+            return fits[1], fits[0], fits[2]
+    return best[1], best[0], best[2]
+
+
+def check_rope_cos_table(site: Site) -> Iterator[Hint]:
+    """Both sides' rotary cos tables ([.., S, D], a Hugging Face rotary module's first output) differ: each side's
+    base fitted (from position 1's angles, then the closest table around it) and B's table rebuilt with B's base."""
+    a, b = _read_table(site.xa, site.a.slot), _read_table(site.xb, site.b.slot)
+    if a is None or b is None or a[0] != "cos table" or b[0] != "cos table":
+        raise NotApplicable("not a rotary cos table on both sides")
+    dtype = site.row.judged or site.a.dtype
+    base_a, mine, rounded_a = _fit_cos(site.xa, a[1], a[2], dtype)
+    base_b, theirs, rounded_b = _fit_cos(site.xb, b[1], b[2], dtype)
+    if not site.reproduces(mine) or (abs(base_a - base_b) <= 1e-3 * base_a and a[2] == b[2]):
+        return
+    key_a, key_b = (a[2], base_a, 0), (b[2], base_b, 0)
+    rounding = f" (frequencies rounded to {dtype})" if rounded_a or rounded_b else ""
+    yield make_hint("rope", f"B's RoPE uses {_rope_name(key_b)}; A's uses {_rope_name(key_a)}", site,
+                    max(mine, theirs), f"cos tables fitted{rounding}: A's base reproduces A to {mine:.1e}, B's "
+                    f"reproduces B to {theirs:.1e}", a=_rope_name(key_a), b=_rope_name(key_b))
 
 
 def _table_bases(site: Site) -> str:
@@ -242,25 +422,8 @@ def _table_bases(site: Site) -> str:
             if not r.has_data or r.same_as >= 0 or len(r.shape) < 2 or r.shape[-1] < 4:
                 continue
             x = cap.array(r)
-            if x is None:
-                continue
-            d = x.shape[-1]
-            rows = x.reshape(-1, x.shape[-2], d) if x.ndim >= 3 and x.shape[-2] > 1 else x.reshape(x.shape[0], d)
-            table = rows[0] if rows.ndim == 3 else rows  # [S, D]
-            if table.shape[0] < 2:
-                continue
-            pairs = bool(np.isclose(table[1, 0], table[1, 1]))  # interleaved: [f0, f0, f1, f1, ...]
-            row1 = table[1, 0::2] if pairs else table[1, : d // 2]
-            if np.all(np.abs(table) <= 1.0 + 1e-6) and r.slot in ("0", "cos") and table[0].min() > 0.999:
-                angles = np.arccos(np.clip(row1, -1.0, 1.0))  # a cos table: position 0 is all ones
-                what = "cos table"
-            elif np.allclose(table[0], 0.0):
-                angles = row1
-                what = "angle table"
-            else:
-                continue
-            base = rope_base(angles)
-            if base is not None:
-                found.append(f"{side}'s {what} ({r.module}) reads as base {base:.4g}")
+            read = _read_table(x, r.slot) if x is not None else None
+            if read is not None:
+                found.append(f"{side}'s {read[0]} ({r.module}) reads as base {read[1]:.4g}")
                 break
     return "; ".join(found)
