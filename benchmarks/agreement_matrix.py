@@ -32,13 +32,12 @@ def table(results: list[Outcome]) -> list[str]:
     for name in [n for n in faults if n not in clean]:  # faults whose pair has no clean row of its own
         clean[name] = None  # type: ignore[assignment]
     for name, r in clean.items():
+        fs = "; ".join(f"{'✓' if f.passed else '✗'} {f.fault}: {f.found or f.outcome}{' (' + f.hint + ')' if f.hint else ''}"
+                       for f in faults.get(name, []))
         if r is None:
-            fs = "; ".join(f"{'✓' if f.passed else '✗'} {f.fault}: {f.found or f.outcome}" for f in faults[name])
             lines.append(f"| {name} | - | - | {fs} |")
             continue
         acc = ", ".join(f"{rule} {n}" for rule, n in sorted(r.accounted.items())) or "-"
-        fs = "; ".join(f"{'✓' if f.passed else '✗'} {f.fault}: {f.found or f.outcome}{' (' + f.hint + ')' if f.hint else ''}"
-                       for f in faults.get(name, []))
         lines.append(f"| {name} | {'✓' if r.passed else '✗'} {r.outcome} (exit {r.exit_code}) | {acc} | {fs} |")
     return lines
 
