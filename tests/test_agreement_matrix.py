@@ -147,3 +147,26 @@ def test_two_bf16_cos_tables_are_read_back_as_their_bases(tmp_path):
         assert top["cause"] == "rope" and top["explained"] > 0.99, top
         assert "base 500000" in top["title"] and "base 10000" in top["title"]
         assert "rounded to bfloat16" in top["evidence"]
+
+
+@pytest.mark.parametrize("name, tensor", [
+    ("mcore-vs-hf-llama-gqa-sdpa+attn-scale", "decoder.layers.0.self_attention.linear_proj input.0"),  # rebuilt
+    ("mcore-pos-vs-kw+attn-scale", "decoder.layers.0.self_attention.core_attention.scale_mask_softmax input.0")])
+def test_attention_scores_scaled_by_1_over_head_dim_are_named(tmp_path, name, tensor):
+    """Layer 0's scores scaled by 1/head_dim on B (HF ``self_attn.scaling``, megatron ``softmax_scale``): at the
+    attention output, the scale fitted on each side of the attention rebuilt from A's q, k, v; at the scores a
+    softmax module takes, one factor, 1/sqrt(head_dim), named against head_dim from the recorded configs."""
+    [case] = [c for c in all_cases() if c.name == name]
+    runner = Runner(str(tmp_path))
+    r = runner.run(case)
+    assert r.passed, (r.found, r.hint, r.reasons)
+    straight, _ = _reports(runner, case.name)
+    first, top = straight["first_divergence"], straight["hints"][0]
+    assert first["tensor_a"] == tensor
+    assert top["cause"] == "attention-scale" and top["explained"] > 0.99, top
+    assert "1/head_dim" in top["title"] and "(head_dim 16)" in top["title"]
+    if "b" in top["details"]:
+        assert top["details"]["b"] == pytest.approx(1 / 16, rel=1e-3)
+        assert top["details"]["a"] == pytest.approx(16 ** -0.5, rel=1e-3)
+    else:
+        assert top["details"]["factor"] == pytest.approx(0.25, rel=1e-4)

@@ -250,6 +250,7 @@ class CausalSelfAttention(nn.Module):
         self.attn_dropout = nn.Dropout(0.0) if style.dropout_modules else None
         self.resid_dropout = nn.Dropout(0.0) if style.dropout_modules else None
         self.rope_base = arch.rope_base
+        self.norm_factor = math.sqrt(arch.head_dim)  # the scores are divided by it
 
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         a = self.arch
@@ -264,9 +265,10 @@ class CausalSelfAttention(nn.Module):
             k = k.repeat_interleave(a.heads // a.groups, dim=1)
             v = v.repeat_interleave(a.heads // a.groups, dim=1)
         if self.style.attn == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else ~mask, is_causal=mask is None)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=None if mask is None else ~mask, is_causal=mask is None,
+                                               scale=1.0 / self.norm_factor)
         else:
-            att = (q @ k.transpose(-2, -1)) / math.sqrt(a.head_dim)
+            att = (q @ k.transpose(-2, -1)) / self.norm_factor
             causal = mask if mask is not None else torch.ones(s, s, dtype=torch.bool).triu(1)
             att = att.masked_fill(causal, float("-inf")).softmax(dim=-1)
             if self.attn_dropout is not None:
@@ -386,6 +388,7 @@ FAULTS = {
     "act": "layer 1's MLP activation is another function (tanh GELU for GELU, GELU for SiLU)",
     "rope-base": "RoPE base 500000 instead of 10000 in every layer",
     "dropout": "an active dropout (p=0.1) in layer 0's attention",
+    "attn-scale": "layer 0's attention scores scaled by 1/head_dim instead of 1/sqrt(head_dim)",
     "weight": "layer 0's q/k/v weight scaled by 1.01 after loading",
 }
 
@@ -464,6 +467,14 @@ def apply_fault(model: Any, family: str, fault: str, arch: Arch) -> None:
             layers[0].attn.attn_dropout.p = 0.1
         else:
             layers[0].self_attn.attention_dropout = 0.1
+    elif fault == "attn-scale":
+        scale = 1.0 / arch.head_dim
+        if family == "mcore":
+            layers[0].self_attention.core_attention.softmax_scale = scale
+        elif family == "plain":
+            layers[0].attn.norm_factor = float(arch.head_dim)
+        else:
+            layers[0].self_attn.scaling = scale
     elif fault == "weight":
         with torch.no_grad():
             if family == "mcore":

@@ -28,6 +28,7 @@ import numpy as np
 from ...diff.result import DiffResult, Row
 from ...store import CaptureFile, open_capture
 from .activation import check_activation
+from .attention import check_attention_scale
 from .aux_loss import check_aux_loss
 from .base import MIN_EXPLAINED, CheckStatus, Hint, NotApplicable, Site, mirrored
 from .checkpoint import check_checkpoint
@@ -51,14 +52,15 @@ __all__ = ["CHECKED", "CHECKS", "MIN_EXPLAINED", "CheckStatus", "Hint", "NotAppl
 #: the cause it tests in words. A check raises ``NotApplicable(reason)`` when it has nothing to test on here.
 #: A new cause is a new module here, an entry in CHECKS and CHECKED, and a page in docs/hints/.
 CHECKS: tuple[tuple[str, Callable[[Site], Iterator[Hint]]], ...] = (
-    ("dropout", check_dropout), ("RoPE", check_rope), ("activation", check_activation),
+    ("dropout", check_dropout), ("RoPE", check_rope), ("attention scale", check_attention_scale),
+    ("activation", check_activation),
     ("norm epsilon", check_norm_epsilon),
     ("dtype", check_dtype), ("layout", check_layout), ("bias", check_missing_bias),
     ("loss normalisation", check_loss_normalisation), ("aux loss", check_aux_loss), ("constant factor", check_factor),
 )
 #: Every cause tested, in words, in the order reports name them; ``check_checkpoint`` (it needs the whole diff
 #: result) runs first.
-CHECKED = ("activation", "norm epsilon", "RoPE", "dtype", "layout", "bias", "dropout", "loss normalisation",
+CHECKED = ("activation", "norm epsilon", "RoPE", "attention scale", "dtype", "layout", "bias", "dropout", "loss normalisation",
            "aux loss", "constant factor", "vocabulary padding", "checkpoint", "optimizer step")
 
 

@@ -9,16 +9,18 @@ See docs/hints/rope.md."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ... import dtypes
 from ...diff.accounting import rope_base
 from ...record import Record
-from .base import REBUILD_ROUNDINGS, Hint, NotApplicable, Site, fit_sides, make_hint, rel_l2
+from .base import Hint, NotApplicable, Site, fit_sides, make_hint, rel_l2
+
+if TYPE_CHECKING:
+    from .attention import AttentionRebuild
 
 
 def _rope(x: np.ndarray, base: float, interleaved: bool, offset: int, seq_axis: int) -> np.ndarray:
@@ -118,172 +120,7 @@ def check_rope_table(site: Site) -> Iterator[Hint]:
                 a=_rope_name(key_a), b=_rope_name(key_b))
 
 
-#: Attention rebuilt on at most this many positions of one sequence: causal attention at a position
-#: depends on the positions before it only, so the prefix is exact, and the cost stays small.
-_MAX_POSITIONS = 256
 _BASES = (10000.0, 500000.0, 1000000.0, 50000.0)
-
-
-def _qkv_candidates(site: Site, width: int) -> Iterator[tuple[str, list[np.ndarray]]]:
-    """A's q, k, v from inside the same attention call, [..., features] in the site's layout: ('packed', [qkv]) for
-    one fused projection; three projections (or their per-head [.., heads, hd] forms, a q/k norm's output); the
-    inputs of the module call that made the tensor (Megatron's ``core_attention``: q, k, v as it received them)."""
-    lead = tuple(site.xa.shape[:-1])
-    arrays: dict[int, np.ndarray | None] = {}
-
-    def flat(r: Record) -> np.ndarray | None:
-        if r.seq not in arrays:
-            x = site.array(r)
-            arrays[r.seq] = None if x is None else x.reshape(*lead, -1)
-        return arrays[r.seq]
-
-    def width_of(r: Record) -> int | None:
-        shape = tuple(r.shape)
-        if shape[:-1] == lead:
-            return shape[-1]
-        if len(shape) == len(lead) + 2 and shape[:-2] == lead:
-            return shape[-2] * shape[-1]
-        return None
-
-    outs = [r for r in site.earlier_outputs(limit=10) if r.has_data and width_of(r) is not None]
-    outs.reverse()  # execution order
-    for r in outs:
-        if tuple(r.shape[:-1]) == lead and r.shape[-1] > width:
-            x = flat(r)
-            if x is not None:
-                yield "packed " + r.module, [x]
-    proj = [r for r in outs if (width_of(r) or 0) <= width]
-    for q, k, v in itertools.combinations(proj, 3):
-        wq, wk, wv = width_of(q), width_of(k), width_of(v)
-        if wq == width and wk == wv and wk is not None and width % wk == 0:
-            xs = [flat(r) for r in (q, k, v)]
-            if all(x is not None for x in xs):
-                yield f"{q.module}, {k.module}, {v.module}", xs  # type: ignore[misc]
-    src = site.a if site.a.kind == "output" else site.by_seq.get(site.a.same_as)
-    if src is not None and src.phase == "forward" and src.kind == "output":
-        ins = [r for r in site.recs_a if r.phase == "forward" and r.kind == "input" and r.module == src.module
-               and r.call == src.call and r.has_data and width_of(r) is not None and len(r.shape) == len(lead) + 2]
-        if len(ins) >= 3 and width_of(ins[0]) == width:
-            xs = [flat(r) for r in ins[:3]]
-            if all(x is not None for x in xs):
-                yield f"{src.module}'s inputs", xs  # type: ignore[misc]
-
-
-def attention_probs(q: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Causal softmax probabilities [heads, S, S] of q [S, heads, hd] against k [S, groups, hd] (GQA: repeated)."""
-    s_len, heads, hd = q.shape
-    k = np.repeat(k, heads // k.shape[1], axis=1)
-    scores = np.matmul(q.transpose(1, 0, 2), k.transpose(1, 2, 0)) / np.sqrt(hd)  # [heads, S, S]
-    scores = np.where(np.triu(np.ones((s_len, s_len), dtype=bool), 1)[None], -np.inf, scores)
-    scores -= scores.max(axis=-1, keepdims=True)
-    p = np.exp(scores)
-    return p / p.sum(axis=-1, keepdims=True)
-
-
-def _attention(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Causal softmax attention, [S, heads, hd] / [S, groups, hd] -> [S, heads*hd] (GQA: groups repeated)."""
-    s_len, heads, hd = q.shape
-    v = np.repeat(v, heads // v.shape[1], axis=1)
-    return np.matmul(attention_probs(q, k), v.transpose(1, 0, 2)).transpose(1, 0, 2).reshape(s_len, heads * hd)
-
-
-def _splits(packed: np.ndarray, width: int) -> Iterator[tuple[str, int, list[np.ndarray]]]:
-    """(packing, head_dim, [q, k, v]) for each way a fused projection's last dim can hold width-wide q."""
-    from ...transforms import QkvGroups
-
-    total = packed.shape[-1]
-    for hd in (128, 64, 256, 96, 80, 32, 16, 8, 4, 2):
-        if width % hd or (total - width) % (2 * hd):
-            continue
-        heads, groups = width // hd, (total - width) // (2 * hd)
-        if groups < 1 or heads % groups:
-            continue
-        yield f"per-group [q_g, k_g, v_g] ({heads} heads, {groups} groups)", hd, QkvGroups(heads, groups, -1).split(packed)
-        yield f"[q | k | v] ({heads} heads, {groups} groups)", hd, list(np.split(packed, [width, width + groups * hd], -1))
-
-
-@dataclass
-class AttentionRebuild:
-    """A's attention inputs found for an attention output: q, k, v before RoPE ([n, heads|groups, hd], float64) of the
-    first sequence's first ``n`` positions, where they came from, and both sides' outputs cropped alike."""
-
-    source: str
-    packing: str
-    hd: int
-    n: int
-    q: np.ndarray
-    k: np.ndarray
-    v: np.ndarray
-    xa: np.ndarray
-    xb: np.ndarray
-    before: float
-
-    def prefix(self, n: int) -> AttentionRebuild:
-        """The same on the first ``n`` positions (causal attention there depends on them only)."""
-        if n >= self.n:
-            return self
-        xa, xb = self.xa[:n], self.xb[:n]
-        before = float(np.linalg.norm(xa - xb) / max(float(np.linalg.norm(xa)), 1e-30))
-        return AttentionRebuild(self.source, self.packing, self.hd, n, self.q[:n], self.k[:n], self.v[:n], xa, xb,
-                                before)
-
-    def describe(self, what: str = "") -> str:
-        """'attention rebuilt from A's X (packing, head_dim d){what}, on the first n positions of one sequence'."""
-        return (f"attention rebuilt from A's {self.source} ({self.packing}, head_dim {self.hd}){what}, on the first "
-                f"{self.n} positions of one sequence")
-
-
-#: Positions a candidate q, k, v is first tried on: one that does not rebuild A there is not this attention's.
-_SCREEN = 32
-
-
-def attention_rebuilds(site: Site) -> Iterator[AttentionRebuild]:
-    """Each way A's recorded q, k, v (a packed projection's output or three projections, earlier in the same call)
-    split into heads of the attention output's width, in each sequence layout ([S, B, H] or [B, S, H]), that
-    rebuilds A's attention output under some RoPE convention (or none) on the first ``_SCREEN`` positions. Raises
-    NotApplicable when nothing recorded before the tensor can be its q, k, v."""
-    floor = max(1e-4, REBUILD_ROUNDINGS * dtypes.resolution(site.row.judged or site.a.dtype))
-    for rb in _attention_candidates(site):
-        small = rb.prefix(_SCREEN)
-        rebuilt = [_attention(q, k, small.v) for q, k in rope_variants(small).values()]
-        if any(min(_rel(o, small.xa), _rel(o, small.xb)) <= floor for o in rebuilt):  # either side: one may drop out
-            yield rb
-
-
-def _attention_candidates(site: Site) -> Iterator[AttentionRebuild]:
-    x = site.xa
-    width = x.shape[-1]
-    found = list(_qkv_candidates(site, width))
-    if not found:
-        raise NotApplicable("no q, k, v recorded before this 3-D tensor in the same call (attention computed as code "
-                            "needs the projection's output)")
-    tried = False
-    for seq_axis in (0, 1):  # [S, B, H] (Megatron) or [B, S, H]
-        n = min(x.shape[seq_axis], _MAX_POSITIONS)
-
-        def crop(t: np.ndarray, axis: int = seq_axis, n: int = n) -> np.ndarray:
-            t = np.moveaxis(t, axis, 0)[:n]
-            return t[:, 0] if t.ndim == 3 else t  # the first sequence of the batch: [n, features]
-
-        xa, xb = crop(site.xa), crop(site.xb)
-        before = float(np.linalg.norm(xa - xb) / max(float(np.linalg.norm(xa)), 1e-30))
-        if before == 0:
-            continue
-        for source, xs in found:
-            layouts: list[tuple[str, int, list[np.ndarray]]] = []
-            if len(xs) == 1:
-                layouts = list(_splits(crop(xs[0]), width))
-            else:
-                q, k, v = (crop(t) for t in xs)
-                for hd in (128, 64, 256, 96, 80, 32, 16, 8, 4, 2):
-                    if width % hd == 0 and k.shape[-1] % hd == 0 and (width // hd) % (k.shape[-1] // hd) == 0:
-                        layouts.append(("separate", hd, [q, k, v]))
-            for packing, hd, (q, k, v) in layouts:
-                qh, kh, vh = (t.reshape(t.shape[0], -1, hd).astype(np.float64) for t in (q, k, v))
-                tried = True
-                yield AttentionRebuild(source, packing, hd, n, qh, kh, vh, xa, xb, before)
-    if not tried:
-        raise NotApplicable("the q, k, v recorded before it do not split into heads of this width")
 
 
 def rope_variants(rb: AttentionRebuild) -> dict[tuple | None, tuple[np.ndarray, np.ndarray]]:
@@ -297,13 +134,11 @@ def rope_variants(rb: AttentionRebuild) -> dict[tuple | None, tuple[np.ndarray, 
     return out
 
 
-def _rel(o: np.ndarray, x: np.ndarray) -> float:
-    return float(np.linalg.norm(o - x) / max(float(np.linalg.norm(x)), 1e-30))
-
-
 def check_rope_attention(site: Site) -> Iterator[Hint]:
     """The attention output differs and RoPE is applied as code: rebuild it from A's q, k, v before RoPE with each
     convention (pairs, base, position offset) and see which reproduces A and which reproduces B."""
+    from .attention import _attention, _rel, attention_rebuilds
+
     for rb in attention_rebuilds(site):
         outs = {key: _attention(q, k, rb.v) for key, (q, k) in rope_variants(rb).items()}
         err_a = {key: _rel(o, rb.xa) for key, o in outs.items()}
