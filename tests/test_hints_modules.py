@@ -135,8 +135,8 @@ def test_a_check_that_cannot_run_says_why(tmp_path):
             "loss normalisation, aux loss, constant factor, vocabulary padding, checkpoint, optimizer step). Not "
             "tested here: "
             "RoPE (needs q/k (4-D) or an attention output (3-D), "
-            "this one is 2-D); bias (the module "
-            "has no bias). See docs/hints.md.") in text
+            "this one is 2-D); attention scale (not an attention output (a 3-D forward tensor) or the scores a "
+            "softmax module takes); bias (the module has no bias). See docs/hints.md.") in text
     checks = DiffReport(result).to_dict()["checks"]
     assert {"cause": "RoPE", "ran": False, "reason": "needs q/k (4-D) or an attention output (3-D), this one is 2-D"} in checks
     assert {"cause": "activation", "ran": True, "reason": None} in checks

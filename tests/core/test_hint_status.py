@@ -58,6 +58,7 @@ def test_partial_hint_names_what_was_not_tested(tmp_path):
     res = diagnose(*_pair(tmp_path, b, x, a))
     assert res.hints and res.hints[0].cause == "factor" and res.hints[0].explained < 0.9
     text = " ".join(render(DiffReport(res, first_only=True)).split())
-    assert ("Not tested here: RoPE (needs q/k (4-D) or an attention output (3-D), this one is 2-D); "
+    assert ("Not tested here: RoPE (needs q/k (4-D) or an attention output (3-D), this one is 2-D); attention scale "
+            "(not an attention output (a 3-D forward tensor) or the scores a softmax module takes); "
             "bias (the module has no bias); checkpoint "
             "(no weights compared at step 0).") in text
