@@ -298,6 +298,16 @@ def _is_local(row: Row) -> bool:
     return row.pair.a is not None and (row.pair.a.kind == "grad_local" or row.pair.stand_in == "a")
 
 
+#: Leaf names of attention modules, for a module whose class does not say so.
+_ATTENTION_NAMES = ("attn", "attention", "self_attn", "self_attention")
+
+
+def _is_attention(module: str, st: _Step) -> bool:
+    """``module`` is an attention block: its class or its leaf name says so."""
+    cls = next((r.module_class for r in st.ordered if r.module == module and r.module_class), "")
+    return "attention" in cls.lower() or module.rsplit(".", 1)[-1] in _ATTENTION_NAMES
+
+
 def _source_output(a: Record, st: _Step) -> Record | None:
     """The forward output of another module that ``a`` (a forward input) is the very same tensor as, if any."""
     src = st.recs.get(a.same_as) if a.same_as >= 0 else None
@@ -452,7 +462,16 @@ def _locate(row: Row, st: _Step, prev_step: _Step | None, complete: bool = True,
         else:
             loc = f"inside {plabel} before {_rel(a.module, parent)}"
             where = {"module": parent, "before": a.module}
-        return (loc, f"Everything up to this point {'agrees' if complete else 'agrees where compared'}, but {mod}'s "
+        agreed = 'agrees' if complete else 'agrees where compared'
+        if before and _is_attention(parent, st):
+            # attention computed as code (Hugging Face, SDPA): the scores, mask, softmax, RoPE and dropout between
+            # the q/k/v projections and the output projection are no module of their own
+            where["attention_core"] = True
+            return (f"in the attention core of {plabel} (between {_rel(prev, parent)} and {_rel(a.module, parent)})",
+                    f"Everything up to this point {agreed}, but {mod}'s input.{a.slot}, the attention's output, does "
+                    f"not: it is made by {plabel}'s attention core, computed as code (RoPE on q and k, the scores and "
+                    "their scale, the mask, softmax, attention dropout), no module of its own.", where)
+        return (loc, f"Everything up to this point {agreed}, but {mod}'s "
                 f"input.{a.slot} does not: it is made by code inside "
                 f"{plabel} that is not a module of its own (an activation function, a bias add, a reshape or rotary embedding).",
                 where)

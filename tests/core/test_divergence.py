@@ -14,6 +14,8 @@ with an error of a chosen relative size put onto chosen tensors (to set up growt
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from helpers import T, write_capture
@@ -198,6 +200,21 @@ def test_an_input_made_by_code_between_modules_is_located_between_the_siblings(t
     assert first.location == "inside block between fc1 and fc2"
     assert first.where == {"module": "block", "between": ["block.fc1", "block.fc2"]}
     assert "made by code inside block that is not a module of its own" in first.explanation
+
+
+def test_code_between_the_projections_of_an_attention_block_is_named_its_attention_core(tmp_path):
+    """The same code inside a module whose class is an attention (Hugging Face's LlamaAttention computes RoPE, the
+    scores, softmax and dropout as code between its q/k/v and output projections): the attention core is named."""
+    def records(v):
+        return [dataclasses.replace(r, module_class="LlamaAttention") if r.module == "block" else r
+                for r in step_records(v)]
+
+    a, b = capture_pair(tmp_path, [records(run_model())], [records(run_model(between=2.002))])
+    first = diff(a, b).first
+    assert (first.module_a, first.kind) == ("block.fc2", "input")
+    assert first.location == "in the attention core of block (between fc1 and fc2)"
+    assert first.where == {"module": "block", "between": ["block.fc1", "block.fc2"], "attention_core": True}
+    assert "the attention's output" in first.explanation and "softmax" in first.explanation
 
 
 def test_different_optimizer_updates_are_named_after_the_step_with_matching_gradients(tmp_path):
