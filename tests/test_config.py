@@ -308,3 +308,44 @@ def test_a_capture_gives_the_model_config_it_recorded_and_nothing_more(tmp_path)
     diff = compare_settings(s, read_config(YAML))
     assert [d.row.key for d in diff.differences] == ["norm_epsilon"]  # 1e-5 recorded against the YAML's 1e-6
     assert "lr" in diff.only_b
+
+
+# the same model written as MindFormers' mcore-style YAMLs are (use_legacy: False; Hugging Face's field names in
+# model_config, as its Qwen3 and DeepSeek-V3 configs write them)
+MCORE_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+               "n_kv_heads": "num_key_value_heads", "theta": "rope_theta",
+               "max_position_embedding": "max_position_embeddings", "param_init_type": "params_dtype",
+               "layernorm_compute_type": "layernorm_compute_dtype", "softmax_compute_type": "softmax_compute_dtype"}
+
+
+def mcore_style_yaml(tmp_path, edits: dict | None = None) -> str:
+    with open(YAML, encoding="utf-8") as fh:
+        doc = yaml.safe_load(fh)
+    cfg = doc["model"]["model_config"]
+    doc["model"]["model_config"] = {MCORE_NAMES.get(k, k): v for k, v in cfg.items() if k != "type"}
+    doc["model"]["model_config"].update({"hidden_act": "swiglu", "head_dim": 16, "initializer_range": 0.01,
+                                         "add_bias_linear": False, "tie_word_embeddings": False,
+                                         "hidden_dropout": 0.0, "attention_dropout": 0.0})
+    doc["model"]["model_config"].update(edits or {})
+    doc["use_legacy"] = False
+    path = tmp_path / "qwen3_style.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+def test_an_mcore_style_mindformers_yaml_reads_as_the_legacy_one(tmp_path):
+    """No false difference from the field names: the Megatron-LM dump against the same model in MindFormers'
+    current format compares as against the legacy YAML, every row read from its Hugging Face name."""
+    path = mcore_style_yaml(tmp_path)
+    diff = compare_settings(read_config(DUMP), read_config(path))
+    assert diff.differences == [], [d.row.key for d in diff.differences]
+    got = read_config(path).values
+    assert (got["num_layers"].value, got["num_attention_heads"].value, got["num_query_groups"].value) == (2, 4, 2)
+    assert got["rotary_base"].value == 10000.0 and got["num_layers"].origin == MC + "num_hidden_layers"
+    assert got["params_dtype"].value == "float32" and got["grad_reduce_dtype"].value == "float32"
+
+
+def test_an_mcore_style_yaml_names_a_real_difference_in_its_own_field_name(tmp_path):
+    path = mcore_style_yaml(tmp_path, {"rope_theta": 1000000.0})
+    diff = compare_settings(read_config(DUMP), read_config(path))
+    assert [d.row.key for d in diff.differences] == ["rotary_base"]

@@ -4,6 +4,7 @@ made one, and the derived rows (padded vocabulary, activation, dtypes, loss scal
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -419,9 +420,67 @@ MINDFORMERS_DERIVED: dict[str, Callable[[_Yaml], Derived]] = {
 }
 
 
+#: MindFormers' mcore-style models (``use_legacy: False``: Qwen3, DeepSeek-V3, the parallel_core GPTModel) take their
+#: model_config in Hugging Face's field names, or megatron-core's, and convert them to TransformerConfig's; the
+#: legacy names the table reads, by the names MindFormers accepts for them (its transformer_config_utils).
+_MCORE_ALIASES: dict[str, tuple[str, ...]] = {
+    "num_layers": ("num_hidden_layers", "n_layer"),
+    "num_heads": ("num_attention_heads", "n_head"),
+    "n_kv_heads": ("num_key_value_heads", "num_query_groups"),
+    "intermediate_size": ("ffn_hidden_size",),
+    "theta": ("rope_theta", "rotary_base"),
+    "max_position_embedding": ("max_position_embeddings",),
+    "rms_norm_eps": ("layernorm_epsilon", "layer_norm_epsilon"),
+    "qkv_has_bias": ("attention_bias", "add_qkv_bias"),
+    "attn_proj_has_bias": ("add_bias_linear",),
+    "init_method_std": ("initializer_range",),
+    "param_init_type": ("params_dtype",),
+    "layernorm_compute_type": ("layernorm_compute_dtype",),
+    "softmax_compute_type": ("softmax_compute_dtype",),
+}
+#: TransformerConfig's defaults in MindFormers 1.9 (parallel_core/transformer_config.py) where they are not the
+#: legacy Llama's the table holds: a field an mcore-style YAML leaves out takes these.
+_MCORE_DEFAULTS: dict[str, Any] = {
+    "num_layers": None, "num_attention_heads": None, "hidden_size": None, "seq_length": 4096, "vocab_rows": 128000,
+    "init_method_std": 0.02, "params_dtype": "float32", "compute_dtype": "bfloat16", "grad_reduce_dtype": "float32",
+    "hidden_dropout": 0.1, "attention_dropout": 0.1,
+}
+
+
+def _mcore_format(doc: dict[str, Any]) -> bool:
+    """An mcore-style MindFormers YAML: ``use_legacy: False``, or a model_config in Hugging Face's field names."""
+    model = _path(doc, "model.model_config")[1]
+    hf_names = isinstance(model, dict) and any(k in model for k in ("num_hidden_layers", "num_attention_heads"))
+    return doc.get("use_legacy") is False or str(doc.get("use_legacy")).lower() == "false" or hf_names
+
+
+def _legacy_names(doc: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """``doc`` with its model_config's mcore-style names also under the legacy names the table reads (a legacy name
+    the YAML sets itself wins; ``untie_embeddings_and_output_weights`` as ``tie_word_embeddings``), and each legacy
+    path so filled -> the path the YAML holds (what a value's origin names)."""
+    model = _path(doc, "model.model_config")[1]
+    if not isinstance(model, dict):
+        return doc, {}
+    cfg, held = dict(model), {}
+    for legacy, aliases in _MCORE_ALIASES.items():
+        if cfg.get(legacy) is None:
+            alias = next((a for a in aliases if cfg.get(a) is not None), None)
+            if alias is not None:
+                cfg[legacy], held[MC + legacy] = cfg[alias], MC + alias
+    if cfg.get("tie_word_embeddings") is None and cfg.get("untie_embeddings_and_output_weights") is not None:
+        cfg["tie_word_embeddings"] = not bool(cfg["untie_embeddings_and_output_weights"])
+        held[MC + "tie_word_embeddings"] = MC + "untie_embeddings_and_output_weights (negated)"
+    return {**doc, "model": {**doc["model"], "model_config": cfg}}, held
+
+
 def mindformers_settings(doc: dict[str, Any], path: str, kind: str = "MindFormers YAML", *,
                          defaults: bool = True) -> Settings:
-    """A MindFormers run configuration (the YAML ``run_mindformer.py --config`` reads) as settings."""
+    """A MindFormers run configuration (the YAML ``run_mindformer.py --config`` reads) as settings: legacy model
+    configs (LlamaConfig's field names) and mcore-style ones (``use_legacy: False``, Hugging Face's names)."""
+    mcore = _mcore_format(doc)
+    held: dict[str, str] = {}
+    if mcore:
+        doc, held = _legacy_names(doc)
     y = _Yaml(doc, defaults)
     out = Settings(path, kind, "mindformers")
     for row in TABLE:
@@ -438,6 +497,12 @@ def mindformers_settings(doc: dict[str, Any], path: str, kind: str = "MindFormer
             value = value if found else row.mindformers_default
             origin = found if found else "default" + (f" of {row.mindformers[0].rsplit('.', 1)[-1]}"
                                                       if row.mindformers else ": fixed by MindFormers' code")
+        for legacy, actual in held.items():  # name the field the YAML holds
+            origin = re.sub(rf"{re.escape(legacy)}\b", actual, origin)
+        if source == "default" and mcore and row.key in _MCORE_DEFAULTS:
+            value, origin = _MCORE_DEFAULTS[row.key], "default of MindFormers' TransformerConfig"
+            if value is None:
+                continue  # no default: the model's own config must set it
         if source == "default" and not defaults:
             continue
         out.put(row.key, _typed(row.key, value), source, origin)

@@ -458,7 +458,7 @@ def _locate(row: Row, st: _Step, prev_step: _Step | None, complete: bool = True,
         if before:
             prev = _child_of(parent, before[-1].module)
             loc = f"inside {plabel} between {_rel(prev, parent)} and {_rel(a.module, parent)}"
-            where = {"module": parent, "between": [prev, a.module]}
+            where: dict[str, Any] = {"module": parent, "between": [prev, a.module]}
         else:
             loc = f"inside {plabel} before {_rel(a.module, parent)}"
             where = {"module": parent, "before": a.module}
