@@ -181,3 +181,26 @@ def test_shared_mode_mindformers_to_megatron_is_refused(example, tmp_path):
         plan_locate(os.path.join(example, "a.log"), os.path.join(example, "b.log"), os.path.join(example, "ckpt_a"),
                     None, ["python", "run_mindformer.py", "--config", str(config)], ["python", "train.py"],
                     str(tmp_path / "out"), mode="shared", mapping="mcore-mindformers-llama")
+
+
+def test_curves_that_part_while_the_shared_resume_agrees_are_inconclusive_and_the_setting_is_named(tmp_path):
+    """B differs in Adam's beta2 (0.95 for 0.999): the curves part; resumed from A's state, B runs with A's saved
+    parameter groups (megatron-core's optimizer load restores the betas over B's flags) and every resumed iteration
+    agrees. That is never "agree": exit 3, the two runs' settings compared from their commands name beta2, and the
+    report says the shared resume erased it."""
+    from examples.locate import run
+
+    out = str(tmp_path / "beta2")
+    assert run.main(["--iters", "20", "--variant", "beta2", "--mode", "shared", "--out", out]) == 0
+    doc = _json(out, "locate_shared.json")
+    assert doc["mode"] == "shared" and [it["diverged"] for it in doc["iterations"]] == [0] * len(doc["iterations"])
+    assert doc["outcome"] == "inconclusive" and doc["first_divergence"] is None
+    assert doc["inconclusive_reasons"] == [f"the resumed iterations agree while the loss curves part at iteration "
+                                           f"{doc['step']}"]
+    assert [d["key"] for d in doc["settings"]["differences"]] == ["adam_beta2"]
+    assert doc["erased_by_resume"] == ["adam_beta2"]
+    code = cli(["locate", os.path.join(out, "a.log"), os.path.join(out, "b.log"), "--ckpt-a",
+                os.path.join(out, "ckpt_a"), "--cmd-a", "python train.py --lr 1e-3 --adam-beta2 0.999",
+                "--cmd-b", "python train.py --lr 1e-3 --adam-beta2 0.95", "--mode", "shared", "--out",
+                str(tmp_path / "plan")])
+    assert code == 0  # the plan only: nothing ran, nothing judged

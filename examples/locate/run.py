@@ -2,6 +2,7 @@
 
     python examples/locate/run.py                 # both modes (own state, shared state); files in out/locate/
     python examples/locate/run.py --iters 40      # shorter runs
+    python examples/locate/run.py --variant beta2 # B with Adam beta2 0.95: a shared resume erases it (exit 3)
 
 Two runs of ``examples/megatron_loop/train.py`` (megatron-core's schedule, DDP, distributed optimizer, Adam, clipping,
 megatron-core's learning-rate scheduler; Megatron-LM's flags) from one seed and one batch, each checkpointing every
@@ -64,11 +65,15 @@ def tensordiff(*args: str, cwd: str, log: str | None = None) -> int:
     return code
 
 
-def train_command(iters: int, decay_iters: int, save: str) -> list[str]:
+def train_command(iters: int, decay_iters: int, save: str, beta2: float = 0.999) -> list[str]:
     """One run, as Megatron-LM flags write it (``python`` is the interpreter running this example)."""
     return ["python", TRAIN, "--data", "batch.h5", "--train-iters", str(iters), "--lr", "1e-3", "--min-lr", "1e-4",
             "--lr-decay-style", "cosine", "--lr-warmup-iters", "5", "--lr-decay-iters", str(decay_iters),
-            "--save", save, "--save-interval", "10"]
+            "--adam-beta2", str(beta2), "--save", save, "--save-interval", "10"]
+
+
+#: What B changes (``--variant``): (A's decay iterations, B's; A's Adam beta2, B's).
+VARIANTS = {"decay": ((300, 100), (0.999, 0.999)), "beta2": ((300, 300), (0.999, 0.95))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "out", "locate"))
     p.add_argument("--mode", choices=("both", "own", "shared"), default="both")
     p.add_argument("--reuse", action="store_true", help="keep the two runs of an earlier call (same --iters)")
+    p.add_argument("--variant", choices=sorted(VARIANTS), default="decay",
+                   help="what B changes: decay (its cosine decay over 100 iterations, default) or beta2 (Adam's "
+                        "beta2 0.95 for 0.999: a setting --mode shared's resume restores from A's state)")
     args = p.parse_args(argv)
     out = os.path.abspath(args.out)
     marker = os.path.join(out, "runs.done")
@@ -84,20 +92,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.reuse and os.path.exists(marker):
         with open(marker, encoding="utf-8") as fh:
             done = fh.read()
-    if done != str(args.iters):
+    (decay_a, decay_b), (beta_a, beta_b) = VARIANTS[args.variant]
+    cmd = {"a": train_command(args.iters, decay_a, "ckpt_a", beta_a), "b": train_command(args.iters, decay_b, "ckpt_b", beta_b)}
+    if done != f"{args.iters} {args.variant}":
         shutil.rmtree(out, ignore_errors=True)
         os.makedirs(out)
         if tensordiff("batch", "-o", "batch.h5", "--vocab", "128", "--seq", "16", "--batch", "4", cwd=out,
                       log=os.path.join(out, "batch.log")):
             return 2
-        for name, decay in (("a", 300), ("b", 100)):  # each run whole, with statistics every step
+        for name in ("a", "b"):  # each run whole, with statistics every step
             code = tensordiff("capture", "--megatron", "-o", f"{name}.h5", "--tensors", "none", "--steps",
-                              str(args.iters), "--", *train_command(args.iters, decay, f"ckpt_{name}"),
-                              cwd=out, log=os.path.join(out, f"{name}.log"))
+                              str(args.iters), "--", *cmd[name], cwd=out, log=os.path.join(out, f"{name}.log"))
             if code:
                 return 2
         with open(marker, "w") as fh:
-            fh.write(str(args.iters))
+            fh.write(f"{args.iters} {args.variant}")
     code = tensordiff("runs", "a.log", "b.log", "--json", "runs.json", "--html", "runs.html", cwd=out)
     if code not in (0, 1):
         return 2
@@ -108,10 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     modes = ("shared", "own") if args.mode == "both" else (args.mode,)
     for mode in modes:
         code = tensordiff("locate", "a.log", "b.log", "--ckpt-a", "ckpt_a", "--ckpt-b", "ckpt_b",
-                          "--cmd-a", shlex.join(train_command(args.iters, 300, "ckpt_a")),
-                          "--cmd-b", shlex.join(train_command(args.iters, 100, "ckpt_b")),
+                          "--cmd-a", shlex.join(cmd["a"]), "--cmd-b", shlex.join(cmd["b"]),
                           "--mode", mode, "--run", "--out", mode, "--json", f"locate_{mode}.json", cwd=out)
-        if code not in (0, 1):
+        if code not in (0, 1, 3):
             return 2
         print()
     return 0

@@ -1,8 +1,10 @@
 """``tensordiff locate A B``: from the step where two runs' loss curves part to the layer, by resuming both runs
 from a checkpoint before it with capture on, and diffing the resumed steps.
 
-Exit codes: 0 the plan is written (without ``--run``), or the resumed steps agree; 1 a divergence was found; 2 bad
-input or a resumed run failed (its log named); 3 inconclusive (``diff``'s).
+Exit codes: 0 the plan is written (without ``--run``), or the resumed steps agree and the curves do not part there;
+1 a divergence was found; 2 bad input or a resumed run failed (its log named); 3 inconclusive (``diff``'s), or the
+resumed steps agree while the loss curves part: what parts them was not in what the resumed runs computed (a
+setting the resume restored from the checkpoint, a step the capture did not reach).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import subprocess
 import sys
 from typing import Any
 
+from ..config import ConfigDiff, compare_settings, run_settings
 from ..diff.result import DiffOptions
 from ..errors import UsageError
 from ..explain import diagnose
@@ -109,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, {"tensordiff_locate": 1, "step": None, "runs": nothing.comparison.as_dict()})
         return 0
     out = console(args)
+    settings = _settings_diff(args.a, args.b, _split(args.cmd_a, "--cmd-a"), _split(args.cmd_b, "--cmd-b"))
     result = None
     updates: list = []
     lrs: tuple[dict[int, float], dict[int, float]] = ({}, {})
@@ -129,7 +133,16 @@ def run(args: argparse.Namespace) -> int:
             for path, text in side.files.items():
                 with open(path, "w", encoding="utf-8") as fh:
                     fh.write(text)
-    report = LocateReport(plan, result, updates, lrs)
+    report = LocateReport(plan, result, updates, lrs, settings)
     out.print(report)
     write_json(args.json, report.to_dict())
-    return 0 if result is None else result.exit_code
+    if result is None:
+        return 0
+    return 3 if report.unexplained_parting() else result.exit_code
+
+
+def _settings_diff(log_a: str, log_b: str, cmd_a: list[str], cmd_b: list[str]) -> ConfigDiff | None:
+    """The two runs' settings compared (``tensordiff config``), from their logs or commands; None when either side's
+    cannot be read."""
+    a, b = run_settings(log_a, cmd_a), run_settings(log_b, cmd_b)
+    return None if a is None or b is None else compare_settings(a, b)

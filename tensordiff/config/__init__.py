@@ -8,8 +8,9 @@ YAML, a config.json, a capture) and gives one ``Settings`` in the canonical keys
 from __future__ import annotations
 
 from .compare import ConfigDiff, Difference, compare_settings
-from .readers import read_config
+from .readers import read_config, run_settings
 from .settings import Settings, Value
 from .table import ROWS, TABLE, Row
 
-__all__ = ["ROWS", "TABLE", "ConfigDiff", "Difference", "Row", "Settings", "Value", "compare_settings", "read_config"]
+__all__ = ["ROWS", "TABLE", "ConfigDiff", "Difference", "Row", "Settings", "Value", "compare_settings", "read_config",
+           "run_settings"]

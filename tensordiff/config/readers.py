@@ -227,3 +227,24 @@ def _core_to_args(config: dict[str, Any]) -> dict[str, Any]:
     if "padded_vocab_size" not in args and isinstance(args.get("vocab_size"), int):
         args["padded_vocab_size"] = args["vocab_size"]  # GPTModel's vocab_size: the padded one
     return args
+
+
+def run_settings(log: str | None, command: list[str] | None) -> Settings | None:
+    """A training run's settings from what ``locate`` and ``runs`` are given, or None when nothing says them: its log
+    (Megatron-LM prints every argument at start-up), else its command (Megatron-LM flags, or the YAML a MindFormers
+    command's ``--config`` names)."""
+    if log:
+        try:
+            return read_config(log)
+        except TensordiffError:
+            pass
+    if not command:
+        return None
+    if "--config" in command[:-1]:
+        try:
+            return read_config(command[command.index("--config") + 1])
+        except TensordiffError:
+            return None
+    flags = _flags(shlex.join(command))
+    return None if flags is None else megatron_settings(flags[0], shlex.join(command[:3]) + " ...",
+                                                        "Megatron-LM command", set_keys=flags[1])

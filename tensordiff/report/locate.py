@@ -11,20 +11,51 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 from rich.text import Text
 
+from ..config import ConfigDiff, Difference
 from ..runs.compare import pct
 from ..runs.locate import LocatePlan
 from .diff import DiffReport
 
+#: Settings a resume from another run's checkpoint restores from that checkpoint: torch optimizers' saved parameter
+#: groups carry Adam's betas and epsilon (Megatron-LM's scheduler sets the learning rate and weight decay itself).
+RESTORED_BY_RESUME = ("adam_beta1", "adam_beta2", "adam_eps")
+#: The optimizer's settings besides the learning rate (what a one-factor update with equal learning rates points to).
+OPTIMIZER_KEYS = ("optimizer", "adam_beta1", "adam_beta2", "adam_eps", "weight_decay", "clip_grad")
+
 
 class LocateReport:
     def __init__(self, plan: LocatePlan, result: Any = None, updates: list | None = None,
-                 lrs: tuple[dict, dict] = ({}, {})):
+                 lrs: tuple[dict, dict] = ({}, {}), settings: ConfigDiff | None = None):
         self.plan = plan
+        self.settings = settings
+        """the two runs' settings compared (their logs or commands), or None where they could not be read"""
         self.result = result
         self.updates = updates or []
         """``fit_updates``: each side's own update between consecutive resumed iterations, ``ΔB = r · ΔA``"""
         self.lrs = lrs
         """the captured learning rates of each side by capture step"""
+
+    def parting(self) -> bool:
+        """The loss curves part at the iteration looked at (not one asked for where they agree)."""
+        return self.plan.comparison.first_over == self.plan.step
+
+    def unexplained_parting(self) -> bool:
+        """The resumed iterations agree (exit 0) while the curves part: never said as agreement."""
+        return self.result is not None and self.result.exit_code == 0 and self.parting()
+
+    def restored(self) -> list[Difference]:
+        """Differences the resume erases: with --mode shared a Megatron-LM B loads A's optimizer state, whose saved
+        parameter groups (betas, epsilon) replace B's flags."""
+        if self.settings is None or self.plan.mode != "shared" or self.plan.b.kind != "megatron":
+            return []
+        return [d for d in self.settings.differences if d.row.key in RESTORED_BY_RESUME]
+
+    def lr_equal(self) -> bool:
+        """Every one-factor update's iteration logged equal learning rates on both sides."""
+        la, lb = self.lrs
+        fits = [f for f in self.updates if f.one_factor]
+        return bool(fits) and all(f.p in la and f.p in lb and la[f.p] and abs(lb[f.p] / la[f.p] - 1.0) < 1e-6
+                                  for f in fits)
 
     def update_lines(self) -> list[str]:
         """Each resumed update that one factor explains for every parameter, in words (the learning rate)."""
@@ -81,6 +112,20 @@ class LocateReport:
                        f" > {pct(cmp.threshold)} (A {la:.6g}, B {lb:.6g}).", style="tensordiff.diverged")
         else:
             yield Text(f"Looking at iteration {plan.step} (asked for).")
+        if self.settings is not None and self.settings.differences:
+            said = "; ".join(f"{d.row.label}: A {d.a.value}, B {d.b.value}" for d in self.settings.differences)
+            yield Text(f"The two runs' settings differ in {len(self.settings.differences)} that change what a run "
+                       f"computes (tensordiff config, from their logs or commands): {said}.",
+                       style="tensordiff.diverged")
+        elif self.settings is not None:
+            yield Text("The two runs' settings (tensordiff config, from their logs or commands) differ in nothing that "
+                       "changes what a run computes.")
+        restored = self.restored()
+        if restored:
+            yield Text("With --mode shared, B resumes A's optimizer state, and Megatron-LM restores its saved parameter "
+                       f"groups over B's flags: B runs every resumed iteration with A's "
+                       f"{', '.join(d.row.label for d in restored)}, so that difference cannot show there; --mode own "
+                       "resumes each run with its own.", style="tensordiff.diverged")
         saved = "; ".join(f"{side} saved {_steps(steps)}" for side, steps in plan.saved.items() if steps)
         if plan.resume:
             how = ("each run from its own checkpoint" if plan.mode == "own" else "both runs from A's checkpoint "
@@ -134,8 +179,21 @@ class LocateReport:
         if lines:
             lead = ("Beyond the drift, each side's own optimizer update" if plan.mode == "own" and drift and drift[0]
                     else "Each side's optimizer update")
-            yield Text(f"{lead} fits one factor for every parameter: the learning rates differ.\n  "
+            why = "the learning rates differ"
+            if self.lr_equal():
+                optim = [d.row.label for d in (self.settings.differences if self.settings else [])
+                         if d.row.key in OPTIMIZER_KEYS]
+                why = ("yet the logged learning rates are equal: not the learning rate, the optimizer's other "
+                       "settings or state" + (f" (the runs' settings differ in {', '.join(optim)})" if optim else ""))
+            yield Text(f"{lead} fits one factor for every parameter: {why}.\n  "
                        + "\n  ".join(lines), style="tensordiff.diverged")
+        if self.unexplained_parting():
+            cause = (f" The runs' settings differ in {', '.join(d.row.label for d in self.settings.differences)}: "
+                     "the likely cause." if self.settings is not None and self.settings.differences else "")
+            erased = " The shared resume erased it (above)." if self.restored() else ""
+            yield Text(f"Inconclusive: every resumed iteration agrees, yet the loss curves part at iteration "
+                       f"{plan.step}: what parts them is not in what the resumed runs computed.{cause}{erased}",
+                       style="tensordiff.diverged")
         first = res.first
         if first is not None:
             top = f"; likely cause: {res.hints[0].title}" if getattr(res, "hints", None) else ""
@@ -144,7 +202,9 @@ class LocateReport:
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"tensordiff_locate": 1, **self.plan.as_dict(),
-                               "runs": self.plan.comparison.as_dict()}
+                               "runs": self.plan.comparison.as_dict(),
+                               "settings": None if self.settings is None else self.settings.as_dict(),
+                               "erased_by_resume": [d.row.key for d in self.restored()]}
         if self.result is not None:
             diff = DiffReport(self.result).to_dict()
             first = self.result.first
@@ -152,7 +212,10 @@ class LocateReport:
             out["first_divergence"] = None if first is None else {
                 **first.as_dict(), "iteration": self.plan.iteration_of(first.step)}
             out["hints"] = diff.get("hints", [])
-            out["outcome"] = self.result.outcome
+            out["outcome"] = "inconclusive" if self.unexplained_parting() else self.result.outcome
+            if self.unexplained_parting():
+                out["inconclusive_reasons"] = [f"the resumed iterations agree while the loss curves part at iteration "
+                                               f"{self.plan.step}"]
             out["updates"] = [{**fit.as_dict(), "iteration": self.plan.iteration_of(fit.p)} for fit in self.updates]
             drift = self.drift()
             if drift is not None:
