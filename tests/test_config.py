@@ -349,3 +349,16 @@ def test_an_mcore_style_yaml_names_a_real_difference_in_its_own_field_name(tmp_p
     path = mcore_style_yaml(tmp_path, {"rope_theta": 1000000.0})
     diff = compare_settings(read_config(DUMP), read_config(path))
     assert [d.row.key for d in diff.differences] == ["rotary_base"]
+
+
+def test_runs_names_the_settings_its_two_logs_differ_in(tmp_path, capsys):
+    """``tensordiff runs`` on two Megatron-LM logs: besides the curves, the settings their argument blocks differ in
+    (what ``tensordiff config`` says), in the output and the JSON."""
+    b = plant_dump(tmp_path, {"adam_beta2": "0.95"})
+    report = tmp_path / "runs.json"
+    cli.main(["runs", DUMP, b, "--json", str(report), "--width", "200"])
+    out = capsys.readouterr().out
+    assert "The runs' settings differ in 1 that change what a run computes" in out and "Adam beta2: A 0.999, B 0.95" \
+        in out
+    doc = json.loads(report.read_text())
+    assert [d["key"] for d in doc["settings"]["differences"]] == ["adam_beta2"]

@@ -93,6 +93,14 @@ def _drift(args: argparse.Namespace, res: Any) -> tuple[DriftTable | None, str]:
                            loss=loss), ""
 
 
+def _settings(a: str, b: str) -> Any:
+    """The two runs' settings compared (``tensordiff config``) where both logs (or captures) hold them, else None."""
+    from ..config import compare_settings, run_settings
+
+    sa, sb = run_settings(a, None), run_settings(b, None)
+    return None if sa is None or sb is None else compare_settings(sa, sb)
+
+
 def run(args: argparse.Namespace) -> int:
     res = compare_runs(read_run(args.a), read_run(args.b), threshold=args.threshold, warmup=args.warmup,
                        window=_window(args.window), ppl_threshold=args.ppl_threshold,
@@ -100,6 +108,11 @@ def run(args: argparse.Namespace) -> int:
     drift, why = _drift(args, res)
     out = console(args)
     out.print(RunsReport(res))
+    settings = _settings(args.a, args.b)
+    if settings is not None and settings.differences:
+        said = "; ".join(f"{d.row.label}: A {d.a.value}, B {d.b.value}" for d in settings.differences)
+        out.print(f"The runs' settings differ in {len(settings.differences)} that change what a run computes "
+                  f"(tensordiff config, from their logs): {said}.", style="tensordiff.diverged")
     if drift is not None:
         out.print(DriftReport(drift, top=args.drift_top))
     elif why:
@@ -116,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
             write_html(res, args.html, png, drift=drift, top=args.drift_top)
             out.print(f"report: {args.html}")
     doc = res.as_dict()
+    doc["settings"] = None if settings is None else settings.as_dict()
     doc["drift"] = drift.as_dict() if drift is not None else ({"measured": False, "why": why} if why else None)
     write_json(args.json, doc)
     return 0 if res.passed and not (args.fail_on_drift and drift is not None and drift.drifted) else 1
