@@ -544,7 +544,9 @@ def find_first_divergence(rows: list[Row], records_a: dict[int, list[Record]], j
         candidates.sort(key=lambda r: (PHASE_RANK[r.phase], not _is_local(r), r.pair.a.seq))  # type: ignore[union-attr]
         for row in candidates:  # each candidate's incoming error from the step's indexes: linear in the rows
             query = _query(row, st, prev)
-            if row.err > jump * query.step.came_in(query):
+            # a same-stack exactness divergence: what came in (inputs and weights) is bitwise identical, whatever the
+            # step's other records show: introduced here
+            if row.exact or row.err > jump * query.step.came_in(query):
                 return _make(row, st, prev, query.full(), True, (records_b or {}).get(step))
             if first_drift is None:
                 first_drift = (row, query, prev, st)

@@ -52,6 +52,7 @@ def test_a_difference_below_tolerance_with_bitwise_identical_inputs_is_a_diverge
     row = next(r for r in res.rows if r.pair.a is not None and r.pair.a.label == "fc1 output.0")
     assert row.exact and row.verdict == "diverged"
     assert "bitwise identical" in res.exact
+    assert first.introduced and "The difference is introduced in fc1" in first.explanation
 
 
 def test_no_exact_judges_by_tolerance_only(tmp_path):
