@@ -62,3 +62,26 @@ def test_partial_hint_names_what_was_not_tested(tmp_path):
             "(not an attention output (a 3-D forward tensor) or the scores a softmax module takes); "
             "bias (the module has no bias); checkpoint "
             "(no weights compared at step 0).") in text
+
+
+def test_rows_that_differ_from_some_row_on_are_no_padded_vocabulary_outside_a_vocabulary_dimension(tmp_path):
+    """A fused QKV weight whose last rank's k and v rows are swapped (rows 96..127 of 128 differ): the padded
+    vocabulary hint needs a vocabulary dimension (the word embeddings have 256 rows), so it does not fire; the
+    layout hint names the rows moved."""
+    rng = np.random.default_rng(0)
+    emb = rng.standard_normal((256, 32)).astype(np.float32)
+    qkv = rng.standard_normal((128, 32)).astype(np.float32)
+    moved = qkv.copy()
+    moved[96:112], moved[112:128] = qkv[112:128], qkv[96:112]
+
+    def steps(w):
+        return [[T("weights", "embedding.word_embeddings", "param", "weight", emb, module_class="VocabParallelEmbedding"),
+                 T("weights", "decoder.layers.0.self_attention.linear_qkv", "param", "weight", w,
+                   module_class="ColumnParallelLinear")]]
+
+    a = write_capture(str(tmp_path / "a.h5"), steps(qkv))
+    b = write_capture(str(tmp_path / "b.h5"), steps(moved), framework="mindspore")
+    res = diagnose(a, b)
+    assert res.first.module_a == "decoder.layers.0.self_attention.linear_qkv"
+    assert "vocab-padding" not in [h.cause for h in res.hints]
+    assert res.hints[0].cause == "layout" and "B 96-111 = A 112-127" in res.hints[0].title

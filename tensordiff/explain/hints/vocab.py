@@ -97,10 +97,11 @@ def _same_size(site: Site) -> Iterator[Hint]:
     if xa.ndim < 2:
         return
     scale = float(np.abs(xa).max()) or 1.0
+    vocab = _vocab_sizes(site)
     for axis in (xa.ndim - 1, 0):
         n = xa.shape[axis]
-        if n < 16:
-            continue
+        if n < 16 or (vocab and n not in vocab):
+            continue  # a padded vocabulary is a vocabulary dimension: not a linear_qkv weight's rows
         other = tuple(i for i in range(xa.ndim) if i != axis)
         differs = np.any(np.abs(xa - xb) > 1e-6 * scale, axis=other)
         if not differs.any() or differs.all():
@@ -121,6 +122,22 @@ def _same_size(site: Site) -> Iterator[Hint]:
             site, after, f"{where} 0..{k - 1} agree exactly, {k}..{n - 1} all differ",
             vocab=k, padded=n, side="both", axis=axis)
         return
+
+
+def _vocab_sizes(site: Site) -> set[int]:
+    """The vocabulary sizes the two runs have: their configs' vocab_size (padded or not) and their word embeddings'
+    rows; empty when neither says."""
+    from ...diff.autoselect import _config
+
+    sizes: set[int] = set()
+    for cap in (site.ca, site.cb):
+        cfg = _config(cap.attrs)
+        sizes.update(int(cfg[k]) for k in ("vocab_size", "padded_vocab_size", "n_vocab") if isinstance(cfg.get(k), int))
+        for r in cap.records(site.a.step):
+            if (r.phase == "weights" and len(r.shape) == 2
+                    and ("embed" in r.module.lower() or "embedding" in r.module_class.lower())):
+                sizes.add(int(r.shape[0]))
+    return sizes
 
 
 def check_vocab_padding(site: Site, result: DiffResult) -> Iterator[Hint]:
