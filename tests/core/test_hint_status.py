@@ -85,3 +85,20 @@ def test_rows_that_differ_from_some_row_on_are_no_padded_vocabulary_outside_a_vo
     assert res.first.module_a == "decoder.layers.0.self_attention.linear_qkv"
     assert "vocab-padding" not in [h.cause for h in res.hints]
     assert res.hints[0].cause == "layout" and "B 96-111 = A 112-127" in res.hints[0].title
+
+
+def test_a_bias_not_loaded_is_the_checkpoint_cause_with_its_zeros_named_not_a_zero_factor(tmp_path):
+    """B's q/k/v bias is all zeros at the first step (not loaded): one cause, the checkpoint, saying so; no
+    "B = 0 × A" factor tied with it."""
+    rng = np.random.default_rng(1)
+    bias = rng.standard_normal(48).astype(np.float32)
+
+    def steps(b):
+        return [[T("weights", "decoder.layers.0.self_attention.linear_qkv", "param", "bias", b,
+                   module_class="ColumnParallelLinear")]]
+
+    a = write_capture(str(tmp_path / "a.h5"), steps(bias))
+    b = write_capture(str(tmp_path / "b.h5"), steps(np.zeros_like(bias)), framework="mindspore")
+    res = diagnose(a, b)
+    assert [h.cause for h in res.hints] == ["checkpoint"]
+    assert "linear_qkv.bias is all zeros: not loaded" in res.hints[0].title

@@ -30,6 +30,14 @@ def check_factor(site: Site) -> Iterator[Hint]:
     aa = float(np.vdot(site.xa, site.xa))
     if aa == 0:
         raise NotApplicable("A is all zeros")
+    if not np.any(site.xb):
+        # B is all zeros: no scale of A, but a tensor that is missing on B (a bias or weight not loaded or dropped,
+        # a gradient that never arrived); at the first step's weights the checkpoint hint names it
+        if site.a.phase != "weights":
+            yield make_hint("factor", f"B's {site.b.label} is all zeros where A's is not: not computed, not loaded or "
+                            "dropped on B (a missing bias or weight, a gradient that never arrived)", site, 0.0,
+                            "B = 0 × A exactly", factor=0.0)
+        return
     c = float(np.vdot(site.xa, site.xb)) / aa
     after = rel_l2(c * site.xa, site.xb)
     if abs(c - 1.0) < 1e-6 or explained_share(site.before, after) < MIN_EXPLAINED:
