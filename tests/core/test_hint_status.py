@@ -102,3 +102,33 @@ def test_a_bias_not_loaded_is_the_checkpoint_cause_with_its_zeros_named_not_a_ze
     res = diagnose(a, b)
     assert [h.cause for h in res.hints] == ["checkpoint"]
     assert "linear_qkv.bias is all zeros: not loaded" in res.hints[0].title
+
+
+def test_a_linear_computed_in_float64_on_one_side_is_a_dtype_cause(tmp_path):
+    """B computes one linear layer in float64 and stores float32: its output is the exact product rounded once, A's
+    carries float32 accumulation. The difference is far inside FP32's tolerance; same-stack exactness finds it, and
+    the dtype hint names the wider compute (in either argument order)."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((64, 512)).astype(np.float32)
+    w = rng.standard_normal((96, 512)).astype(np.float32)
+    fp32 = x @ w.T
+    wide = (x.astype(np.float64) @ w.T.astype(np.float64)).astype(np.float32)
+    assert not np.array_equal(fp32, wide)
+
+    def steps(out):  # two modules before it agree bitwise: the program is seen to be reproducible
+        return [[T("weights", "fc", "param", "weight", w, module_class="Linear"),
+                 T("forward", "pre", "input", "0", x, module_class="Identity"),
+                 T("forward", "pre", "output", "0", x, module_class="Identity", enter=1),
+                 T("forward", "act", "input", "0", x, module_class="Identity"),
+                 T("forward", "act", "output", "0", x, module_class="Identity", enter=3),
+                 T("forward", "fc", "input", "0", x, module_class="Linear"),
+                 T("forward", "fc", "output", "0", out, module_class="Linear", enter=5)]]
+
+    stack = {"device": "cpu", "framework_version": "2.13.0"}
+    a = write_capture(str(tmp_path / "a.h5"), steps(fp32), **stack)
+    b = write_capture(str(tmp_path / "b.h5"), steps(wide), **stack)
+    for first, second, side in ((a, b, "B"), (b, a, "A")):
+        res = diagnose(first, second)
+        assert res.first is not None and res.first.module_a == "fc" and res.first.rel_l2 < res.first.tolerance
+        top = res.hints[0]
+        assert top.cause == "dtype" and top.details["dtype"] == "float64" and top.details["side"] == side, top

@@ -114,6 +114,35 @@ def check_reduction_dtype(site: Site, narrow: list[tuple[str, Any, float]]) -> I
             return
 
 
+def _higher_precision(site: Site) -> Iterator[Hint]:
+    """One side computes a linear layer in a wider dtype than it stores (float64 for float32): its output is the
+    exact product of the agreeing input and weight, rounded once to the stored dtype, and the other side's is not."""
+    a = site.a
+    if a.phase != "forward" or a.kind != "output" or not dtypes.is_float(a.dtype):
+        return
+    w = site.weights(a.module).get("weight")
+    ins = site.inputs(a.module, a.call)
+    if w is None or w.ndim != 2 or not ins or ins[0].shape[-1] != w.shape[1]:
+        return
+    exact = ins[0] @ w.T  # float64: the product as a wider compute makes it
+    bias = site.weights(a.module).get("bias")
+    if bias is not None and bias.shape == exact.shape[-1:]:
+        exact = exact + bias
+    stored = dtypes.NUMPY_DTYPES.get(a.dtype)
+    once = exact.astype(stored).astype(np.float64) if stored is not None else exact
+    if once.shape != site.xa.shape:
+        return
+    err_a, err_b = rel_l2(once, site.xa), rel_l2(once, site.xb)
+    for side, mine, other, of in (("B", err_b, err_a, site.b), ("A", err_a, err_b, site.a)):
+        if mine <= 0.05 * site.before and other >= 0.5 * site.before:
+            yield make_hint("dtype", f"{side} computes {of.module or '<model>'} in float64 (a wider dtype than its "
+                            f"{a.dtype} output): the exact product of the same input and weight, rounded once",
+                            site, mine, f"the input × weight in float64 rounded to {a.dtype} reproduces {side} to rel "
+                            f"L2 {mine:.1e}, the other side to {other:.1e} (its {a.dtype} accumulation)",
+                            dtype="float64", side=side)
+            return
+
+
 def check_dtype(site: Site) -> Iterator[Hint]:
     """B computes (or stores) this tensor in BF16/FP16: recomputed from rounded inputs it matches B, or its values
     sit on the narrow grid with an error of the format's rounding size (2^-8 for BF16). At a reduced parameter
@@ -126,6 +155,10 @@ def check_dtype(site: Site) -> Iterator[Hint]:
         if w is not None and w.ndim == 2 and ins and ins[0].shape[-1] == w.shape[1] \
                 and rel_l2(ins[0] @ w.T, site.xa) <= 0.05 * site.before:
             linear = (ins[0], w)
+    wider = list(_higher_precision(site))
+    if wider:
+        yield from wider
+        return
     narrow: list[tuple[str, Any, float]] = [("FP16", np.dtype(np.float16), 2.0 ** -11)]
     if "bfloat16" in dtypes.NUMPY_DTYPES:  # ml_dtypes installed
         narrow.insert(0, ("BF16", dtypes.NUMPY_DTYPES["bfloat16"], 2.0 ** -8))
