@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from helpers import T, render, write_capture
 
 from tensordiff.explain import diagnose
@@ -132,3 +133,37 @@ def test_a_linear_computed_in_float64_on_one_side_is_a_dtype_cause(tmp_path):
         assert res.first is not None and res.first.module_a == "fc" and res.first.rel_l2 < res.first.tolerance
         top = res.hints[0]
         assert top.cause == "dtype" and top.details["dtype"] == "float64" and top.details["side"] == side, top
+
+
+def test_gelu_tanh_below_one_bf16_rounding_is_told_by_the_shape_of_the_difference(tmp_path):
+    """BF16 GELU, tanh form on B, erf on A: per element they differ by less than one BF16 rounding (2e-4 against
+    2^-8), so no rebuild tells them apart by size; same-stack exactness finds the place, and the activation hint
+    tells the two functions by the elements each gives exactly once rounded to BF16."""
+    from math import erf
+
+    ml_dtypes = pytest.importorskip("ml_dtypes")  # BF16 arrays (the core environment has none)
+    bf16 = ml_dtypes.bfloat16
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((256, 512)) * 1.5).astype(bf16).astype(np.float64)
+    erf_v = np.vectorize(erf)
+    gelu_erf = 0.5 * x * (1.0 + erf_v(x / np.sqrt(2.0)))
+    gelu_tanh = 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+    a_out, b_out, x = gelu_erf.astype(bf16), gelu_tanh.astype(bf16), x.astype(bf16)
+
+    def steps(out):  # a weight says the compute dtype (BF16); two modules before agree bitwise
+        return [[T("weights", "norm", "param", "weight", np.ones(512, dtype=bf16), module_class="Identity"),
+                 T("forward", "pre", "input", "0", x, module_class="Identity"),
+                 T("forward", "pre", "output", "0", x, module_class="Identity", enter=1),
+                 T("forward", "norm", "input", "0", x, module_class="Identity"),
+                 T("forward", "norm", "output", "0", x, module_class="Identity", enter=3),
+                 T("forward", "act", "input", "0", x, module_class="GELU"),
+                 T("forward", "act", "output", "0", out, module_class="GELU", enter=5)]]
+
+    stack = {"device": "cpu", "framework_version": "2.13.0"}
+    a = write_capture(str(tmp_path / "a.h5"), steps(a_out), **stack)
+    b = write_capture(str(tmp_path / "b.h5"), steps(b_out), **stack)
+    res = diagnose(a, b)
+    assert res.first is not None and res.first.module_a == "act" and res.first.rel_l2 < res.first.tolerance
+    top = res.hints[0]
+    assert top.cause == "activation" and top.details["rounded"] and top.explained > 0.9, top
+    assert (top.details["a"], top.details["b"]) == ("gelu (erf, exact)", "gelu (tanh approximation)")

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
+from ... import dtypes
 from ...record import Record
 from .base import Hint, NotApplicable, Site, describe, fit_sides, make_hint, rel_l2
 
@@ -102,6 +103,40 @@ def _pre_activations(site: Site) -> Iterator[tuple[str, np.ndarray]]:
             yield f"{src.module} {src.tensor_label} + its bias", x + bias
 
 
+#: Share of a side's elements its function, rounded once to the stored dtype, must give exactly (``_by_rounding``).
+_ROUNDED_MATCH = 0.9
+
+
+def _by_rounding(site: Site, outs: dict[str, np.ndarray], label: str) -> Hint | None:
+    """Two activations whose difference is below one rounding of a narrow dtype per element (GELU's tanh form
+    against erf in BF16: 2e-4 against 2^-8), told apart by rounding each rebuild to that dtype: a kernel computing
+    in float32 and storing BF16 gives its function's value rounded once, exactly, for nearly every element. The side
+    whose elements one function gives exactly is that function's; the hint names the two when they differ, and
+    explains the elements where the sides differ and each gives its own function's rounded value."""
+    name = site.a.dtype
+    if dtypes.MANTISSA_BITS.get(name, 52) > dtypes.MANTISSA_BITS["float16"] or len(outs) < 2:
+        return None
+    rounded = {k: dtypes.rounded(v, name) for k, v in outs.items()}
+    match_a = {k: float(np.mean(r == site.xa)) for k, r in rounded.items()}
+    match_b = {k: float(np.mean(r == site.xb)) for k, r in rounded.items()}
+    name_a, name_b = max(match_a, key=lambda k: match_a[k]), max(match_b, key=lambda k: match_b[k])
+    if name_a == name_b or min(match_a[name_a], match_b[name_b]) < _ROUNDED_MATCH:
+        return None
+    differ = site.xa != site.xb
+    if not differ.any():
+        return None
+    told = differ & (rounded[name_a] == site.xa) & (rounded[name_b] == site.xb)
+    share = float(told.sum()) / float(differ.sum())
+    hint = make_hint("activation", f"B computes {name_b} where A computes {name_a} (less than one {name} rounding "
+                     "apart per element: told by each side's exact rounded values)", site, site.before,
+                     f"input: A's {label}; {name_a} rounded to {name} gives {match_a[name_a]:.1%} of A's elements "
+                     f"exactly ({name_b}: {match_a[name_b]:.1%}), {name_b} gives {match_b[name_b]:.1%} of B's "
+                     f"({name_a}: {match_b[name_a]:.1%}); of the {int(differ.sum())} elements that differ, "
+                     f"{share:.1%} are each side's own function", a=name_a, b=name_b, input=label, rounded=True)
+    hint.explained = share
+    return hint
+
+
 def check_activation_forward(site: Site) -> Iterator[Hint]:
     """B applies another activation (GELU tanh vs erf, SwiGLU halves swapped or interleaved) to the same input."""
     stored = fitting = False
@@ -118,6 +153,10 @@ def check_activation_forward(site: Site) -> Iterator[Hint]:
         fitting = fitting or bool(outs)
         fit = fit_sides(site, outs)
         if fit is None:
+            told = _by_rounding(site, outs, label)
+            if told is not None:
+                yield told
+                return
             continue
         name_a, name_b, after = fit
         yield make_hint("activation", f"B computes {name_b} where A computes {name_a}", site, after,
