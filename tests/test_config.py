@@ -362,3 +362,29 @@ def test_runs_names_the_settings_its_two_logs_differ_in(tmp_path, capsys):
         in out
     doc = json.loads(report.read_text())
     assert [d["key"] for d in doc["settings"]["differences"]] == ["adam_beta2"]
+
+
+#: the legacy field names the plants edit, by the name an mcore-style YAML gives them
+MCORE_EDIT = {**MCORE_NAMES, "attn_proj_has_bias": "add_bias_linear"}
+
+
+@pytest.mark.parametrize("key", list(PLANTS))
+def test_a_planted_difference_in_an_mcore_style_yaml_is_named_and_nothing_else(key, tmp_path):
+    """Every row's planted difference, with MindFormers' side written in the mcore-style format."""
+    dump_edits, yaml_edits = PLANTS[key]
+    path = mcore_style_yaml(tmp_path)
+    with open(path, encoding="utf-8") as fh:
+        doc = yaml.safe_load(fh)
+    for dotted, value in yaml_edits.items():
+        if dotted.startswith(MC):
+            field = dotted[len(MC):]
+            doc["model"]["model_config"][MCORE_EDIT.get(field, field)] = value
+            continue
+        node = doc
+        *parents, last = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump(doc))
+    diff = compare_settings(read_config(plant_dump(tmp_path, dump_edits)), read_config(str(tmp_path / "b.yaml")))
+    assert [d.row.key for d in diff.differences] == [key]

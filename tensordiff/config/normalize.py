@@ -509,6 +509,7 @@ def mindformers_settings(doc: dict[str, Any], path: str, kind: str = "MindFormer
     load = doc.get("load_checkpoint")
     out.context["loads_checkpoint"] = bool(load) and str(load) not in ("None", "none", "''")
     known = {r.rsplit(".", 1)[-1] for row in TABLE for r in row.mindformers}
+    known |= {alias for aliases in _MCORE_ALIASES.values() for alias in aliases} | {"untie_embeddings_and_output_weights"}
     model = _path(doc, "model.model_config")[1]
     out.unread = len([k for k in (model if isinstance(model, dict) else {}) if k not in known])
     return out
