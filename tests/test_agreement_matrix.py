@@ -170,3 +170,33 @@ def test_attention_scores_scaled_by_1_over_head_dim_are_named(tmp_path, name, te
         assert top["details"]["a"] == pytest.approx(16 ** -0.5, rel=1e-3)
     else:
         assert top["details"]["factor"] == pytest.approx(0.25, rel=1e-4)
+
+
+def test_map_never_learns_a_wrong_qkv_conversion(tmp_path, capsys):
+    """megatron-core against Hugging Face Llama whose q/k/v were cut from megatron's per-group linear_qkv as if it
+    were [Q | K | V] (4 heads in 2 groups): the values fit only that layout, the configs predict qkv_groups. `map`
+    proposes the configs' layout and says what the values fit as a finding; `diff` with its mapping then finds the
+    conversion at step 0's weights of linear_qkv, as the built-in mapping does."""
+    import json
+    from dataclasses import replace as dc_replace
+
+    from examples.pairs.matrix import LLAMA
+    from examples.pairs.models import Side
+    from tensordiff.cli import main
+
+    runner = Runner(str(tmp_path))
+    a = runner.capture(LLAMA, Side("mcore"))
+    b = runner.capture(LLAMA, dc_replace(Side("hf-llama"), fault="qkv-concat"))
+    out = tmp_path / "proposed.yaml"
+    assert main(["map", a, b, "-o", str(out)]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "finding: " in printed and "they match only if joined as [Q | K | V]" in printed
+    assert "the conversion may be wrong" in printed
+    text = out.read_text()
+    assert "# FINDING:" in text and "qkv_groups(heads=4, groups=2)" in text
+    for mapping in (["--mapping", str(out)], []):
+        report = tmp_path / "r.json"
+        assert main(["diff", a, b, "--first-divergence", "--json", str(report), *mapping]) == 1
+        first = json.loads(report.read_text())["first_divergence"]
+        assert (first["step"], first["phase"], first["module_a"]) == (
+            0, "weights", "decoder.layers.0.self_attention.linear_qkv"), first

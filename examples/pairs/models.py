@@ -389,6 +389,7 @@ FAULTS = {
     "rope-base": "RoPE base 500000 instead of 10000 in every layer",
     "dropout": "an active dropout (p=0.1) in layer 0's attention",
     "attn-scale": "layer 0's attention scores scaled by 1/head_dim instead of 1/sqrt(head_dim)",
+    "qkv-concat": "a conversion that read megatron's per-group linear_qkv as [Q | K | V] (Hugging Face families)",
     "weight": "layer 0's q/k/v weight scaled by 1.01 after loading",
 }
 
@@ -475,6 +476,17 @@ def apply_fault(model: Any, family: str, fault: str, arch: Arch) -> None:
             layers[0].attn.norm_factor = float(arch.head_dim)
         else:
             layers[0].self_attn.scaling = scale
+    elif fault == "qkv-concat":  # every layer: q/k/v cut from megatron's per-group rows as if they were [Q|K|V]
+        from tensordiff.transforms import QkvGroups
+
+        with torch.no_grad():
+            for layer in layers:
+                attn = layer.self_attn
+                parts = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+                fused = QkvGroups(arch.heads, arch.groups, 0).join([p.detach().float().numpy() for p in parts])
+                rows = [p.shape[0] for p in parts]
+                for p, x in zip(parts, (fused[:rows[0]], fused[rows[0]:rows[0] + rows[1]], fused[rows[0] + rows[1]:])):
+                    p.copy_(torch.from_numpy(x).to(p.dtype))
     elif fault == "weight":
         with torch.no_grad():
             if family == "mcore":

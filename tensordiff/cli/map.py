@@ -73,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
             out.print(f"no counterpart in {'B' if side == 'A' else 'A'} for {plural(n, 'record', 'records')} of {side}: "
                       f"{listing(_shown(p) for p in left)} (commented out under ignore: uncomment "
                       "what should be left out)")
+    for finding in prop.findings:
+        out.print(f"finding: {finding}", style="tensordiff.diverged")
     out.print(f"wrote {args.output}; next: tensordiff diff {args.a} {args.b} --mapping {args.output}")
     return 0
 

@@ -101,6 +101,9 @@ class Proposal:
     """A built-in mapping ``diff`` picks for these captures by itself (its note), or '' when none fits."""
     builtin_trial: DiffResult | None = None
     """The same trial diff with that built-in mapping: what the proposal competes with."""
+    findings: list[str] = field(default_factory=list)
+    """What the values say against the configs (a fused QKV that matches only in another layout than the configs
+    predict): said, never learnt as a mapping."""
 
     def yaml(self) -> str:
         return _render(self)
@@ -260,10 +263,11 @@ def propose(path_a: str, path_b: str, step: int | None = None) -> Proposal:
         params_a = [Param(r, ca.array(r) if r.has_data else None) for r in recs_a if r.phase == "weights"]
         params_b = [Param(r, cb.array(r) if r.has_data else None) for r in recs_b if r.phase == "weights"]
         heads = _config_heads(dict(ca.attrs)) or _config_heads(dict(cb.attrs))
+        megatron = "megatron_core_version" in ca.attrs
         prop = Proposal([], {}, {}, params_total_a=len(params_a), params_total_b=len(params_b), step=chosen,
                         path_a=path_a, path_b=path_b,
                         stats_only=any(p.x is None for p in params_a + params_b))
-        _match(prop, params_a, params_b, recs_a, recs_b, heads)
+        _match(prop, params_a, params_b, recs_a, recs_b, heads, megatron)
         _, builtin, note = orient(dict(ca.attrs), dict(cb.attrs), recs_a, recs_b, None, True)  # in either order
     _trial(prop)
     if builtin is not None:
@@ -304,8 +308,73 @@ def _digits(name: str) -> list[str]:
     return _NUM.findall(name)
 
 
+def _expected_qkv(pa: Param, heads: tuple[int, int] | None, megatron: bool) -> QkvGroups | None:
+    """The layout the configs predict for three parameters joined into A's ``pa``: megatron-core's fused
+    ``linear_qkv`` holds each query group's q heads, then its k, then its v (``qkv_groups``) with the heads and
+    groups its config records; None where the configs do not say."""
+    if not megatron or heads is None or not pa.module.endswith("linear_qkv") or len(pa.rec.shape) < 1:
+        return None
+    h, g = heads
+    return QkvGroups(h, g, 0) if h > 0 and g > 0 and h % g == 0 else None
+
+
+def _join_as_expected(prop: Proposal, pa: Param, params_b: list[Param], combo: tuple[int, ...],
+                      expected: QkvGroups, by_module: dict[tuple[str, str], ModuleMatch],
+                      order_b: dict[str, int]) -> bool:
+    """Three of B's parameters that join into A's fused QKV as the configs predict: in the order whose values fit,
+    or, where no order fits, in B's forward order with a finding that the values fit another layout (or none): the
+    mapping follows the configs, never the values, so that a wrong conversion is found at the weights. False when
+    the shapes cannot be that layout."""
+    orders = [o for o in itertools.permutations(combo)
+              if _fits_shape(expected, pa, [tuple(params_b[j].rec.shape) for j in o])]
+    if not orders or pa.x is None:
+        return False
+    text = str(expected).replace(", dim=0", "").replace("(dim=0)", "")
+    for order in orders:
+        try:
+            joined = expected.join([params_b[j].x for j in order])
+        except Exception:
+            continue
+        if joined.shape == pa.x.shape and _rel_l2(pa.x, joined) <= SAME:
+            names = tuple(params_b[j].module for j in order)
+            by_module[(names[0], pa.module)] = ModuleMatch(names, pa.module, "join", join=text)
+            return True
+    order = min(orders, key=lambda o: [order_b.get(params_b[j].module, 1 << 30) for j in o])
+    names = tuple(params_b[j].module for j in order)
+    other = ""
+    shapes = [tuple(params_b[j].rec.shape) for j in order]
+    for split in _splits_for(tuple(pa.rec.shape), shapes, None):
+        try:
+            joined = split.join([params_b[j].x for j in order])  # type: ignore[misc]
+        except Exception:
+            continue
+        if str(split) != str(expected) and joined.shape == pa.x.shape and _rel_l2(pa.x, joined) <= SAME:
+            shown = str(split).replace(", dim=0", "").replace("(dim=0)", "")
+            if isinstance(split, QkvGroups) and split.groups == 1:
+                shown = "[Q | K | V] (q, k and v one block each)"
+            other = f" they match only if joined as {shown}"
+            break
+    prop.findings.append(
+        f"{', '.join(names)} joined into A's {pa.module} as the configs predict ({text}: megatron-core's layout with "
+        f"{expected.heads} heads in {expected.groups} query groups) do not match its values;"
+        + (other + ": the conversion may be wrong" if other else " nor under any other layout tried: the checkpoints "
+           "differ") + ". The mapping follows the configs, so `diff` shows it at the weights.")
+    by_module[(names[0], pa.module)] = ModuleMatch(names, pa.module, "join", join=text)
+    return True
+
+
+def _fits_shape(split: QkvGroups, pa: Param, shapes: list[tuple[int, ...]]) -> bool:
+    """``shapes`` (along dim 0) are q, k, v of ``split``'s heads and groups for A's ``pa``."""
+    total = pa.rec.shape[0]
+    per = split.heads + 2 * split.groups
+    if total % per or any(s[1:] != tuple(pa.rec.shape[1:]) for s in shapes):
+        return False
+    hd = total // per
+    return [s[0] for s in shapes] == [split.heads * hd, split.groups * hd, split.groups * hd]
+
+
 def _match(prop: Proposal, params_a: list[Param], params_b: list[Param], recs_a: list[Record],
-           recs_b: list[Record], heads: tuple[int, int] | None) -> None:
+           recs_b: list[Record], heads: tuple[int, int] | None, megatron: bool = False) -> None:
     used_a: set[int] = set()
     used_b: set[int] = set()
     by_module: dict[tuple[str, str], ModuleMatch] = {}  # (b module, a module) -> match
@@ -352,11 +421,19 @@ def _match(prop: Proposal, params_a: list[Param], params_b: list[Param], recs_a:
             if j not in used_b and pb.x is not None and pb.rec.slot == pa.rec.slot:
                 groups.setdefault((_parent(pb.module), pb.rec.slot), []).append(j)
         done = False
+        expected = _expected_qkv(pa, heads, megatron)
         for members in groups.values():
             for n in (3, 2, 4):
                 for combo in itertools.combinations(members, n):
                     if sum(params_b[j].rec.numel for j in combo) != pa.rec.numel:
                         continue
+                    if expected is not None and n == 3 and _join_as_expected(prop, pa, params_b, combo, expected,
+                                                                             by_module, order_b):
+                        used_a.add(i)
+                        used_b.update(combo)
+                        prop.params_by_value += 3
+                        done = True
+                        break
                     for order in itertools.permutations(combo):
                         shapes = [tuple(params_b[j].rec.shape) for j in order]
                         for split in _splits_for(tuple(pa.rec.shape), shapes, heads):
@@ -580,6 +657,9 @@ def _render(p: Proposal, with_left: bool = True) -> str:
         *([f"# A built-in mapping fits these captures already: {p.builtin.split(', picked from the captures')[0]}; "
            "tensordiff diff uses it without --mapping. Prefer it, or start from its file (tensordiff/mapping/pairs/)."]
           if p.builtin else []),
+        *[f"# FINDING: {f}" for f in p.findings],
+        "# Make a mapping from a pair known to be good (the same model, correctly converted): one proposed from a pair",
+        "# whose conversion is wrong would fit the wrong layout where the configs do not fix it.",
         "tensordiff_mapping: 2",
         "description: proposed by tensordiff map",
         f"sides: [{side_a}, {side_b}]",
