@@ -19,7 +19,6 @@ import numpy as np
 from ... import dtypes
 from ...record import Record
 from .base import REBUILD_ROUNDINGS, Hint, NotApplicable, Site, make_hint
-from .rope import rope_variants
 
 #: Attention rebuilt on at most this many positions of one sequence: causal attention at a position
 #: depends on the positions before it only, so the prefix is exact, and the cost stays small.
@@ -105,6 +104,41 @@ def _splits(packed: np.ndarray, width: int) -> Iterator[tuple[str, int, list[np.
             continue
         yield f"per-group [q_g, k_g, v_g] ({heads} heads, {groups} groups)", hd, QkvGroups(heads, groups, -1).split(packed)
         yield f"[q | k | v] ({heads} heads, {groups} groups)", hd, list(np.split(packed, [width, width + groups * hd], -1))
+
+
+def rotate(x: np.ndarray, base: float, interleaved: bool, offset: int, seq_axis: int) -> np.ndarray:
+    """Rotary embedding over the last dimension; positions along ``seq_axis`` (+ offset)."""
+    d = x.shape[-1]
+    inv = 1.0 / (base ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    pos = np.arange(x.shape[seq_axis], dtype=np.float64) + offset
+    ang = np.outer(pos, inv)  # [S, d/2]
+    shape = [1] * x.ndim
+    shape[seq_axis] = x.shape[seq_axis]
+    shape[-1] = d // 2
+    cos, sin = np.cos(ang).reshape(shape), np.sin(ang).reshape(shape)
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = np.empty_like(x, dtype=np.float64)
+        out[..., 0::2] = x1 * cos - x2 * sin
+        out[..., 1::2] = x1 * sin + x2 * cos
+        return out
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+#: RoPE bases tried where a rotation is rebuilt (Llama 2: 1e4; Llama 3: 5e5; Qwen: 1e6; ...).
+BASES = (10000.0, 500000.0, 1000000.0, 50000.0)
+
+
+def rope_variants(rb: AttentionRebuild) -> dict[tuple | None, tuple[np.ndarray, np.ndarray]]:
+    """q and k under each RoPE convention (pairs, base; no position offsets: attention sees relative positions
+    only), and as they are (None)."""
+    out: dict[tuple | None, tuple[np.ndarray, np.ndarray]] = {}
+    for interleaved in (False, True):
+        for base in BASES:
+            out[(interleaved, base, 0)] = (rotate(rb.q, base, interleaved, 0, 0), rotate(rb.k, base, interleaved, 0, 0))
+    out[None] = (rb.q, rb.k)
+    return out
 
 
 @dataclass

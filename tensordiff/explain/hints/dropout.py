@@ -133,8 +133,7 @@ def check_attention_dropout(site: Site) -> Iterator[Hint]:
     (recorded earlier in the same call) rebuild the side that does not drop; at each of the first query positions
     and each head, the dropping side's output is its probabilities × a keep-mask × 1/(1-p) applied to v. The masks
     are solved exactly (every mask over the keys the query sees), one scale shared by all rows."""
-    from .attention import attention_probs, attention_rebuilds
-    from .rope import rope_variants
+    from .attention import attention_probs, attention_rebuilds, rope_variants
 
     for full in attention_rebuilds(site):
         rb = full.prefix(_REBUILT)  # the masks are solved on the first positions: a short prefix says as much

@@ -114,12 +114,19 @@ def check_reduction_dtype(site: Site, narrow: list[tuple[str, Any, float]]) -> I
             return
 
 
+#: The most a wider compute (float64 for a float32 output) moves a linear layer's output, in roundings of the stored
+#: dtype: its accumulation error over the inner dimension (1e-7..1e-6 relative in float32).
+WIDER_GAP = 1000
+
+
 def _higher_precision(site: Site) -> Iterator[Hint]:
     """One side computes a linear layer in a wider dtype than it stores (float64 for float32): its output is the
     exact product of the agreeing input and weight, rounded once to the stored dtype, and the other side's is not."""
     a = site.a
-    if a.phase != "forward" or a.kind != "output" or not dtypes.is_float(a.dtype):
+    if a.phase != "forward" or a.kind != "output" or not dtypes.is_float(a.dtype) or site.b.dtype != a.dtype:
         return
+    if not site.before <= WIDER_GAP * dtypes.resolution(a.dtype):
+        return  # a wider compute moves the output by the stored dtype's accumulation error, not more
     w = site.weights(a.module).get("weight")
     ins = site.inputs(a.module, a.call)
     if w is None or w.ndim != 2 or not ins or ins[0].shape[-1] != w.shape[1]:

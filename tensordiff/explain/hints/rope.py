@@ -10,37 +10,14 @@ See docs/hints/rope.md."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ... import dtypes
 from ...diff.accounting import rope_base
 from ...record import Record
+from .attention import BASES, _attention, _rel, attention_rebuilds, rope_variants, rotate
 from .base import Hint, NotApplicable, Site, fit_sides, make_hint, rel_l2
-
-if TYPE_CHECKING:
-    from .attention import AttentionRebuild
-
-
-def _rope(x: np.ndarray, base: float, interleaved: bool, offset: int, seq_axis: int) -> np.ndarray:
-    """Rotary embedding over the last dimension; positions along ``seq_axis`` (+ offset)."""
-    d = x.shape[-1]
-    inv = 1.0 / (base ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    pos = np.arange(x.shape[seq_axis], dtype=np.float64) + offset
-    ang = np.outer(pos, inv)  # [S, d/2]
-    shape = [1] * x.ndim
-    shape[seq_axis] = x.shape[seq_axis]
-    shape[-1] = d // 2
-    cos, sin = np.cos(ang).reshape(shape), np.sin(ang).reshape(shape)
-    if interleaved:
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-        out = np.empty_like(x, dtype=np.float64)
-        out[..., 0::2] = x1 * cos - x2 * sin
-        out[..., 1::2] = x1 * sin + x2 * cos
-        return out
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
-    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def _rope_name(k: tuple) -> str:
@@ -82,7 +59,7 @@ def check_rope_qk(site: Site, sources: list[Record]) -> Iterator[Hint]:
             for interleaved in (False, True):
                 for base in (10000.0, 500000.0, 1000000.0, 50000.0):
                     for offset in (0, 1):
-                        variants[(interleaved, base, offset)] = _rope(x, base, interleaved, offset, seq_axis)
+                        variants[(interleaved, base, offset)] = rotate(x, base, interleaved, offset, seq_axis)
             fit = fit_sides(site, variants)
             if fit is None:
                 continue
@@ -120,25 +97,9 @@ def check_rope_table(site: Site) -> Iterator[Hint]:
                 a=_rope_name(key_a), b=_rope_name(key_b))
 
 
-_BASES = (10000.0, 500000.0, 1000000.0, 50000.0)
-
-
-def rope_variants(rb: AttentionRebuild) -> dict[tuple | None, tuple[np.ndarray, np.ndarray]]:
-    """q and k under each RoPE convention (pairs, base; no position offsets: attention sees relative positions
-    only), and as they are (None)."""
-    out: dict[tuple | None, tuple[np.ndarray, np.ndarray]] = {}
-    for interleaved in (False, True):
-        for base in _BASES:
-            out[(interleaved, base, 0)] = (_rope(rb.q, base, interleaved, 0, 0), _rope(rb.k, base, interleaved, 0, 0))
-    out[None] = (rb.q, rb.k)
-    return out
-
-
 def check_rope_attention(site: Site) -> Iterator[Hint]:
     """The attention output differs and RoPE is applied as code: rebuild it from A's q, k, v before RoPE with each
     convention (pairs, base, position offset) and see which reproduces A and which reproduces B."""
-    from .attention import _attention, _rel, attention_rebuilds
-
     for rb in attention_rebuilds(site):
         outs = {key: _attention(q, k, rb.v) for key, (q, k) in rope_variants(rb).items()}
         err_a = {key: _rel(o, rb.xa) for key, o in outs.items()}
@@ -215,7 +176,7 @@ def _fit_cos(x: np.ndarray, guess: float, pairs: bool, dtype: str) -> tuple[floa
         return rel_l2(np.broadcast_to(np.cos(emb), x.shape), x)
 
     grid = [float(b) for b in guess * np.exp(np.linspace(-1.5, 1.5, 121))]
-    grid += [_nice(b) for b in grid] + list(_BASES)
+    grid += [_nice(b) for b in grid] + list(BASES)
     roundings = (False, True) if narrow else (False,)
     best = min((residual(b, r), b, r) for b in set(grid) for r in roundings)
     # the roundest base that fits about as well: a narrow table cannot tell 9908 from 10000 over a few positions
