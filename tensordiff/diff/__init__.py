@@ -19,9 +19,22 @@ Pipeline, one module per step:
 Needs numpy, h5py and pyyaml (ml_dtypes to read BF16/FP8 tensors); imports neither torch nor MindSpore.
 """
 
+import sys
+import types
+
 from ..mapping import RenameRules
 from .engine import diff
 from .result import DiffOptions, DiffResult, FirstDivergence, Row
 from .tolerance import Tolerances
 
 __all__ = ["DiffOptions", "DiffResult", "FirstDivergence", "RenameRules", "Row", "Tolerances", "diff"]
+
+
+class _CallableModule(types.ModuleType):
+    """``tensordiff.diff(a, b)`` as ``tensordiff.capture(...)`` is called: the package calls its ``diff``."""
+
+    def __call__(self, path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffResult:
+        return diff(path_a, path_b, options)
+
+
+sys.modules[__name__].__class__ = _CallableModule

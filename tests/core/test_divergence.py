@@ -261,3 +261,14 @@ def test_a_clean_pair_has_no_first_divergence_and_exits_0(tmp_path, capsys):
 def test_a_jump_of_one_or_less_is_refused():
     with pytest.raises(UsageError, match="jump=1"):
         DiffOptions(jump=1)
+
+
+def test_the_package_is_called_as_the_guide_writes_it(tmp_path):
+    """``tensordiff.diff('a.h5', 'b.h5')``, as ``tensordiff.capture(...)`` is called: the same result as
+    ``tensordiff.diff.diff``."""
+    import tensordiff
+
+    a, b = capture_pair(tmp_path, [step_records(run_model())], [step_records(run_model(fc2_factor=1.001))])
+    called = tensordiff.diff(a, b)
+    assert (called.first.module_a, called.first.kind) == ("block.fc2", "output")
+    assert called.exit_code == diff(a, b).exit_code == 1
