@@ -572,19 +572,18 @@ def _origin(drift: Row, rows: list[Row], st: _Step, prev: _Step | None) -> tuple
     that a wide tolerance (BF16: 3e-2) hides at its own record starts large at one place: a RoPE base changed in BF16
     makes 2.8e-2 at the attention core from identical q, k, v, and 4.3e-2 two modules later."""
     assert drift.pair.a is not None
-    rank = (PHASE_RANK[drift.phase], drift.pair.a.seq)
+
+    def rank(row: Row) -> tuple[int, int]:
+        return PHASE_RANK[row.phase], row.pair.a.seq  # type: ignore[union-attr]
+
     floor = ORIGIN_SHARE * drift.err
-    found: tuple[tuple, Row, _Query] | None = None
-    for row in rows:
-        a = row.pair.a
-        if (a is None or row.metrics is None or row.verdict != "ok" or not (row.err >= floor)
-                or (PHASE_RANK[row.phase], a.seq) >= rank or (found is not None and (PHASE_RANK[row.phase], a.seq)
-                                                               >= found[0])):
-            continue
+    earlier = sorted((r for r in rows if r.pair.a is not None and r.metrics is not None and r.verdict == "ok"
+                      and r.err >= floor and rank(r) < rank(drift)), key=rank)
+    for row in earlier:
         query = _query(row, st, prev)
         if query.step.came_in(query) == 0.0:
-            found = ((PHASE_RANK[row.phase], a.seq), row, query)
-    return (found[1], found[2]) if found is not None else None
+            return row, query
+    return None
 
 
 def _absorbed(a: Record, st: _Step) -> bool:

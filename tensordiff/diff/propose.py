@@ -308,6 +308,20 @@ def _digits(name: str) -> list[str]:
     return _NUM.findall(name)
 
 
+def _joins_to(split: Split, parts: list[np.ndarray | None], pa: Param) -> bool:
+    """``parts`` joined by ``split`` are A's parameter ``pa`` (the same checkpoint tensor)."""
+    try:
+        joined = split.join(parts)  # type: ignore[arg-type]
+    except Exception:
+        return False
+    return pa.x is not None and joined.shape == pa.x.shape and _rel_l2(pa.x, joined) <= SAME
+
+
+def _shown(split: Split) -> str:
+    """A split as a mapping file writes it (its default dim left out)."""
+    return str(split).replace(", dim=0", "").replace("(dim=0)", "")
+
+
 def _expected_qkv(pa: Param, heads: tuple[int, int] | None, megatron: bool) -> QkvGroups | None:
     """The layout the configs predict for three parameters joined into A's ``pa``: megatron-core's fused
     ``linear_qkv`` holds each query group's q heads, then its k, then its v (``qkv_groups``) with the heads and
@@ -320,36 +334,29 @@ def _expected_qkv(pa: Param, heads: tuple[int, int] | None, megatron: bool) -> Q
 
 def _join_as_expected(prop: Proposal, pa: Param, params_b: list[Param], combo: tuple[int, ...],
                       expected: QkvGroups, by_module: dict[tuple[str, str], ModuleMatch],
-                      order_b: dict[str, int]) -> bool:
+                      order_b: dict[str, int]) -> str:
     """Three of B's parameters that join into A's fused QKV as the configs predict: in the order whose values fit,
     or, where no order fits, in B's forward order with a finding that the values fit another layout (or none): the
-    mapping follows the configs, never the values, so that a wrong conversion is found at the weights. False when
-    the shapes cannot be that layout."""
+    mapping follows the configs, never the values, so that a wrong conversion is found at the weights. Returns what
+    decided the join ('values': they fit the predicted layout; 'configs': they do not), '' when the shapes cannot be
+    that layout."""
     orders = [o for o in itertools.permutations(combo)
               if _fits_shape(expected, pa, [tuple(params_b[j].rec.shape) for j in o])]
     if not orders or pa.x is None:
-        return False
-    text = str(expected).replace(", dim=0", "").replace("(dim=0)", "")
+        return ""
+    text = _shown(expected)
     for order in orders:
-        try:
-            joined = expected.join([params_b[j].x for j in order])
-        except Exception:
-            continue
-        if joined.shape == pa.x.shape and _rel_l2(pa.x, joined) <= SAME:
+        if _joins_to(expected, [params_b[j].x for j in order], pa):
             names = tuple(params_b[j].module for j in order)
             by_module[(names[0], pa.module)] = ModuleMatch(names, pa.module, "join", join=text)
-            return True
+            return "values"
     order = min(orders, key=lambda o: [order_b.get(params_b[j].module, 1 << 30) for j in o])
     names = tuple(params_b[j].module for j in order)
     other = ""
     shapes = [tuple(params_b[j].rec.shape) for j in order]
     for split in _splits_for(tuple(pa.rec.shape), shapes, None):
-        try:
-            joined = split.join([params_b[j].x for j in order])  # type: ignore[misc]
-        except Exception:
-            continue
-        if str(split) != str(expected) and joined.shape == pa.x.shape and _rel_l2(pa.x, joined) <= SAME:
-            shown = str(split).replace(", dim=0", "").replace("(dim=0)", "")
+        if str(split) != str(expected) and _joins_to(split, [params_b[j].x for j in order], pa):
+            shown = _shown(split)
             if isinstance(split, QkvGroups) and split.groups == 1:
                 shown = "[Q | K | V] (q, k and v one block each)"
             other = f" they match only if joined as {shown}"
@@ -360,7 +367,7 @@ def _join_as_expected(prop: Proposal, pa: Param, params_b: list[Param], combo: t
         + (other + ": the conversion may be wrong" if other else " nor under any other layout tried: the checkpoints "
            "differ") + ". The mapping follows the configs, so `diff` shows it at the weights.")
     by_module[(names[0], pa.module)] = ModuleMatch(names, pa.module, "join", join=text)
-    return True
+    return "configs"
 
 
 def _fits_shape(split: QkvGroups, pa: Param, shapes: list[tuple[int, ...]]) -> bool:
@@ -427,24 +434,21 @@ def _match(prop: Proposal, params_a: list[Param], params_b: list[Param], recs_a:
                 for combo in itertools.combinations(members, n):
                     if sum(params_b[j].rec.numel for j in combo) != pa.rec.numel:
                         continue
-                    if expected is not None and n == 3 and _join_as_expected(prop, pa, params_b, combo, expected,
-                                                                             by_module, order_b):
+                    joined_by = (_join_as_expected(prop, pa, params_b, combo, expected, by_module, order_b)
+                                 if expected is not None and n == 3 else "")
+                    if joined_by:
                         used_a.add(i)
                         used_b.update(combo)
-                        prop.params_by_value += 3
+                        prop.params_by_value += 3 if joined_by == "values" else 0
                         done = True
                         break
                     for order in itertools.permutations(combo):
                         shapes = [tuple(params_b[j].rec.shape) for j in order]
                         for split in _splits_for(tuple(pa.rec.shape), shapes, heads):
-                            try:
-                                joined = split.join([params_b[j].x for j in order])  # type: ignore[misc]
-                            except Exception:
-                                continue
-                            if joined.shape == pa.x.shape and _rel_l2(pa.x, joined) <= SAME:
+                            if _joins_to(split, [params_b[j].x for j in order], pa):
                                 names = tuple(params_b[j].module for j in order)
-                                text = str(split).replace(", dim=0", "").replace("(dim=0)", "")
-                                by_module[(names[0], pa.module)] = ModuleMatch(names, pa.module, "join", join=text)
+                                by_module[(names[0], pa.module)] = ModuleMatch(names, pa.module, "join",
+                                                                               join=_shown(split))
                                 used_a.add(i)
                                 used_b.update(order)
                                 prop.params_by_value += len(order)

@@ -105,6 +105,19 @@ def test_a_bias_not_loaded_is_the_checkpoint_cause_with_its_zeros_named_not_a_ze
     assert "linear_qkv.bias is all zeros: not loaded" in res.hints[0].title
 
 
+def _one_stack(path, weight: T, x: np.ndarray, module: str, cls: str, out: np.ndarray) -> str:
+    """A capture of one bitwise reproducible stack: ``weight`` (its dtype is the run's), two modules passing ``x``
+    through that agree bitwise on both sides (what shows the program reproducible), then ``module`` on ``x``."""
+    steps = [[weight,
+              T("forward", "pre", "input", "0", x, module_class="Identity"),
+              T("forward", "pre", "output", "0", x, module_class="Identity", enter=1),
+              T("forward", "norm", "input", "0", x, module_class="Identity"),
+              T("forward", "norm", "output", "0", x, module_class="Identity", enter=3),
+              T("forward", module, "input", "0", x, module_class=cls),
+              T("forward", module, "output", "0", out, module_class=cls, enter=5)]]
+    return write_capture(str(path), steps, device="cpu", framework_version="2.13.0")
+
+
 def test_a_linear_computed_in_float64_on_one_side_is_a_dtype_cause(tmp_path):
     """B computes one linear layer in float64 and stores float32: its output is the exact product rounded once, A's
     carries float32 accumulation. The difference is far inside FP32's tolerance; same-stack exactness finds it, and
@@ -116,18 +129,9 @@ def test_a_linear_computed_in_float64_on_one_side_is_a_dtype_cause(tmp_path):
     wide = (x.astype(np.float64) @ w.T.astype(np.float64)).astype(np.float32)
     assert not np.array_equal(fp32, wide)
 
-    def steps(out):  # two modules before it agree bitwise: the program is seen to be reproducible
-        return [[T("weights", "fc", "param", "weight", w, module_class="Linear"),
-                 T("forward", "pre", "input", "0", x, module_class="Identity"),
-                 T("forward", "pre", "output", "0", x, module_class="Identity", enter=1),
-                 T("forward", "act", "input", "0", x, module_class="Identity"),
-                 T("forward", "act", "output", "0", x, module_class="Identity", enter=3),
-                 T("forward", "fc", "input", "0", x, module_class="Linear"),
-                 T("forward", "fc", "output", "0", out, module_class="Linear", enter=5)]]
-
-    stack = {"device": "cpu", "framework_version": "2.13.0"}
-    a = write_capture(str(tmp_path / "a.h5"), steps(fp32), **stack)
-    b = write_capture(str(tmp_path / "b.h5"), steps(wide), **stack)
+    weight = T("weights", "fc", "param", "weight", w, module_class="Linear")
+    a = _one_stack(tmp_path / "a.h5", weight, x, "fc", "Linear", fp32)
+    b = _one_stack(tmp_path / "b.h5", weight, x, "fc", "Linear", wide)
     for first, second, side in ((a, b, "B"), (b, a, "A")):
         res = diagnose(first, second)
         assert res.first is not None and res.first.module_a == "fc" and res.first.rel_l2 < res.first.tolerance
@@ -150,18 +154,9 @@ def test_gelu_tanh_below_one_bf16_rounding_is_told_by_the_shape_of_the_differenc
     gelu_tanh = 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
     a_out, b_out, x = gelu_erf.astype(bf16), gelu_tanh.astype(bf16), x.astype(bf16)
 
-    def steps(out):  # a weight says the compute dtype (BF16); two modules before agree bitwise
-        return [[T("weights", "norm", "param", "weight", np.ones(512, dtype=bf16), module_class="Identity"),
-                 T("forward", "pre", "input", "0", x, module_class="Identity"),
-                 T("forward", "pre", "output", "0", x, module_class="Identity", enter=1),
-                 T("forward", "norm", "input", "0", x, module_class="Identity"),
-                 T("forward", "norm", "output", "0", x, module_class="Identity", enter=3),
-                 T("forward", "act", "input", "0", x, module_class="GELU"),
-                 T("forward", "act", "output", "0", out, module_class="GELU", enter=5)]]
-
-    stack = {"device": "cpu", "framework_version": "2.13.0"}
-    a = write_capture(str(tmp_path / "a.h5"), steps(a_out), **stack)
-    b = write_capture(str(tmp_path / "b.h5"), steps(b_out), **stack)
+    weight = T("weights", "norm", "param", "weight", np.ones(512, dtype=bf16), module_class="Identity")
+    a = _one_stack(tmp_path / "a.h5", weight, x, "act", "GELU", a_out)
+    b = _one_stack(tmp_path / "b.h5", weight, x, "act", "GELU", b_out)
     res = diagnose(a, b)
     assert res.first is not None and res.first.module_a == "act" and res.first.rel_l2 < res.first.tolerance
     top = res.hints[0]

@@ -276,14 +276,12 @@ def check_attention_scale(site: Site) -> Iterator[Hint]:
     for rb in attention_rebuilds(site):
         small = rb.prefix(_FIT_POSITIONS)
         default = rb.hd ** -0.5
-        fits = {}
-        for key, (q, k) in rope_variants(small).items():
-            fits[key] = _fit_scale(q, k, small.v, small.xa, default)
+        variants = rope_variants(small)
+        fits = {key: _fit_scale(q, k, small.v, small.xa, default) for key, (q, k) in variants.items()}
         key = min(fits, key=lambda k: fits[k][1])
         q_full, k_full = rope_variants(rb)[key]
         scale_a = fits[key][0]
-        q_s, k_s = rope_variants(small)[key]
-        scale_b, _ = _fit_scale(q_s, k_s, small.v, small.xb, default)
+        scale_b, _ = _fit_scale(*variants[key], small.v, small.xb, default)
         err_a = _rel(_attention(q_full, k_full, rb.v, scale_a), rb.xa)
         err_b = _rel(_attention(q_full, k_full, rb.v, scale_b), rb.xb)
         if not (site.reproduces(err_a, rb.before) and site.reproduces(err_b, rb.before)):

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ... import dtypes
+from .attention import attention_probs, attention_rebuilds, rope_variants
 from .base import REBUILD_ROUNDINGS, Hint, NotApplicable, Site, make_hint, rel_l2
 
 #: a side drops out when input × its keep-mask × one scale rebuilds its output this closely (relative L2)
@@ -133,8 +134,6 @@ def check_attention_dropout(site: Site) -> Iterator[Hint]:
     (recorded earlier in the same call) rebuild the side that does not drop; at each of the first query positions
     and each head, the dropping side's output is its probabilities × a keep-mask × 1/(1-p) applied to v. The masks
     are solved exactly (every mask over the keys the query sees), one scale shared by all rows."""
-    from .attention import attention_probs, attention_rebuilds, rope_variants
-
     for full in attention_rebuilds(site):
         rb = full.prefix(_REBUILT)  # the masks are solved on the first positions: a short prefix says as much
         variants = rope_variants(rb)
