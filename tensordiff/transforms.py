@@ -88,6 +88,12 @@ def _identity(x: np.ndarray, dim: int = 0) -> np.ndarray:
     return x
 
 
+def _offset(x: np.ndarray, value: float = 1.0) -> np.ndarray:
+    """``x + value``: a norm weight kept as ``w`` where the other side keeps ``value + w`` (Gemma's ``x * (1 + w)``
+    against a converted weight). A parameter's value only: its gradient is the same on both sides."""
+    return x.astype(np.float64) + value
+
+
 OPS: dict[str, Callable[..., np.ndarray]] = {
     "identity": _identity,
     "unflatten0": _unflatten0,
@@ -100,7 +106,10 @@ OPS: dict[str, Callable[..., np.ndarray]] = {
     "scale": _scale,
     "deinterleave": _deinterleave,
     "interleave": _interleave,
+    "offset": _offset,
 }
+#: Ops that change a parameter's value and not its gradient (``Rule.ops_for`` leaves them out for gradients).
+VALUE_ONLY = frozenset({"offset"})
 
 #: How each op changes (numel, min, max, mean, l2): None = statistics cannot follow it.
 _PERMUTATION = ("swap01", "transpose", "qkv_grouped", "flatten01", "unflatten0", "deinterleave", "interleave",
@@ -159,7 +168,7 @@ def parse_op(text: str, where: str) -> Op:
             except ValueError:
                 raise MappingError(f"{where}: transform {text!r}: {key.strip()} must be a number, got "
                                    f"{value.strip()!r}") from None
-            kwargs.append((key.strip(), int(num) if num.is_integer() and key.strip() != "factor" else num))
+            kwargs.append((key.strip(), int(num) if num.is_integer() and key.strip() not in ("factor", "value") else num))
     params = list(inspect.signature(OPS[m.group(1)]).parameters.values())[1:]  # after the tensor
     takes = [p.name for p in params]
     unknown = [k for k, _ in kwargs if k not in takes]
@@ -193,6 +202,8 @@ def apply_mean(ops: tuple[Op, ...], numel: int, mean: float) -> tuple[int, float
             continue
         if op.name == "scale":
             mean *= float(kw["factor"])
+        elif op.name == "offset":
+            mean += float(kw.get("value", 1.0))
         elif op.name == "unrepeat_sum":
             times = max(int(kw.get("times", 1)), 1)
             numel, mean = numel // times, mean * times

@@ -61,7 +61,7 @@ def _diff(folder, b_name, tmp_path, *extra):
 def test_a_clean_pair_agrees_with_no_mapping_given(clean, tmp_path, capsys):
     folder, proc = clean
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "mapping mcore-hf-llama (heads=4, groups=2), picked from the captures" in proc.stdout
+    assert "mapping derived from the captures (4 heads in 2 query groups): B is Hugging Face" in proc.stdout
     assert "No divergence: every record of both runs was compared" in proc.stdout
     code, report = _diff(folder, "hf.h5", tmp_path)
     assert code == 0 and report["outcome"] == "agree"
@@ -114,9 +114,11 @@ def test_map_on_a_pair_a_built_in_fits_says_so_with_both_trials(clean, tmp_path,
     out = tmp_path / "proposed.yaml"
     assert main(["map", str(folder / "mcore.h5"), str(folder / "hf.h5"), "-o", str(out)]) == 0
     printed = " ".join(capsys.readouterr().out.split())
-    assert "a built-in mapping fits these captures already: mcore-hf-llama (heads=4, groups=2)" in printed
+    assert ("a mapping tensordiff diff picks by itself fits these captures already: derived from the captures (4 heads "
+            "in 2 query groups)") in printed
     assert re.search(r"\(\d+ pairs compared at step 0, agree\)", printed), printed
-    assert "# A built-in mapping fits these captures already: mcore-hf-llama" in out.read_text()
+    assert "# A mapping tensordiff diff picks by itself fits these captures already: derived from the captures" \
+        in out.read_text()
 
 
 def _diff_reversed(folder, b_name, tmp_path, *extra):
@@ -164,5 +166,6 @@ def test_map_with_the_hf_capture_given_first_finds_the_built_in_in_the_other_ord
     out = tmp_path / "proposed.yaml"
     assert main(["map", str(folder / "hf.h5"), str(folder / "mcore.h5"), "-o", str(out)]) == 0
     printed = " ".join(capsys.readouterr().out.split())
-    assert "a built-in mapping fits these captures already: mcore-hf-llama (heads=4, groups=2)" in printed
+    assert ("a mapping tensordiff diff picks by itself fits these captures already: derived from the captures (4 heads "
+            "in 2 query groups)") in printed
     assert re.search(r"\(\d+ pairs compared at step 0, agree\)", printed), printed

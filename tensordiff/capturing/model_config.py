@@ -20,6 +20,11 @@ FIELDS = (
     "layernorm_epsilon", "rms_norm_eps", "layer_norm_epsilon", "position_embedding_type", "rotary_base", "rope_theta",
     "theta", "tie_word_embeddings", "share_embeddings_and_output_weights", "add_bias_linear",
     "use_interleaved_weight_layout_mlp", "vocab_size", "padded_vocab_size",
+    # what a derived mapping and `tensordiff config` need beyond the sizes (tensordiff.mapping.derive)
+    "activation_func", "layernorm_zero_centered_gamma", "rotary_percent", "partial_rotary_factor", "rotary_pct",
+    "qk_layernorm", "add_qkv_bias", "attention_bias", "num_moe_experts", "num_local_experts", "num_experts",
+    "n_routed_experts", "moe_ffn_hidden_size", "moe_intermediate_size", "moe_router_topk", "num_experts_per_tok",
+    "use_parallel_residual", "parallel_attn",
 )
 
 

@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from .._text import listing, plural
+from ..diff.autoselect import picked_name
 from ..diff.propose import propose
 from ..errors import UsageError
 from ._args import console
@@ -41,13 +42,13 @@ def run(args: argparse.Namespace) -> int:
         fh.write(text)
     out = console(None)
     if prop.builtin:
-        name = prop.builtin.split(", picked from the captures")[0]
-        line = f"a built-in mapping fits these captures already: {name}; `tensordiff diff {args.a} {args.b}` uses it"
+        line = (f"a mapping tensordiff diff picks by itself fits these captures already: {picked_name(prop.builtin)}; "
+                f"`tensordiff diff {args.a} {args.b}` uses it")
         if prop.builtin_trial is not None:
             t = prop.builtin_trial
             line += (f" ({sum(c.compared for c in t.coverage.values())} pairs compared at step {prop.step}, "
                      f"{t.outcome})")
-        out.print(line + ". The proposal is written anyway: prefer the built-in unless it fits worse.",
+        out.print(line + ". The proposal is written anyway: prefer that one unless it fits worse.",
                   style="tensordiff.unmatched", markup=False)
     joined = sum(len(m.b) for m in prop.matches if m.how == "join")
     out.print(f"parameters: {prop.params_by_value} of B's {prop.params_total_b} matched A's {prop.params_total_a} by value "

@@ -75,18 +75,24 @@ def _same_sig(x: tuple, y: tuple) -> bool:
 
 
 def _value_sig(rec: Record) -> tuple:
-    """What two records holding the same values in any shape (a tensor and its flattened view) share."""
-    return rec.dtype, rec.numel, rec.min, rec.max, rec.mean, rec.l2, rec.nan, rec.inf
+    """What two records holding the same values in any shape or order share (a tensor, its flattened view, a copy
+    with two dimensions swapped): not the mean and L2, whose last bits depend on the order they were summed in."""
+    return rec.dtype, rec.numel, rec.min, rec.max, rec.nan, rec.inf
 
 
 def _equal(x: np.ndarray | None, y: np.ndarray | None) -> bool | None:
     """Whether two stored tensors hold the same values in the same order, whatever their shapes (a view, a
-    reshape, a copy); None: one was not stored."""
+    reshape, a copy), or one is the other with its first two dimensions swapped; None: one was not stored."""
     if x is None or y is None:
         return None
     if x.size != y.size or x.dtype != y.dtype:
         return False
-    return bool(np.array_equal(x.reshape(-1), y.reshape(-1), equal_nan=x.dtype.kind in "fc"))
+    nan = x.dtype.kind in "fc"
+    if np.array_equal(x.reshape(-1), y.reshape(-1), equal_nan=nan):
+        return True
+    # a copy with the first two dimensions swapped ([B, S, H] made [S, B, H] contiguous: megatron's embedding)
+    return bool(x.ndim >= 2 and y.shape == (x.shape[1], x.shape[0], *x.shape[2:]) and x.shape[0] > 1 < x.shape[1]
+                and np.array_equal(np.swapaxes(x, 0, 1), y, equal_nan=nan))
 
 
 # ---------------------------------------------------------------------------------------------------- masks
@@ -295,11 +301,14 @@ class _Side:
         return any(m == module or is_inside(m, module) for m in self.param_modules)
 
     def holds_stack(self, module: str) -> bool:
-        """The model, or a module holding numbered modules (a layer stack, the decoder)."""
+        """The model, or a module holding numbered modules within three levels (a layer stack ``layers.3``, the
+        decoder, MindFormers' ``model`` over ``decoder.layers.3``); a megatron decoder layer holding its experts
+        deeper (``mlp.experts.local_experts.3``) is not one."""
         if module == "":
             return True
         prefix = module + "."
-        return any(m.startswith(prefix) and _NUMBERED.search(m[len(prefix):]) for m in self.modules)
+        return any(m.startswith(prefix) and _NUMBERED.search(".".join(m[len(prefix):].split(".")[:3]))
+                   for m in self.modules)
 
 
 def _equal_values(side: _Side, rec: Record, candidates: Iterable[Record]) -> Record | None:

@@ -17,9 +17,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..mapping import RenameRules
+from ..mapping.derive import derive
 from ..mapping.names import unwrap
 from ..record import Record
 
+#: What a note says when B computes what megatron-core cannot (``derive``): the diff then says that, in one line.
+CANNOT_EXPRESS = "computes what megatron-core cannot express"
 _LAYERS = re.compile(r"^(model\.)?decoder\.layers\.\d+")
 
 
@@ -64,6 +67,16 @@ def pick_mapping(attrs_a: dict[str, Any], attrs_b: dict[str, Any], records_a: li
     heads = _first(cfg_a, "num_attention_heads") or _first(cfg_b, "num_attention_heads", "num_heads", "n_head")
     groups = _first(cfg_a, "num_query_groups") or _first(cfg_b, "num_query_groups", "num_key_value_heads", "n_kv_heads")
     variables: dict[str, str] = {}
+    if fw_b == "torch" and _first(cfg_b, "model_type") not in (None, "gpt2") and not cls_b.startswith("GPT2"):
+        derived = derive(cfg_a, cfg_b, records_a, records_b)  # a Hugging Face decoder: its roles by shape
+        if derived.rules is not None:
+            return derived.rules, (f"{derived.note}: B is Hugging Face {cls_b} (model_type {_first(cfg_b, 'model_type')}"
+                                   "); each module's role from its parameters' shapes, the configs' sizes and the "
+                                   "order it ran (--mapping overrides)")
+        if derived.cannot:
+            return None, f"none: Hugging Face {cls_b} {CANNOT_EXPRESS}: {derived.cannot[0]}"
+        if not _is_hf_llama(records_b):
+            return None, _none(fw_a, cls_a, fw_b, cls_b) + f"; no mapping derived: {derived.note}"
     if fw_b == "mindspore" and cls_b == "LlamaForCausalLM":
         name = "mcore-mindformers-llama"
         why = "B is MindFormers' legacy LlamaForCausalLM"
@@ -99,6 +112,11 @@ def pick_mapping(attrs_a: dict[str, Any], attrs_b: dict[str, Any], records_a: li
     return rules, f"{name}{f' ({shown})' if shown else ''}, picked from the captures: {why} (--mapping overrides)"
 
 
+def picked_name(note: str) -> str:
+    """The mapping a pick's note names: 'mcore-hf-llama (heads=4, groups=2)', 'derived from the captures (...)'."""
+    return note.split(", picked from the captures")[0].split(": B is")[0]
+
+
 def _rule_hits(mapping: RenameRules, records_a: list[Record], records_b: list[Record]) -> int:
     """How many records the mapping's rules pair with A as its first side and B as its second."""
     from .align import align_step  # align imports this module's neighbours only; kept local to stay cycle-free
@@ -131,7 +149,7 @@ def orient(attrs_a: dict[str, Any], attrs_b: dict[str, Any], records_a: list[Rec
     if back is not None:
         return True, back, (back_note + "; the captures were given in the other order: A and B swapped so that A is "
                             "the mapping's first side (megatron-core)")
-    return False, None, note
+    return False, None, back_note if CANNOT_EXPRESS in back_note else note
 
 
 def _none(fw_a: str, cls_a: str, fw_b: str, cls_b: str) -> str:

@@ -23,7 +23,7 @@ from ..store import CaptureFile, MergedCapture, open_capture
 from ..store.fanout import ENV_JOBS, executor_for
 from .accounting import account, masks_by_meaning, rope_by_meaning
 from .align import Pair, align_step
-from .autoselect import orient
+from .autoselect import CANNOT_EXPRESS, orient
 from .coverage import coverage, judge_outcome, mark_uncertain, mark_unmatched, not_recorded, not_recorded_phases
 from .divergence import find_first_divergence
 from .exactness import apply_exactness, parallel_of, reproducible, same_stack
@@ -100,6 +100,8 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
                     row.verdict = "diverged"
             row.note = "RoPE tables compared by meaning: B's cos and sin read back as angles" + (
                 f"; {row.note}" if row.note else "")
+        if matched_by_name == 0 and CANNOT_EXPRESS in mapping_note:
+            raise AlignmentError(f"{path_a} and {path_b} cannot be compared: {mapping_note.removeprefix('none: ')}")
         if matched_by_name == 0:
             raise AlignmentError(
                 f"{path_a} and {path_b} have no module in common ({_sample(ca, common[0])} vs {_sample(cb, common[0])}); "

@@ -32,7 +32,7 @@ import numpy as np
 from ..record import Record
 from ..store import open_capture
 from ..transforms import Chunk, QkvGroups, Split, parse_op
-from .autoselect import _config, _first, orient
+from .autoselect import _config, _first, orient, picked_name
 from .result import DiffOptions, DiffResult
 
 #: Two parameters are the same checkpoint tensor when their relative L2 difference is below this
@@ -658,8 +658,8 @@ def _render(p: Proposal, with_left: bool = True) -> str:
         + (" (statistics only: transforms taken from the shapes)" if p.stats_only else "")
         + "; the rest of the rules follow the module tree, classes and shapes.",
         f"# Each rule renames {side_b}'s modules (B) onto {side_a}'s (A); {{i}} is a layer number (docs/mapping.md).",
-        *([f"# A built-in mapping fits these captures already: {p.builtin.split(', picked from the captures')[0]}; "
-           "tensordiff diff uses it without --mapping. Prefer it, or start from its file (tensordiff/mapping/pairs/)."]
+        *([f"# A mapping tensordiff diff picks by itself fits these captures already: {picked_name(p.builtin)}; "
+           "tensordiff diff uses it without --mapping. Prefer it."]
           if p.builtin else []),
         *[f"# FINDING: {f}" for f in p.findings],
         "# Make a mapping from a pair known to be good (the same model, correctly converted): one proposed from a pair",

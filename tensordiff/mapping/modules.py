@@ -24,7 +24,7 @@ from typing import Any
 from .._regex import BoundedPattern, compile_user
 from ..errors import MappingError
 from ..record import PHASES, Record
-from ..transforms import Op, Split, parse_op, parse_split
+from ..transforms import VALUE_ONLY, Op, Split, parse_op, parse_split
 from .names import regex, template, unwrap
 from .pairfile import PairFile, from_text, load
 
@@ -93,7 +93,8 @@ class Rule:
 
     def ops_for(self, rec: Record) -> tuple[Op, ...]:
         if rec.kind in PARAM_KINDS:
-            return self.params.get(rec.slot, ())
+            ops = self.params.get(rec.slot, ())
+            return ops if rec.kind == "param" else tuple(op for op in ops if op.name not in VALUE_ONLY)
         return self.inputs if rec.kind in INPUT_KINDS else self.outputs
 
 

@@ -1,0 +1,270 @@
+"""Build a megatron-core ``GPTModel`` from a Hugging Face model the way a user converts one (Megatron-Bridge style).
+
+* ``build_hf``: the HF model of a family's tiny config, randomly initialised from a seed (norm weights and biases
+  perturbed so that a wrong norm convention or a dropped bias shows);
+* ``mcore_config``: megatron-core ``TransformerConfig`` and ``GPTModel`` keyword arguments derived from the HF config;
+* ``hf_to_mcore``: HF state dict -> megatron-core names (q/k/v packed per query group, fc1 = [gate; up]);
+* ``build_mcore``: the megatron-core model holding the converted weights (local layer spec, CPU), a fault applied to
+  its conversion where asked (``table.FAULTS``);
+* ``check_equivalent``: max |logits difference| of the two on one batch (optionally after AdamW steps).
+
+    python -m examples.families.build            # every family: FP32 logits, 2 AdamW steps on llama, the faults
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from examples.families.table import FAMILIES, FAULTS, Family
+
+BATCH, SEQ = 2, 16
+
+
+def gelu_tanh(x: Tensor) -> Tensor:
+    """HF's ``gelu_pytorch_tanh``."""
+    return F.gelu(x, approximate="tanh")
+
+
+def _family(family: Family | str) -> Family:
+    return FAMILIES[family] if isinstance(family, str) else family
+
+
+# --------------------------------------------------------------------------------------------------- Hugging Face
+def build_hf(family: Family | str, dtype: str = "float32", attn: str = "sdpa", seed: int = 0) -> Any:
+    """The family's HF causal LM, initialised by ``transformers`` from ``seed``; every norm weight then gets
+    0.1 * randn added (neither all ones nor all zeros) and every bias small random values."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _family(family).hf_config(attn)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.05 * torch.randn_like(p))
+    return model.to(getattr(torch, dtype))
+
+
+# --------------------------------------------------------------------------------------------------- megatron config
+def _moe(cfg: Any) -> bool:
+    return cfg.model_type in ("mixtral", "qwen3_moe", "olmoe")
+
+
+def mcore_config(cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(``TransformerConfig`` kwargs, ``GPTModel`` kwargs) derived from the HF config only."""
+    act = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}[cfg.hidden_act]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    tf: dict[str, Any] = dict(
+        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads, kv_channels=head_dim,
+        normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True, activation_func=act,
+        add_bias_linear=False, add_qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+        qk_layernorm=cfg.model_type in ("qwen3", "qwen3_moe"), hidden_dropout=0.0, attention_dropout=0.0,
+        init_method_std=cfg.initializer_range, use_cpu_initialization=True, params_dtype=torch.float32,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+    )
+    if _moe(cfg):
+        experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+        # HF: softmax over all experts, top-k, renormalised (Mixtral; Qwen3-MoE with norm_topk_prob) == megatron's
+        # top-k of the logits then softmax over the k (pre_softmax=False); without renormalisation: pre_softmax=True
+        renorm = cfg.model_type == "mixtral" or bool(getattr(cfg, "norm_topk_prob", False))
+        tf.update(num_moe_experts=experts, moe_router_topk=cfg.num_experts_per_tok,
+                  moe_ffn_hidden_size=getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size,
+                  moe_router_pre_softmax=not renorm, moe_router_score_function="softmax",
+                  moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0,
+                  moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
+    gpt = dict(vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
+               position_embedding_type="rope", rotary_base=cfg.rope_theta,
+               rotary_percent=float(getattr(cfg, "partial_rotary_factor", 1.0) or 1.0),
+               share_embeddings_and_output_weights=bool(cfg.tie_word_embeddings))
+    return tf, gpt
+
+
+# --------------------------------------------------------------------------------------------------- weights
+def _pack_qkv(q: Tensor, k: Tensor, v: Tensor, groups: int, head_dim: int, per_group: bool = True) -> Tensor:
+    """[all q], [all k], [all v] rows -> megatron's rows per query group [q heads of g, k_g, v_g]."""
+    if not per_group:  # the qkv-layout fault: [all q | all k | all v]
+        return torch.cat([q, k, v])
+    rest = q.shape[1:]
+    q, k, v = (t.reshape(groups, -1, *rest) for t in (q, k, v))
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest).contiguous()
+
+
+def hf_to_mcore(hf: dict[str, Tensor], cfg: Any, fault: str = "") -> dict[str, Tensor]:
+    """HF state dict -> megatron-core ``GPTModel`` state dict (``fault``: a conversion mistake of ``table.FAULTS``)."""
+    gemma = cfg.model_type == "gemma"
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    nq, nkv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+
+    def norm(w: Tensor) -> Tensor:  # Gemma's HF norm computes x * (1 + w); megatron's torch RMSNorm x * w
+        return w + 1.0 if gemma and fault != "norm-offset" else w
+
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": norm(hf["model.norm.weight"])}
+    if not cfg.tie_word_embeddings:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    elif fault == "untied-output":
+        out["output_layer.weight"] = hf["model.embed_tokens.weight"].clone()
+    for i in range(cfg.num_hidden_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[m + "input_layernorm.weight"] = norm(hf[h + "input_layernorm.weight"])
+        out[m + "pre_mlp_layernorm.weight"] = norm(hf[h + "post_attention_layernorm.weight"])
+        for suffix in ("weight", "bias"):
+            if h + f"self_attn.qkv_proj.{suffix}" in hf:  # Phi-3: fused [Q | K | V]
+                q, k, v = hf[h + f"self_attn.qkv_proj.{suffix}"].split([nq, nkv, nkv])
+            elif h + f"self_attn.q_proj.{suffix}" in hf:
+                q, k, v = (hf[h + f"self_attn.{n}_proj.{suffix}"] for n in "qkv")
+            else:
+                continue
+            if suffix == "bias" and fault == "dropped-bias":
+                continue
+            out[m + f"self_attention.linear_qkv.{suffix}"] = _pack_qkv(
+                q, k, v, cfg.num_key_value_heads, head_dim, per_group=fault != "qkv-layout")
+        out[m + "self_attention.linear_proj.weight"] = hf[h + "self_attn.o_proj.weight"]
+        if h + "self_attn.q_norm.weight" in hf:
+            out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
+        if _moe(cfg):
+            moe = h + ("block_sparse_moe." if cfg.model_type == "mixtral" else "mlp.")
+            out[m + "mlp.router.weight"] = hf[moe + "gate.weight"]
+            names = ("w1", "w3", "w2") if cfg.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+            for e in range(out[m + "mlp.router.weight"].shape[0]):
+                gate, up, down = (hf[moe + f"experts.{e}.{n}.weight"] for n in names)
+                out[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.cat([gate, up])
+                out[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = down
+        else:
+            if h + "mlp.gate_up_proj.weight" in hf:  # Phi-3: fused [gate | up], megatron's layout already
+                out[m + "mlp.linear_fc1.weight"] = hf[h + "mlp.gate_up_proj.weight"]
+            else:
+                out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"],
+                                                              hf[h + "mlp.up_proj.weight"]])
+            out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+    return {k: v.detach().clone().float().contiguous() for k, v in out.items()}
+
+
+# --------------------------------------------------------------------------------------------------- megatron-core
+def _scaled_embedding_class() -> type:
+    from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+
+    class ScaledEmbedding(LanguageModelEmbedding):
+        """Gemma's embedding: the output × sqrt(hidden), the normalizer in the output's dtype (as HF Gemma)."""
+
+        def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+            emb = super().forward(*args, **kwargs)
+            return emb * torch.tensor(self.config.hidden_size ** 0.5, dtype=emb.dtype)
+
+    return ScaledEmbedding
+
+
+def build_mcore(family: Family | str, dtype: str = "float32", hf_state: dict[str, Tensor] | None = None,
+                fault: str = "", seed: int = 0) -> Any:
+    """megatron-core ``GPTModel`` of the family (local spec) holding ``hf_state`` converted (strict load);
+    ``fault`` (``table.FAULTS``) is a mistake in that conversion."""
+    from tensordiff.compat.megatron_cpu import init_megatron_cpu
+
+    init_megatron_cpu(seed)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fam = _family(family)
+    if not fam.mcore_can_express:
+        raise NotImplementedError(f"{fam.name}: {fam.reason}")
+    if fault and fault not in fam.faults:
+        raise ValueError(f"fault {fault!r} does not apply to {fam.name} (its faults: {fam.faults})")
+    cfg = fam.hf_config()
+    if hf_state is None:
+        hf_state = build_hf(fam, seed=seed).state_dict()
+    tf, gpt = mcore_config(cfg)
+    if fault == "dropped-bias":
+        tf["add_qkv_bias"] = False
+    elif fault == "rope-theta":
+        gpt["rotary_base"] = 1e6
+    elif fault == "partial-rotary":
+        gpt["rotary_percent"] = 0.5
+    elif fault == "untied-output":
+        gpt["share_embeddings_and_output_weights"] = False
+    config = TransformerConfig(**tf)
+    spec = get_gpt_layer_local_spec(num_experts=tf.get("num_moe_experts"), moe_grouped_gemm=False,
+                                    qk_layernorm=tf["qk_layernorm"], normalization=tf["normalization"])
+    model = GPTModel(config=config, transformer_layer_spec=spec, **gpt)
+    if cfg.model_type == "gemma" and fault != "embed-scale":
+        model.embedding.__class__ = _scaled_embedding_class()  # Megatron-Bridge extends the instance likewise
+    state = hf_to_mcore(hf_state, cfg, fault)
+    own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    if own != set(state):
+        raise KeyError(f"{fam.name}: missing {sorted(own - set(state))}, unexpected {sorted(set(state) - own)}")
+    model.load_state_dict(state, strict=False)  # strict over every key but the _extra_state ones (checked above)
+    if dtype == "bfloat16":  # Megatron-LM's BF16: the model wrapped, its parameters cast, its outputs in FP32
+        model.config.bf16 = True
+        model = Float16Module(model.config, model)
+    return model
+
+
+# --------------------------------------------------------------------------------------------------- checks
+def batch(vocab: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    """Fixed random tokens [B, S] and their next-token labels (drawn on the CPU from one generator)."""
+    ids = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def mcore_forward(model: Any, tokens: Tensor, labels: Tensor | None = None) -> Tensor:
+    """Logits [B, S, V] (labels None) or the per-token loss [B, S]."""
+    b, s = tokens.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+    causal = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]  # True = masked
+    return model(input_ids=tokens, position_ids=positions, attention_mask=causal, labels=labels)
+
+
+def hf_loss(model: Any, tokens: Tensor, labels: Tensor) -> Tensor:
+    logits = model(input_ids=tokens).logits
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def check_equivalent(family: Family | str, dtype: str = "float32", steps: int = 0, fault: str = "",
+                     attn: str = "sdpa") -> float:
+    """Max |logits(mcore) - logits(HF)| on one batch, both built from one HF init, after ``steps`` AdamW steps
+    (lr 1e-3, no weight decay) on both sides."""
+    fam = _family(family)
+    hf = build_hf(fam, dtype, attn)
+    mc = build_mcore(fam, dtype, hf.state_dict(), fault)
+    tokens, labels = batch(fam.hf_config().vocab_size)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0) for m in (hf, mc)]
+    for _ in range(steps):
+        for opt in opts:
+            opt.zero_grad()
+        hf_loss(hf, tokens, labels).backward()
+        mcore_forward(mc, tokens, labels).float().mean().backward()
+        for opt in opts:
+            opt.step()
+    with torch.no_grad():
+        a, b = mcore_forward(mc.eval(), tokens).float(), hf.eval()(input_ids=tokens).logits.float()
+    return float((a - b).abs().max())
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    for name, fam in FAMILIES.items():
+        if not fam.mcore_can_express:
+            print(f"{name:12s} not expressible: {fam.reason}")
+            continue
+        line = f"{name:12s} fp32 {check_equivalent(fam):.2e}  eager {check_equivalent(fam, attn='eager'):.2e}"
+        line += f"  bf16 {check_equivalent(fam, 'bfloat16'):.2e}  2 AdamW {check_equivalent(fam, steps=2):.2e}"
+        print(line, flush=True)
+        for fault in fam.faults:
+            steps = 1 if fault == "untied-output" else 0
+            print(f"{'':14s}{fault:15s} {check_equivalent(fam, fault=fault, steps=steps):.2e}"
+                  + (" (after 1 AdamW step)" if steps else ""), flush=True)
+    assert set(FAULTS) >= {f for fam in FAMILIES.values() for f in fam.faults}
+
+
+if __name__ == "__main__":
+    main()
