@@ -43,6 +43,11 @@ class Family:
     reason: str = ""
     """why megatron-core's GPTModel (local spec) cannot express the family, when it cannot."""
 
+    @property
+    def moe(self) -> bool:
+        """A mixture-of-experts family (routed MLPs)."""
+        return "num_experts_per_tok" in self.config_kwargs
+
     def hf_config(self, attn: str = "sdpa") -> Any:
         import transformers
 

@@ -614,7 +614,9 @@ class RopeAngles(Split):
 
     def join(self, parts: list[np.ndarray]) -> np.ndarray:
         s, d = self.shape[0], self.shape[-1]
-        cos, sin = (np.asarray(dtypes.floats(p), dtype=np.float64).reshape(-1, s, d)[0] for p in parts)
+        # B's first d dims where B rotates more of each head than A (A's partial rotary): those then differ
+        cos, sin = (np.asarray(dtypes.floats(p), dtype=np.float64).reshape(-1, s, p.shape[-1])[0][:, :d]
+                    for p in parts)
         return np.unwrap(np.arctan2(sin, cos), axis=0).reshape(self.shape)
 
 
@@ -655,9 +657,9 @@ def rope_by_meaning(rows: list[Row], read_a: Read, read_b: Read) -> list[tuple[R
                 if a.has_data and cos.has_data and sin.has_data:
                     angles = _angles(read_a(a))
                     ct, st = _trig(read_b(cos), 1.0), _trig(read_b(sin), 0.0)
-                    if angles is None or ct is None or st is None or ct.shape != angles.shape \
-                            or st.shape != angles.shape:
-                        continue
+                    if angles is None or ct is None or st is None or ct.shape != st.shape \
+                            or ct.shape[:-1] != angles.shape[:-1] or ct.shape[-1] < angles.shape[-1]:
+                        continue  # B may rotate more dims than A (A's partial rotary): its first ones are compared
                 elif key in then and all(_same_sig(x, y) for x, y in zip(then[key][0], sigs)):
                     earlier = then[key][1]
                 else:

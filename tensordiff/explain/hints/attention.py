@@ -130,13 +130,31 @@ def rotate(x: np.ndarray, base: float, interleaved: bool, offset: int, seq_axis:
 BASES = (10000.0, 500000.0, 1000000.0, 50000.0)
 
 
+#: Partial rotary: the share of each head's dims rotated (megatron-core rotary_percent, HF partial_rotary_factor,
+#: GPT-NeoX rotary_pct); the rest pass through.
+ROTARY_FRACTIONS = (0.5, 0.25)
+
+
+def rotate_partial(x: np.ndarray, base: float, fraction: float) -> np.ndarray:
+    """Rotate-half RoPE on the first ``fraction`` of the last dimension (its own base over those dims), the rest as is:
+    how megatron-core (``rotary_percent``) and Hugging Face (``partial_rotary_factor``) apply partial rotary."""
+    rot = int(x.shape[-1] * fraction)
+    return np.concatenate([rotate(x[..., :rot], base, False, 0, 0), x[..., rot:]], axis=-1)
+
+
 def rope_variants(rb: AttentionRebuild) -> dict[tuple | None, tuple[np.ndarray, np.ndarray]]:
-    """q and k under each RoPE convention (pairs, base; no position offsets: attention sees relative positions
-    only), and as they are (None)."""
+    """q and k under each RoPE convention (pairs, base, and for rotate-half the share of dims rotated; no position
+    offsets: attention sees relative positions only), and as they are (None). Keys: (interleaved, base, 0) for a
+    full rotation, (False, base, 0, fraction) for a partial one."""
     out: dict[tuple | None, tuple[np.ndarray, np.ndarray]] = {}
     for interleaved in (False, True):
         for base in BASES:
             out[(interleaved, base, 0)] = (rotate(rb.q, base, interleaved, 0, 0), rotate(rb.k, base, interleaved, 0, 0))
+    for fraction in ROTARY_FRACTIONS:
+        if int(rb.hd * fraction) % 2 == 0 and int(rb.hd * fraction) >= 2:
+            for base in BASES:
+                out[(False, base, 0, fraction)] = (rotate_partial(rb.q, base, fraction),
+                                                   rotate_partial(rb.k, base, fraction))
     out[None] = (rb.q, rb.k)
     return out
 

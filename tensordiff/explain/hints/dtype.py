@@ -117,6 +117,8 @@ def check_reduction_dtype(site: Site, narrow: list[tuple[str, Any, float]]) -> I
 #: The most a wider compute (float64 for a float32 output) moves a linear layer's output, in roundings of the stored
 #: dtype: its accumulation error over the inner dimension (1e-7..1e-6 relative in float32).
 WIDER_GAP = 1000
+#: ... and never more than this (relative L2): in BF16 a thousand roundings would be any gap at all.
+WIDER_MAX = 0.05
 
 
 def _higher_precision(site: Site) -> Iterator[Hint]:
@@ -125,7 +127,7 @@ def _higher_precision(site: Site) -> Iterator[Hint]:
     a = site.a
     if a.phase != "forward" or a.kind != "output" or not dtypes.is_float(a.dtype) or site.b.dtype != a.dtype:
         return
-    if not site.before <= WIDER_GAP * dtypes.resolution(a.dtype):
+    if not site.before <= min(WIDER_GAP * dtypes.resolution(a.dtype), WIDER_MAX):
         return  # a wider compute moves the output by the stored dtype's accumulation error, not more
     w = site.weights(a.module).get("weight")
     ins = site.inputs(a.module, a.call)

@@ -25,6 +25,19 @@ def _data_parallel(cap: Any) -> int:
         return 1
 
 
+def _hidden_size(site: Site) -> int | None:
+    """The model's hidden size, from either capture's recorded config."""
+    for cap in (site.ca, site.cb):
+        try:
+            cfg = json.loads(str(cap.attrs.get("model_config", "") or "{}"))
+        except ValueError:
+            continue
+        value = cfg.get("hidden_size") if isinstance(cfg, dict) else None
+        if isinstance(value, int) and value > 1:
+            return value
+    return None
+
+
 def check_factor(site: Site) -> Iterator[Hint]:
     """B = c * A: a loss reduction (sum vs mean), DP averaging, gradient accumulation, a loss scale."""
     aa = float(np.vdot(site.xa, site.xa))
@@ -50,6 +63,14 @@ def check_factor(site: Site) -> Iterator[Hint]:
     why = (f"≈ {names[0]}: a sum vs mean over {names[0].split('/')[-1]} (tokens, micro-batches, ranks), "
            "DP averaging, gradient accumulation or a loss scale not undone" if names else
            "a scale applied on one side only (loss scale, learning-rate-like factor, init or checkpoint scaling)")
+    hidden = _hidden_size(site)
+    if hidden and site.a.phase == "forward" and any(abs(c - v) <= 0.01 * v for v in (hidden ** 0.5, hidden ** -0.5)):
+        side = "B" if c > 1 else "A"
+        yield make_hint("embedding-scale", f"B = {c:.6g} × A = {'√' if c > 1 else '1/√'}hidden ({hidden}): {side} "
+                        f"scales the embeddings by √{hidden} and the other side does not (Gemma's normalizer, "
+                        "Megatron-Bridge's embedding scaling): a conversion that dropped or added the embedding scale",
+                        site, after, f"the least-squares factor {c:.6g} reproduces B to rel L2 {after:.1e}", factor=c)
+        return
     dp_b, dp_a = _data_parallel(site.cb), _data_parallel(site.ca)
     if site.a.phase == "param_grad" and site.a.kind == "grad" and dp_b > 1 and abs(c - dp_b) <= 0.02 * dp_b:
         why = (f"≈ {dp_b}, B's data-parallel size: B sums the gradients over its {dp_b} data-parallel ranks instead "

@@ -118,7 +118,13 @@ def check_missing_bias(site: Site) -> Iterator[Hint]:
     bias = site.weights(a.module).get("bias")
     if bias is None:
         stored = any(r.phase == "weights" and r.module == a.module and r.slot == "bias" for r in site.recs_a)
-        raise NotApplicable("the module's bias is not stored" if stored else "the module has no bias")
+        if stored:
+            raise NotApplicable("the module's bias is not stored")
+        weight = site.weights(a.module).get("weight")
+        if weight is None or weight.ndim != 2 or weight.shape[0] != site.xa.shape[-1]:
+            raise NotApplicable("the module has no bias")
+        yield from _constant_per_feature(site)  # a linear layer without a bias: does B add one?
+        return
     if bias.shape != site.xa.shape[-1:]:
         raise NotApplicable("the module's bias does not fit its output")
     for sign, text in ((1.0, "adds"), (-1.0, "leaves out")):
@@ -127,3 +133,19 @@ def check_missing_bias(site: Site) -> Iterator[Hint]:
             yield make_hint("missing-bias", f"B {text} the bias of {a.module} that A "
                         f"{'leaves out' if sign > 0 else 'adds'} here", site, after,
                         f"A {'+' if sign > 0 else '-'} {a.module}.bias reproduces B to rel L2 {after:.1e}")
+
+
+def _constant_per_feature(site: Site) -> Iterator[Hint]:
+    """B = A + b for one vector b over the output features, A's module having no bias: B adds a bias A has not."""
+    if not site.ready or site.xa.ndim < 2 or site.xa.shape[-1] < 2:
+        raise NotApplicable("the module has no bias, and its output has no feature axis to fit one on")
+    d = (site.xb - site.xa).reshape(-1, site.xa.shape[-1])
+    if d.shape[0] < 2:
+        raise NotApplicable("the module has no bias, and one row cannot tell a bias from a difference")
+    b = d.mean(axis=0)
+    after = rel_l2(site.xa + b, site.xb)
+    if explained_share(site.before, after) >= MIN_EXPLAINED:
+        yield make_hint("missing-bias", f"B adds a bias to {site.a.module}'s output that A's module does not have "
+                        f"(one constant per output feature, |b| = {float(np.linalg.norm(b)):.3g}): a conversion that "
+                        "dropped the bias (megatron-core add_qkv_bias / add_bias_linear off)", site, after,
+                        f"A + the mean per feature of B - A reproduces B to rel L2 {after:.1e}")

@@ -21,8 +21,12 @@ from .base import Hint, NotApplicable, Site, fit_sides, make_hint, rel_l2
 
 
 def _rope_name(k: tuple) -> str:
+    partial = ""
+    if len(k) > 3:  # a share of each head's dims (attention rebuilt), or a number of dims (a table's)
+        partial = (f", on the first {k[3]:g} of each head's dims (partial rotary: rotary_percent / "
+                   "partial_rotary_factor)" if k[3] < 1 else f", over {k[3]} dims")
     return (f"{'interleaved (GPT-J)' if k[0] else 'rotate-half (NeoX)'} pairs, base {k[1]:g}"
-            + (f", positions from {k[2]}" if k[2] else ""))
+            + (f", positions from {k[2]}" if k[2] else "") + partial)
 
 
 def check_rope(site: Site) -> Iterator[Hint]:
@@ -79,19 +83,29 @@ def check_rope_table(site: Site) -> Iterator[Hint]:
         return
     s_len, d = x.shape[0], x.shape[-1]
 
-    def table(interleaved: bool, base: float, offset: int) -> np.ndarray:
-        inv = 1.0 / (base ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    def table(interleaved: bool, base: float, offset: int, width: int = d) -> np.ndarray:
+        """The angle table of a RoPE over ``width`` dims, its first ``d`` columns (B's, compared with A's ``d``)."""
+        inv = 1.0 / (base ** (np.arange(0, width, 2, dtype=np.float64) / width))
         freqs = np.outer(np.arange(s_len, dtype=np.float64) + offset, inv)
         emb = np.repeat(freqs, 2, axis=-1) if interleaved else np.concatenate([freqs, freqs], axis=-1)
-        return emb.reshape(s_len, 1, 1, d)
+        return emb[:, :d].reshape(s_len, 1, 1, d)
 
-    variants = {(i, b, o): table(i, b, o) for i in (False, True) for b in (10000.0, 50000.0, 500000.0, 1000000.0)
-                for o in (0, 1)}
+    bases = (10000.0, 50000.0, 500000.0, 1000000.0)
+    variants: dict[tuple, np.ndarray] = {(i, b, o): table(i, b, o) for i in (False, True) for b in bases
+                                         for o in (0, 1)}
+    variants.update({(False, b, 0, d * m): table(False, b, 0, d * m) for b in bases for m in (2, 4)})
     fit = fit_sides(site, variants)
     if fit is None:
         return
     key_a, key_b, after = fit
     err = np.abs(site.xa - site.xb).reshape(s_len, -1).max(axis=1)
+    if len(key_a) != len(key_b) and key_a[:2] == key_b[:2]:  # the same RoPE over another number of dims
+        rot_a, rot_b = (k[3] if len(k) > 3 else d for k in (key_a, key_b))
+        yield make_hint("rope", f"A rotates {rot_a} of each head's dims, B {rot_b} (partial rotary: rotary_percent / "
+                        f"partial_rotary_factor / rotary_pct differ), both rotate-half with base {key_a[1]:g}", site,
+                        after, f"A's table is a RoPE over {rot_a} dims; B's first {d} columns are one over {rot_b}",
+                        a=f"{rot_a} dims", b=f"{rot_b} dims")
+        return
     yield make_hint("rope", f"B's RoPE uses {_rope_name(key_b)}; A's uses {_rope_name(key_a)}", site, after,
                 f"fitted angle tables; largest difference at position 0: {err[0]:.1e}, at {s_len - 1}: {err[-1]:.1e}",
                 a=_rope_name(key_a), b=_rope_name(key_b))
