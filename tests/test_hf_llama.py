@@ -109,16 +109,19 @@ def test_a_wrong_query_group_count_is_never_a_pass(clean, tmp_path):
     assert any(r["verdict"] == "shape" and r["module_a"].endswith("linear_qkv") for r in report["rows"])
 
 
-def test_map_on_a_pair_a_built_in_fits_says_so_with_both_trials(clean, tmp_path, capsys):
+def test_map_on_a_pair_whose_mapping_is_derived_writes_it_with_its_trial(clean, tmp_path, capsys):
     folder, _ = clean
     out = tmp_path / "proposed.yaml"
     assert main(["map", str(folder / "mcore.h5"), str(folder / "hf.h5"), "-o", str(out)]) == 0
     printed = " ".join(capsys.readouterr().out.split())
-    assert ("a mapping tensordiff diff picks by itself fits these captures already: derived from the captures (4 heads "
-            "in 2 query groups)") in printed
-    assert re.search(r"\(\d+ pairs compared at step 0, agree\)", printed), printed
-    assert "# A mapping tensordiff diff picks by itself fits these captures already: derived from the captures" \
-        in out.read_text()
+    assert ("wrote the mapping derived from the captures (4 heads in 2 query groups): roles from structure and "
+            "configs, not values; trial diff of step 0:") in printed
+    assert re.search(r"\d+ pairs compared, agree", printed), printed
+    text = out.read_text()
+    assert text.startswith("# Derived by `tensordiff map` from the two captures' configs and B's module tree")
+    assert "split: qkv_groups(heads=4, groups=2)" in text
+    code, report = _diff(folder, "hf.h5", tmp_path, "--mapping", str(out))
+    assert code == 0 and report["outcome"] == "agree"
 
 
 def _diff_reversed(folder, b_name, tmp_path, *extra):
@@ -166,6 +169,5 @@ def test_map_with_the_hf_capture_given_first_finds_the_built_in_in_the_other_ord
     out = tmp_path / "proposed.yaml"
     assert main(["map", str(folder / "hf.h5"), str(folder / "mcore.h5"), "-o", str(out)]) == 0
     printed = " ".join(capsys.readouterr().out.split())
-    assert ("a mapping tensordiff diff picks by itself fits these captures already: derived from the captures (4 heads "
-            "in 2 query groups)") in printed
-    assert re.search(r"\(\d+ pairs compared at step 0, agree\)", printed), printed
+    assert "wrote the mapping derived from the captures (4 heads in 2 query groups)" in printed
+    assert re.search(r"\d+ pairs compared, agree", printed), printed

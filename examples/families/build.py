@@ -3,7 +3,8 @@
 * ``build_hf``: the HF model of a family's tiny config, randomly initialised from a seed (norm weights and biases
   perturbed so that a wrong norm convention or a dropped bias shows);
 * ``mcore_config``: megatron-core ``TransformerConfig`` and ``GPTModel`` keyword arguments derived from the HF config;
-* ``hf_to_mcore``: HF state dict -> megatron-core names (q/k/v packed per query group, fc1 = [gate; up]);
+* ``hf_to_mcore``: HF state dict -> megatron-core names (q/k/v packed per query group, fc1 = [gate; up] or c_fc;
+  biases, norm ones included, wherever HF has them);
 * ``build_mcore``: the megatron-core model holding the converted weights (local layer spec, CPU), a fault applied to
   its conversion where asked (``table.FAULTS``);
 * ``check_equivalent``: max |logits difference| of the two on one batch (optionally after AdamW steps).
@@ -56,15 +57,30 @@ def _moe(cfg: Any) -> bool:
     return cfg.model_type in ("mixtral", "qwen3_moe", "olmoe")
 
 
+def _gated(cfg: Any) -> bool:
+    """A gated MLP (act(gate) * up); StarCoder2's is c_fc -> act -> c_proj."""
+    return cfg.model_type != "starcoder2"
+
+
+def _norm(cfg: Any) -> tuple[str, float]:
+    """(megatron normalization, epsilon): an ``rms_norm_eps`` means RMSNorm, a ``norm_epsilon`` LayerNorm."""
+    if hasattr(cfg, "rms_norm_eps"):
+        return "RMSNorm", cfg.rms_norm_eps
+    return "LayerNorm", cfg.norm_epsilon
+
+
 def mcore_config(cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(``TransformerConfig`` kwargs, ``GPTModel`` kwargs) derived from the HF config only."""
     act = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}[cfg.hidden_act]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    normalization, eps = _norm(cfg)
+    bias = bool(getattr(cfg, "use_bias", False))  # StarCoder2: a bias on every linear
     tf: dict[str, Any] = dict(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads, kv_channels=head_dim,
-        normalization="RMSNorm", layernorm_epsilon=cfg.rms_norm_eps, gated_linear_unit=True, activation_func=act,
-        add_bias_linear=False, add_qkv_bias=cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
+        normalization=normalization, layernorm_epsilon=eps, gated_linear_unit=_gated(cfg), activation_func=act,
+        add_bias_linear=bias,
+        add_qkv_bias=bias or cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False)),
         qk_layernorm=cfg.model_type in ("qwen3", "qwen3_moe"), hidden_dropout=0.0, attention_dropout=0.0,
         init_method_std=cfg.initializer_range, use_cpu_initialization=True, params_dtype=torch.float32,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
@@ -106,16 +122,24 @@ def hf_to_mcore(hf: dict[str, Tensor], cfg: Any, fault: str = "") -> dict[str, T
     def norm(w: Tensor) -> Tensor:  # Gemma's HF norm computes x * (1 + w); megatron's torch RMSNorm x * w
         return w + 1.0 if gemma and fault != "norm-offset" else w
 
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": norm(hf["model.norm.weight"])}
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"]}
+
+    def put(mc: str, name: str, weight: Any = lambda w: w) -> None:
+        """megatron ``mc.weight`` (through ``weight``) and ``mc.bias`` from HF ``name``, its bias where there is one
+        (the dropped-bias fault drops every linear bias, megatron-core giving linear_qkv one with add_bias_linear)."""
+        out[mc + ".weight"] = weight(hf[name + ".weight"])
+        if name + ".bias" in hf and not (fault == "dropped-bias" and "norm" not in mc):
+            out[mc + ".bias"] = hf[name + ".bias"]
+
+    put("decoder.final_layernorm", "model.norm", norm)
     if not cfg.tie_word_embeddings:
         out["output_layer.weight"] = hf["lm_head.weight"]
     elif fault == "untied-output":
         out["output_layer.weight"] = hf["model.embed_tokens.weight"].clone()
     for i in range(cfg.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[m + "input_layernorm.weight"] = norm(hf[h + "input_layernorm.weight"])
-        out[m + "pre_mlp_layernorm.weight"] = norm(hf[h + "post_attention_layernorm.weight"])
+        put(m + "input_layernorm", h + "input_layernorm", norm)
+        put(m + "pre_mlp_layernorm", h + "post_attention_layernorm", norm)
         for suffix in ("weight", "bias"):
             if h + f"self_attn.qkv_proj.{suffix}" in hf:  # Phi-3: fused [Q | K | V]
                 q, k, v = hf[h + f"self_attn.qkv_proj.{suffix}"].split([nq, nkv, nkv])
@@ -127,7 +151,7 @@ def hf_to_mcore(hf: dict[str, Tensor], cfg: Any, fault: str = "") -> dict[str, T
                 continue
             out[m + f"self_attention.linear_qkv.{suffix}"] = _pack_qkv(
                 q, k, v, cfg.num_key_value_heads, head_dim, per_group=fault != "qkv-layout")
-        out[m + "self_attention.linear_proj.weight"] = hf[h + "self_attn.o_proj.weight"]
+        put(m + "self_attention.linear_proj", h + "self_attn.o_proj")
         if h + "self_attn.q_norm.weight" in hf:
             out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
             out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
@@ -140,12 +164,14 @@ def hf_to_mcore(hf: dict[str, Tensor], cfg: Any, fault: str = "") -> dict[str, T
                 out[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.cat([gate, up])
                 out[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = down
         else:
-            if h + "mlp.gate_up_proj.weight" in hf:  # Phi-3: fused [gate | up], megatron's layout already
-                out[m + "mlp.linear_fc1.weight"] = hf[h + "mlp.gate_up_proj.weight"]
+            if h + "mlp.c_fc.weight" in hf:  # StarCoder2: not gated, c_fc -> act -> c_proj
+                put(m + "mlp.linear_fc1", h + "mlp.c_fc")
+            elif h + "mlp.gate_up_proj.weight" in hf:  # Phi-3: fused [gate | up], megatron's layout already
+                put(m + "mlp.linear_fc1", h + "mlp.gate_up_proj")
             else:
                 out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"],
                                                               hf[h + "mlp.up_proj.weight"]])
-            out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+            put(m + "mlp.linear_fc2", h + ("mlp.c_proj" if h + "mlp.c_proj.weight" in hf else "mlp.down_proj"))
     return {k: v.detach().clone().float().contiguous() for k, v in out.items()}
 
 
@@ -184,8 +210,8 @@ def build_mcore(family: Family | str, dtype: str = "float32", hf_state: dict[str
     if hf_state is None:
         hf_state = build_hf(fam, seed=seed).state_dict()
     tf, gpt = mcore_config(cfg)
-    if fault == "dropped-bias":
-        tf["add_qkv_bias"] = False
+    if fault == "dropped-bias":  # megatron-core gives linear_qkv a bias whenever add_bias_linear: both off
+        tf["add_qkv_bias"] = tf["add_bias_linear"] = False
     elif fault == "rope-theta":
         gpt["rotary_base"] = 1e6
     elif fault == "partial-rotary":

@@ -25,7 +25,9 @@ FAULTS: dict[str, str] = {
     "rope-theta": "mcore: rotary base 1e6 instead of the config's rope_theta",
     "untied-output": "mcore: share_embeddings_and_output_weights=False, output_layer a copy of the embedding "
                      "(same logits at init, diverges after the first update)",
-    "dropped-bias": "mcore: add_qkv_bias=False, the HF q/k/v biases dropped",
+    "dropped-bias": "mcore: add_qkv_bias=False, the HF q/k/v biases dropped (StarCoder2, a bias on every linear: "
+                    "add_bias_linear=False too, megatron-core giving linear_qkv a bias whenever add_bias_linear, "
+                    "so every linear bias dropped)",
     "partial-rotary": "mcore: rotary_percent=0.5 while HF rotates the whole head",
 }
 _DENSE = ("qkv-layout", "rope-theta", "partial-rotary")
@@ -66,6 +68,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            ("norm-offset", "embed-scale", *_DENSE, "untied-output")),
     Family("phi3", "Phi3Config", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "sliding_window": None,
                                   "bos_token_id": 1, "eos_token_id": 2}, _DENSE),
+    Family("starcoder2", "Starcoder2Config", {"hidden_act": "gelu_pytorch_tanh", "use_bias": True,
+                                              "norm_epsilon": 1e-5, "sliding_window": None, "residual_dropout": 0.0,
+                                              "embedding_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2},
+           (*_DENSE, "dropped-bias")),
     Family("mixtral", "MixtralConfig", {**MOE, "num_local_experts": 4, "sliding_window": None}, _MOE_FAULTS),
     Family("qwen3_moe", "Qwen3MoeConfig", {**MOE, "num_experts": 4, "moe_intermediate_size": 128,
                                            "decoder_sparse_step": 1, "mlp_only_layers": [],

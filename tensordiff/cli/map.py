@@ -41,6 +41,17 @@ def run(args: argparse.Namespace) -> int:
     with open(args.output, "w", encoding="utf-8") as fh:
         fh.write(text)
     out = console(None)
+    if prop.derived:
+        line = f"wrote the mapping {picked_name(prop.builtin)}: roles from structure and configs, not values"
+        if prop.builtin_trial is not None:
+            t = prop.builtin_trial
+            line += (f"; trial diff of step {prop.step}: {sum(c.compared for c in t.coverage.values())} pairs "
+                     f"compared, {t.outcome}" + (f", first divergence at {t.first.label_a}" if t.first else ""))
+        out.print(line)
+        for finding in prop.findings:
+            out.print(f"finding: {finding}", style="tensordiff.diverged")
+        out.print(f"wrote {args.output}; tensordiff diff {args.a} {args.b} uses the same mapping without --mapping")
+        return 0
     if prop.builtin:
         line = (f"a mapping tensordiff diff picks by itself fits these captures already: {picked_name(prop.builtin)}; "
                 f"`tensordiff diff {args.a} {args.b}` uses it")

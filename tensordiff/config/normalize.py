@@ -105,8 +105,20 @@ def _m_vocab(a: _Args) -> Derived:
          f"{a.get('tensor_model_parallel_size')}")
 
 
+#: Activation functions under their many names (Hugging Face hidden_act, megatron's function names) -> one name.
+_ACT_NAMES = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu-tanh", "gelu_new": "gelu-tanh",
+              "gelu_fast": "gelu-tanh", "gelu_tanh": "gelu-tanh", "fast_gelu": "gelu-tanh", "gelu": "gelu",
+              "gelu_impl": "gelu", "openai_gelu": "gelu-tanh", "relu2": "squared-relu", "squared_relu": "squared-relu",
+              "relu": "relu"}
+
+
 def _m_activation(a: _Args) -> Derived:
     used = ("swiglu", "squared_relu")
+    func = str(a.get("activation_func") or "").lower()
+    if func in _ACT_NAMES:  # a capture records megatron-core's activation function by name
+        name = _ACT_NAMES[func]
+        return ("swiglu" if name == "silu" and a.get("swiglu") else name), ("activation_func", "gated_linear_unit"), \
+            "gated" if a.get("swiglu") and name != "silu" else ""
     if a.get("swiglu"):
         return "swiglu", used, ""
     if a.get("squared_relu"):
@@ -521,7 +533,7 @@ def _h_activation(doc: dict[str, Any]) -> Derived:
     if act is None:
         return None, (), ""
     name = str(act).lower()
-    return ("swiglu" if name in ("silu", "swish") else name), ("hidden_act",), \
+    return ("swiglu" if name in ("silu", "swish") else _ACT_NAMES.get(name, name)), ("hidden_act",), \
         "Llama-family MLPs gate: silu = SwiGLU" if name in ("silu", "swish") else ""
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..mapping.derive import DERIVED, derive
 from ..record import Record
 from ..store import open_capture
 from ..transforms import Chunk, QkvGroups, Split, parse_op
@@ -104,9 +105,12 @@ class Proposal:
     findings: list[str] = field(default_factory=list)
     """What the values say against the configs (a fused QKV that matches only in another layout than the configs
     predict): said, never learnt as a mapping."""
+    derived: dict = field(default_factory=dict)
+    """The mapping derived from the two configs and B's module tree (``mapping.derive``), when one is: written
+    instead of the value-based proposal (structure first; a wrong conversion then shows as a divergence)."""
 
     def yaml(self) -> str:
-        return _render(self)
+        return _render_derived(self) if self.derived else _render(self)
 
 
 def _rel_l2(x: np.ndarray, y: np.ndarray) -> float:
@@ -269,6 +273,11 @@ def propose(path_a: str, path_b: str, step: int | None = None) -> Proposal:
                         stats_only=any(p.x is None for p in params_a + params_b))
         _match(prop, params_a, params_b, recs_a, recs_b, heads, megatron)
         _, builtin, note = orient(dict(ca.attrs), dict(cb.attrs), recs_a, recs_b, None, True)  # in either order
+        if builtin is not None and note.startswith(DERIVED):
+            mc, hf = (ca, cb) if "megatron_core_version" in ca.attrs else (cb, ca)
+            prop.derived = derive(_config(dict(mc.attrs)), _config(dict(hf.attrs)), mc.records(chosen),
+                                  hf.records(chosen)).doc
+    prop.findings = list(dict.fromkeys(prop.findings))  # a weight's and its bias's finding are one
     _trial(prop)
     if builtin is not None:
         from .engine import diff
@@ -647,6 +656,18 @@ def _side_names(p: Proposal) -> tuple[str, str]:
 
     a, b = stem(p.path_a), stem(p.path_b)
     return (a, b) if a and b and a != b and a[0].isalpha() and b[0].isalpha() else ("a", "b")
+
+
+def _render_derived(p: Proposal) -> str:
+    """The derived mapping as a pair file, with what the values said against it."""
+    import yaml
+
+    lines = ["# Derived by `tensordiff map` from the two captures' configs and B's module tree: each module's role from",
+             "# its parameters' shapes, the configs' sizes and the order it ran; values did not choose the layout, so a",
+             "# wrong conversion shows as a divergence. tensordiff diff derives the same mapping by itself; edit it, then:",
+             f"#   tensordiff diff {p.path_a} {p.path_b} --mapping THIS_FILE",
+             *[f"# FINDING: {f}" for f in p.findings]]
+    return "\n".join(lines) + "\n" + yaml.safe_dump(p.derived, sort_keys=False, width=120, default_flow_style=None)
 
 
 def _render(p: Proposal, with_left: bool = True) -> str:

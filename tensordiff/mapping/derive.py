@@ -46,6 +46,8 @@ CONVENTIONS: dict[str, Convention] = {
     "gpt_neox": Convention(qkv="heads"),
 }
 
+#: How a derived mapping's note begins (``tensordiff map`` and the report recognise it).
+DERIVED = "derived from the captures"
 _INDEXED = re.compile(r"^(.*)\.(\d+)$")
 _NORM_CLASS = re.compile(r"norm", re.IGNORECASE)
 
@@ -90,6 +92,8 @@ class Derived:
     note: str
     cannot: list[str] = field(default_factory=list)
     """what megatron-core cannot express of this HF model, one line each."""
+    doc: dict[str, Any] = field(default_factory=dict)
+    """the pair file the rules were parsed from (``tensordiff map`` writes it)."""
 
 
 def _int(cfg: dict[str, Any], *names: str) -> int | None:
@@ -306,6 +310,11 @@ def derive(cfg_a: dict[str, Any], cfg_b: dict[str, Any], records_a: list[Record]
     stack, n = found
     layers = [_roles(tree, f"{stack}.{i}", sizes) for i in range(n)]
     conv = CONVENTIONS.get(str(cfg_b.get("model_type", "")), Convention())
+    parallel = [f for f in ("use_parallel_residual", "parallel_attn") if cfg_b.get(f) is True]
+    if parallel:  # the config says it: attention and MLP both read the layer's input, their outputs summed
+        return Derived(None, "megatron-core cannot express it", [
+            f"{parallel[0]}: True, a parallel residual (attention and MLP both read the layer's input, their outputs "
+            "added to it together); a megatron-core layer runs them one after the other"])
     for i, layer in enumerate(layers):
         missing = [what for what, ok in (("attention q/k/v", layer.qkv or layer.q), ("attention output", layer.o),
                                         ("MLP", layer.mlp)) if not ok]
@@ -372,7 +381,7 @@ def derive(cfg_a: dict[str, Any], cfg_b: dict[str, Any], records_a: list[Record]
            "modules": {"order_fallback": False, "ignore": {"mcore": ignore_mcore, "hf": ignore_hf}, "rules": rules}}
     pair = PairFile(name="derived", path="<derived mapping>", sides=("mcore", "hf"), description=description, _doc=doc)
     shape = _describe(layers[0], conv, sizes, norm_ops)
-    return Derived(parse(pair), f"derived from the captures ({shape})")
+    return Derived(parse(pair), f"{DERIVED} ({shape})", doc=doc)
 
 
 def _describe(layer: Layer, conv: Convention, sizes: dict[str, int], norm_ops: dict) -> str:

@@ -18,8 +18,11 @@ from ... import dtypes
 from ...record import Record
 from .base import Hint, NotApplicable, Site, make_hint, rel_l2
 
-#: A token's k-th and (k+1)-th router scores within this many roundings of the dtype (of the token's largest score)
-#: are a near tie: the inputs of both routers already differ by a few roundings, so either choice is the same program's.
+#: A flipped token's k-th and (k+1)-th router scores are a near tie when their gap is within this many standard
+#: deviations of what the two routers' input difference moves it by: (w_k - w_k+1) . dx for that token's dx, about
+#: |w_k - w_k+1| |dx| / sqrt(hidden) for a difference with no preferred direction; or, where the inputs or the
+#: router's weight are not recorded, within this many roundings of the dtype of the token's scores (L2).
+NEAR_TIE_SIGMAS = 4
 NEAR_TIE_ROUNDINGS = 8
 
 
@@ -81,13 +84,20 @@ def check_routing(site: Site) -> Iterator[Hint]:
     if scores is None:
         raise NotApplicable("neither router's scores were recorded to tell a near tie")
     res = dtypes.resolution(site.row.judged or a.dtype)
-    gaps = []
+    dx = _input_difference(site)
+    weight = _router_weight(site, sets_a.shape[1], hidden)
+    ratios = []  # each flipped token's gap over the largest gap the runs' own difference explains there
     for t in flipped:
-        top = np.sort(scores[t])[::-1]
+        order_t = np.argsort(-scores[t], kind="stable")
         kk = int(sets_a[t].sum())
-        gap = float(top[kk - 1] - top[kk])
-        gaps.append(gap / max(float(np.max(np.abs(scores[t]))), 1e-30))  # the row's scale: its largest score
-    if max(gaps) > NEAR_TIE_ROUNDINGS * res:
+        e1, e2 = order_t[kk - 1], order_t[kk]
+        gap = float(scores[t][e1] - scores[t][e2])
+        allowed = NEAR_TIE_ROUNDINGS * res * float(np.linalg.norm(scores[t]))
+        if dx is not None and weight is not None:
+            sigma = float(np.linalg.norm(weight[e1] - weight[e2]) * np.linalg.norm(dx[t])) / np.sqrt(hidden)
+            allowed = max(allowed, NEAR_TIE_SIGMAS * sigma)
+        ratios.append(gap / max(allowed, 1e-30))
+    if max(ratios) > 1.0:
         return
     keep = np.ones(tokens, dtype=bool)
     keep[flipped] = False
@@ -97,11 +107,39 @@ def check_routing(site: Site) -> Iterator[Hint]:
         return  # other tokens differ too: not the routing alone
     where = ", ".join(f"({int(t) % batch}, {int(t) // batch})" for t in flipped[:4]) + (" ..." if flipped.size > 4 else "")
     hint = make_hint("routing", f"the routers sent {flipped.size} of {tokens} tokens (batch, position) {where} to other "
-                     f"experts: their k-th and next router scores are within {max(gaps) / res:.1f} roundings of "
-                     f"{site.row.judged or a.dtype} of a tie, which the two runs' rounding decides "
-                     "differently. Numerical, not a conversion fault: the other tokens agree (rel L2 "
+                     "experts: their k-th and next router scores are a near tie (the gap at most "
+                     f"{max(ratios):.0%} of what the two routers' own input difference moves it by), so rounding "
+                     "decided. Numerical, not a conversion fault: the other tokens agree (rel L2 "
                      f"{rest:.1e}, tolerance {site.row.tol:.1e}); from here on the runs differ by those tokens' "
                      "experts", site, rest, f"{flipped.size} token(s) routed differently, each a near tie",
-                     tokens=[int(t) for t in flipped], gap_roundings=max(gaps) / res)
+                     tokens=[int(t) for t in flipped], gap_share=max(ratios))
     hint.explained = 1.0
     yield hint
+
+
+def _input_difference(site: Site) -> np.ndarray | None:
+    """B's block input minus A's, per token in A's order ([T, hidden]), or None where either is not stored."""
+    def first_input(cap: Any, rec: Record) -> np.ndarray | None:
+        for r in cap.records(rec.step):
+            if r.phase == "forward" and r.kind == "input" and r.module == rec.module and r.call == rec.call \
+                    and r.has_data and len(r.shape) == 3:
+                x = cap.array(r)
+                return None if x is None else np.asarray(x, dtype=np.float64)
+        return None
+
+    xa, xb = first_input(site.ca, site.a), first_input(site.cb, site.b)
+    if xa is None or xb is None:
+        return None
+    if xb.shape != xa.shape and xb.shape == (xa.shape[1], xa.shape[0], *xa.shape[2:]):
+        xb = np.swapaxes(xb, 0, 1)
+    return (xb - xa).reshape(-1, xa.shape[-1]) if xb.shape == xa.shape else None
+
+
+def _router_weight(site: Site, experts: int, hidden: int) -> np.ndarray | None:
+    """A's router weight inside the block: the [experts, hidden] parameter there."""
+    for r in site.recs_a:
+        if r.phase == "weights" and r.kind == "param" and tuple(r.shape) == (experts, hidden) and r.has_data \
+                and r.module.startswith(site.a.module + "."):
+            x = site.ca.array(r)
+            return None if x is None else np.asarray(x, dtype=np.float64)
+    return None
