@@ -3,6 +3,7 @@ FP32 and BF16, clean pairs in both argument orders and the faults conversions re
 
     python benchmarks/agreement_families.py                     # every family (~6 min on 2 cores)
     python benchmarks/agreement_families.py --markdown out.md   # also the table for docs/agreement.md
+    python benchmarks/agreement_families.py --device cuda --dtype bfloat16 --jobs 4   # on a GPU
 
 Cases, judging and the expected place and hint of each fault are ``examples/families/matrix.py``'s (its sample runs in
 CI: ``tests/test_families.py``). One row per family and dtype: the clean outcome in both orders, the mapping the diff
@@ -44,9 +45,12 @@ def main() -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "out", "families"))
     p.add_argument("--markdown", help="write the table here")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="'cpu' (default) or 'cuda': where both sides train")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="one dtype only")
     args = p.parse_args()
     start = time.perf_counter()
-    results = run_all(cases(), args.out, args.jobs)
+    results = run_all(cases(dtypes=(args.dtype,) if args.dtype else ("float32", "bfloat16")), args.out, args.jobs,
+                      args.device)
     lines = table(results)
     clean = [r for r in results if not r.case.fault]
     faults = [r for r in results if r.case.fault]

@@ -79,14 +79,16 @@ def cases(families: list[str] | None = None, dtypes: tuple[str, ...] = DTYPES, c
     return out
 
 
-def _capture(out: str, case: Case, side: str, env: dict) -> str:
+def _capture(out: str, case: Case, side: str, env: dict, device: str = "cpu") -> str:
+    """``device``: where the side trains, 'cpu' or 'cuda' (a capture's name says which)."""
     fault = case.fault if side == "mcore" else ""
-    path = os.path.join(out, f"{case.family}-{case.dtype}-{side}{'-' + fault if fault else ''}.h5")
+    where = "" if device == "cpu" else f"-{device}"
+    path = os.path.join(out, f"{case.family}-{case.dtype}{where}-{side}{'-' + fault if fault else ''}.h5")
     if os.path.exists(path):
         return path
     cmd = [sys.executable, "-m", "tensordiff", "capture", "--auto", "-o", path + ".part", "--", sys.executable,
            os.path.join(HERE, "train.py"), "--family", case.family, "--side", side, "--dtype", case.dtype,
-           *(["--fault", fault] if fault else [])]
+           "--device", device, *(["--fault", fault] if fault else [])]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
@@ -128,16 +130,16 @@ def judge(case: Case, code: int, doc: dict) -> tuple[bool, str, str, list[str]]:
     return code == 1 and where and bool(hints) and hints[0]["cause"] == cause, found, hint, reasons
 
 
-def run_case(case: Case, out: str) -> Outcome:
+def run_case(case: Case, out: str, device: str = "cpu") -> Outcome:
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), NO_COLOR="1")
     for name in ("TENSORDIFF_OUTPUT", "TENSORDIFF_STEPS", "TENSORDIFF_TENSORS", "TENSORDIFF_DISABLE"):
         env.pop(name, None)
     try:
         if not FAMILIES[case.family].mcore_can_express:  # only the HF side exists: diffed against megatron's Llama
-            a = _capture(out, Case("llama", case.dtype), "mcore", env)
+            a = _capture(out, Case("llama", case.dtype), "mcore", env, device)
         else:
-            a = _capture(out, case, "mcore", env)
-        b = _capture(out, case, "hf", env)
+            a = _capture(out, case, "mcore", env, device)
+        b = _capture(out, case, "hf", env, device)
     except RuntimeError as err:
         return Outcome(case, False, (-1, -1), reasons=[str(err)])
     (code, doc), (back_code, back) = _diff(a, b, env), _diff(b, a, env)
@@ -150,10 +152,10 @@ def run_case(case: Case, out: str) -> Outcome:
                    reasons + [r for r in reasons_back if r not in reasons])
 
 
-def run_all(selected: list[Case], out: str, jobs: int = 2) -> list[Outcome]:
+def run_all(selected: list[Case], out: str, jobs: int = 2, device: str = "cpu") -> list[Outcome]:
     os.makedirs(out, exist_ok=True)
     with ThreadPoolExecutor(jobs) as pool:
-        return list(pool.map(lambda c: run_case(c, out), selected))
+        return list(pool.map(lambda c: run_case(c, out, device), selected))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=DTYPES, help="one dtype only")
     p.add_argument("--clean", action="store_true", help="clean pairs only")
     p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="'cpu' (default) or 'cuda': where both sides train")
     args = p.parse_args(argv)
     selected = cases(args.only.split(",") if args.only else None, (args.dtype,) if args.dtype else DTYPES, args.clean)
-    results = run_all(selected, args.out, args.jobs)
+    results = run_all(selected, args.out, args.jobs, args.device)
     for r in results:
         print(f"{'PASS' if r.passed else 'FAIL'} {r.case.name:32s} exit {r.codes[0]}/{r.codes[1]}  {r.found}  {r.hint}")
         if not r.passed:

@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="'cpu' (default) or 'cuda': built on the CPU, then moved there")
     args = p.parse_args()
     torch.set_num_threads(1)
     family = FAMILIES[args.family]
@@ -46,12 +47,16 @@ def main() -> None:
     model = build_hf(family, args.dtype, args.attn, seed=args.seed)
     if args.side == "mcore":  # the HF initialisation converted to megatron-core, the HF model dropped
         model = build_mcore(family, args.dtype, model.state_dict(), args.fault, seed=args.seed)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+        model = model.to(device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    tokens, labels = batch(family.hf_config().vocab_size)
+    tokens, labels = (t.to(device) for t in batch(family.hf_config().vocab_size))  # drawn on the CPU: one batch
     b, s = tokens.shape
-    positions = torch.arange(s).unsqueeze(0).expand(b, s)
-    causal = torch.ones(s, s, dtype=torch.bool).triu(1)[None, None]  # True = masked
+    positions = torch.arange(s, device=device).unsqueeze(0).expand(b, s)
+    causal = torch.ones(s, s, dtype=torch.bool, device=device).triu(1)[None, None]  # True = masked
     for step in range(args.steps):
         opt.zero_grad()
         if args.side == "mcore":
