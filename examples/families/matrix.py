@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -79,13 +80,23 @@ def cases(families: list[str] | None = None, dtypes: tuple[str, ...] = DTYPES, c
     return out
 
 
+_LOCKS: dict[str, threading.Lock] = {}
+_LOCKS_LOCK = threading.Lock()
+
+
 def _capture(out: str, case: Case, side: str, env: dict, device: str = "cpu") -> str:
-    """``device``: where the side trains, 'cpu' or 'cuda' (a capture's name says which)."""
+    """``device``: where the side trains, 'cpu' or 'cuda' (a capture's name says which). One capture per file, made
+    once: cases sharing it (a clean side) wait for it."""
     fault = case.fault if side == "mcore" else ""
     where = "" if device == "cpu" else f"-{device}"
     path = os.path.join(out, f"{case.family}-{case.dtype}{where}-{side}{'-' + fault if fault else ''}.h5")
-    if os.path.exists(path):
-        return path
+    with _LOCKS_LOCK:
+        lock = _LOCKS.setdefault(path, threading.Lock())
+    with lock:
+        return path if os.path.exists(path) else _make(path, case, side, fault, env, device)
+
+
+def _make(path: str, case: Case, side: str, fault: str, env: dict, device: str) -> str:
     cmd = [sys.executable, "-m", "tensordiff", "capture", "--auto", "-o", path + ".part", "--", sys.executable,
            os.path.join(HERE, "train.py"), "--family", case.family, "--side", side, "--dtype", case.dtype,
            "--device", device, *(["--fault", fault] if fault else [])]
