@@ -135,6 +135,23 @@ def _squeeze_leading(attend: np.ndarray) -> np.ndarray:
     return attend
 
 
+def _unused_keys_dropped(x: np.ndarray, q: int) -> np.ndarray:
+    """``x`` without key columns after the first ``q`` that every query masks (Hugging Face StableLM's eager mask is
+    ``[B, 1, S, S + 1]``, its last column masked for all): they change nothing attention computes."""
+    if x.shape[-1] <= q:
+        return x
+    head, tail = x[..., :q], x[..., q:]
+    if x.dtype.kind == "b":
+        on = head[..., np.arange(q), np.arange(q)]
+        if (on.all() and not tail.any()) or (not on.any() and tail.all()):
+            return head  # True = attend with the tail all False, or True = masked with the tail all True
+        return x
+    f = dtypes.floats(x)
+    if f is not None and (f[..., q:] <= -1e4).all() and (f[..., np.arange(q), np.arange(q)] == 0).all():
+        return head
+    return x
+
+
 def as_mask(x: np.ndarray | None) -> Mask | None:
     """The meaning of ``x`` when it is an attention mask, else None. Square masks need their diagonal attended
     (every query sees itself), which also tells which polarity a bool mask has."""
@@ -147,6 +164,8 @@ def as_mask(x: np.ndarray | None) -> Mask | None:
     q, k = x.shape[-2], x.shape[-1]
     if q < 2 or k < q or x.ndim < 2:
         return None
+    x = _unused_keys_dropped(x, q)
+    k = x.shape[-1]
     diag = np.arange(q), np.arange(k - q, k)
     if x.dtype.kind == "b":
         on = x[..., diag[0], diag[1]]
