@@ -88,6 +88,11 @@ def _identity(x: np.ndarray, dim: int = 0) -> np.ndarray:
     return x
 
 
+def _select(x: np.ndarray, index: int = 0, dim: int = 0) -> np.ndarray:
+    """One slice of ``x`` along ``dim``: expert ``index`` of a tensor holding every expert (GPT-OSS's fused experts)."""
+    return np.take(x, index, axis=dim % x.ndim)
+
+
 def _offset(x: np.ndarray, value: float = 1.0) -> np.ndarray:
     """``x + value``: a norm weight kept as ``w`` where the other side keeps ``value + w`` (Gemma's ``x * (1 + w)``
     against a converted weight). A parameter's value only: its gradient is the same on both sides."""
@@ -107,6 +112,7 @@ OPS: dict[str, Callable[..., np.ndarray]] = {
     "deinterleave": _deinterleave,
     "interleave": _interleave,
     "offset": _offset,
+    "select": _select,
 }
 #: Ops that change a parameter's value and not its gradient (``Rule.ops_for`` leaves them out for gradients).
 VALUE_ONLY = frozenset({"offset"})

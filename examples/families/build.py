@@ -1,7 +1,7 @@
 """Build a megatron-core ``GPTModel`` from a Hugging Face model the way a user converts one (Megatron-Bridge style).
 
-* ``build_hf``: the HF model of a family's tiny config, randomly initialised from a seed (norm weights and biases
-  perturbed so that a wrong norm convention or a dropped bias shows);
+* ``build_hf``: the HF model of a family's tiny config, randomly initialised from a seed (norm weights, biases and
+  GPT-OSS's attention sinks perturbed so that a wrong norm convention or a dropped bias shows);
 * ``mcore_config``: megatron-core ``TransformerConfig`` and ``GPTModel`` keyword arguments derived from the HF config;
 * ``hf_to_mcore``: HF state dict -> megatron-core names (q/k/v packed per query group, fc1 = [gate; up] or c_fc;
   biases, norm ones included, wherever HF has them);
@@ -35,11 +35,23 @@ def _family(family: Family | str) -> Family:
 
 
 # --------------------------------------------------------------------------------------------------- Hugging Face
-def build_hf(family: Family | str, dtype: str = "float32", attn: str = "sdpa", seed: int = 0) -> Any:
-    """The family's HF causal LM, initialised by ``transformers`` from ``seed``; every norm weight then gets
-    0.1 * randn added (neither all ones nor all zeros) and every bias small random values."""
+def hf_attn(family: Family | str, attn: str = "sdpa") -> str:
+    """``attn``, or "eager" where the family's HF model has no SDPA attention (GPT-OSS: its attention sinks)."""
     from transformers import AutoModelForCausalLM
 
+    cfg = _family(family).hf_config()
+    supports_sdpa = AutoModelForCausalLM._model_mapping[type(cfg)]._supports_sdpa
+    return "eager" if attn == "sdpa" and not supports_sdpa else attn
+
+
+def build_hf(family: Family | str, dtype: str = "float32", attn: str = "sdpa", seed: int = 0) -> Any:
+    """The family's HF causal LM, initialised by ``transformers`` from ``seed``; every norm weight then gets
+    0.1 * randn added (neither all ones nor all zeros), every bias (GPT-OSS's fused ``*_proj_bias`` of the experts
+    included) small random values and GPT-OSS's attention sinks randn (``transformers`` draws them with std 0.02).
+    ``attn`` "sdpa" falls back to "eager" where the model has no SDPA attention (``hf_attn``)."""
+    from transformers import AutoModelForCausalLM
+
+    attn = hf_attn(family, attn)
     cfg = _family(family).hf_config(attn)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
@@ -47,14 +59,22 @@ def build_hf(family: Family | str, dtype: str = "float32", attn: str = "sdpa", s
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):
                 p.copy_(0.05 * torch.randn_like(p))
+            elif name.endswith(".sinks"):
+                p.copy_(torch.randn_like(p))
     return model.to(getattr(torch, dtype))
 
 
 # --------------------------------------------------------------------------------------------------- megatron config
 def _moe(cfg: Any) -> bool:
-    return cfg.model_type in ("mixtral", "qwen3_moe", "olmoe")
+    return cfg.model_type in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")
+
+
+#: GPT-OSS's expert activation, hard-coded in ``transformers``' ``GptOssExperts`` (not in the config):
+#: gate.clamp(max=limit) * sigmoid(alpha * gate) * (up.clamp(-limit, limit) + 1); megatron-core's ``quick_gelu``
+#: has alpha 1.702 built in
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
 
 
 def _gated(cfg: Any) -> bool:
@@ -71,10 +91,12 @@ def _norm(cfg: Any) -> tuple[str, float]:
 
 def mcore_config(cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """(``TransformerConfig`` kwargs, ``GPTModel`` kwargs) derived from the HF config only."""
+    gpt_oss = cfg.model_type == "gpt_oss"
     act = {"silu": F.silu, "gelu_pytorch_tanh": gelu_tanh}[cfg.hidden_act]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     normalization, eps = _norm(cfg)
-    bias = bool(getattr(cfg, "use_bias", False))  # StarCoder2: a bias on every linear
+    # StarCoder2: a bias on every linear; GPT-OSS: on q/k/v/o, the router and the experts' fc1/fc2
+    bias = bool(getattr(cfg, "use_bias", False)) or gpt_oss
     tf: dict[str, Any] = dict(
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=cfg.num_attention_heads, num_query_groups=cfg.num_key_value_heads, kv_channels=head_dim,
@@ -86,11 +108,27 @@ def mcore_config(cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
     )
+    if gpt_oss:
+        if getattr(cfg, "rope_scaling", None):
+            raise NotImplementedError("gpt_oss: only plain RoPE (rope_scaling=None) is converted, not YaRN")
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        # the experts' clamped GLU (quick_gelu's 1.702 is GPT_OSS_ALPHA), the attention sinks (a learnable
+        # softmax offset per head, megatron's local DotProductAttention: SoftmaxOne); RoPE rotates halves
+        # (rotary_interleaved=False, megatron's default)
+        tf.update(activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=GPT_OSS_LIMIT,
+                  softmax_type="learnable")
+        sliding = [t == "sliding_attention" for t in cfg.layer_types]
+        if any(sliding) and cfg.sliding_window < cfg.max_position_embeddings:
+            # HF: query i sees keys i - sliding_window < j <= i (exact; on a CPU-only torch it needs the
+            # device="cuda" shim: megatron builds its sliding-window mask there)
+            tf.update(window_size=(cfg.sliding_window - 1, 0), window_attn_skip_freq=[int(s) for s in sliding])
     if _moe(cfg):
         experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
         # HF: softmax over all experts, top-k, renormalised (Mixtral; Qwen3-MoE with norm_topk_prob) == megatron's
-        # top-k of the logits then softmax over the k (pre_softmax=False); without renormalisation: pre_softmax=True
-        renorm = cfg.model_type == "mixtral" or bool(getattr(cfg, "norm_topk_prob", False))
+        # top-k of the logits then softmax over the k (pre_softmax=False), GPT-OSS's router (top-k of the logits,
+        # softmax over the k) too; without renormalisation: pre_softmax=True
+        renorm = cfg.model_type in ("mixtral", "gpt_oss") or bool(getattr(cfg, "norm_topk_prob", False))
         tf.update(num_moe_experts=experts, moe_router_topk=cfg.num_experts_per_tok,
                   moe_ffn_hidden_size=getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size,
                   moe_router_pre_softmax=not renorm, moe_router_score_function="softmax",
@@ -155,7 +193,21 @@ def hf_to_mcore(hf: dict[str, Tensor], cfg: Any, fault: str = "") -> dict[str, T
         if h + "self_attn.q_norm.weight" in hf:
             out[m + "self_attention.q_layernorm.weight"] = hf[h + "self_attn.q_norm.weight"]
             out[m + "self_attention.k_layernorm.weight"] = hf[h + "self_attn.k_norm.weight"]
-        if _moe(cfg):
+        if h + "self_attn.sinks" in hf:  # GPT-OSS's attention sinks: megatron's learnable softmax offset
+            out[m + "self_attention.core_attention.softmax_offset"] = hf[h + "self_attn.sinks"]
+        if cfg.model_type == "gpt_oss":
+            # router: a linear with a bias; experts fused [E, in, out] (x @ W), gate/up interleaved along the last
+            # dim (gate = [..., ::2], up = [..., 1::2]) -> per expert fc1 [gate; up] rows [2F, H], fc2 [H, F]
+            put(m + "mlp.router", h + "mlp.router")
+            gate_up, gate_up_bias = hf[h + "mlp.experts.gate_up_proj"], hf[h + "mlp.experts.gate_up_proj_bias"]
+            down, down_bias = hf[h + "mlp.experts.down_proj"], hf[h + "mlp.experts.down_proj_bias"]
+            for e in range(gate_up.shape[0]):
+                fc1, fc2 = m + f"mlp.experts.local_experts.{e}.linear_fc1", m + f"mlp.experts.local_experts.{e}.linear_fc2"
+                out[fc1 + ".weight"] = torch.cat([gate_up[e][:, ::2].T, gate_up[e][:, 1::2].T])
+                out[fc1 + ".bias"] = torch.cat([gate_up_bias[e][::2], gate_up_bias[e][1::2]])
+                out[fc2 + ".weight"] = down[e].T
+                out[fc2 + ".bias"] = down_bias[e]
+        elif _moe(cfg):
             moe = h + ("block_sparse_moe." if cfg.model_type == "mixtral" else "mlp.")
             out[m + "mlp.router.weight"] = hf[moe + "gate.weight"]
             names = ("w1", "w3", "w2") if cfg.model_type == "mixtral" else ("gate_proj", "up_proj", "down_proj")
@@ -224,6 +276,11 @@ def build_mcore(family: Family | str, dtype: str = "float32", hf_state: dict[str
     model = GPTModel(config=config, transformer_layer_spec=spec, **gpt)
     if cfg.model_type == "gemma" and fault != "embed-scale":
         model.embedding.__class__ = _scaled_embedding_class()  # Megatron-Bridge extends the instance likewise
+    if tf.get("num_moe_experts") and tf["add_bias_linear"]:  # GPT-OSS: experts with biases, trainable (see there)
+        fc2_class = _expert_fc2_class()
+        for name, module in model.named_modules():
+            if name.endswith("linear_fc2") and ".local_experts." in name:
+                module.__class__ = fc2_class
     state = hf_to_mcore(hf_state, cfg, fault)
     own = {k for k in model.state_dict() if not k.endswith("_extra_state")}
     if own != set(state):
@@ -233,6 +290,23 @@ def build_mcore(family: Family | str, dtype: str = "float32", hf_state: dict[str
         model.config.bf16 = True
         model = Float16Module(model.config, model)
     return model
+
+
+def _expert_fc2_class() -> type:
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    class ExpertRowParallelLinear(RowParallelLinear):
+        """An expert's ``linear_fc2`` whose output is a fresh tensor (a copy, the same values). megatron-core 0.16.1's
+        ``MLP.forward`` adds an expert's fc2 bias in place (``output += output_bias * per_token_scale``) to the
+        output of ``RowParallelLinear``, which at tensor and expert parallel size 1 is the input of
+        ``_ReduceFromModelParallelRegion`` returned as is: a custom Function's view, so the in-place add raises under
+        autograd ("Output 0 of _ReduceFromModelParallelRegion is a view and is being modified inplace")."""
+
+        def forward(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+            output, bias = super().forward(*args, **kwargs)
+            return (output.clone() if bias is not None and torch.is_grad_enabled() else output), bias
+
+    return ExpertRowParallelLinear
 
 
 # --------------------------------------------------------------------------------------------------- checks

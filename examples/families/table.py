@@ -76,6 +76,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen3_moe", "Qwen3MoeConfig", {**MOE, "num_experts": 4, "moe_intermediate_size": 128,
                                            "decoder_sparse_step": 1, "mlp_only_layers": [],
                                            "use_sliding_window": False}, _MOE_FAULTS),
+    # GPT-OSS: attention sinks, biases on q/k/v/o, the router and the experts, a clamped GLU; plain RoPE here (its
+    # YaRN not converted) and a sliding window as long as max_position_embeddings (the sliding layers see everything)
+    Family("gpt_oss", "GptOssConfig", {**MOE, "num_local_experts": 4, "rope_scaling": None,
+                                       "sliding_window": TINY["max_position_embeddings"]}, _MOE_FAULTS),
     Family("olmoe", "OlmoeConfig", {**MOE, "num_experts": 4}, (), mcore_can_express=False,
            reason="OLMoE's q_norm/k_norm are RMSNorms over the whole q/k projection (all heads), megatron-core's "
                   "qk_layernorm normalises each head (kv_channels) separately"),

@@ -37,8 +37,9 @@ record it accounts. Rules, in the order they are tried:
 ``inside``
     a record of a parameter-free module (or an extra output) strictly inside a module both sides recorded and whose
     compared records agree (SDPA on one side, explicit softmax and dropout on the other). Never for a module with
-    parameters, never with the model, the decoder or a layer stack as the enclosing module: a mapping that pairs
-    nothing inside the decoder stays inconclusive.
+    parameters that were not compared and found to agree (megatron's core attention holding GPT-OSS's sinks is
+    compared by them), never with the model, the decoder or a layer stack as the enclosing module: a mapping that
+    pairs nothing inside the decoder stays inconclusive.
 ``bias``
     the bias megatron's linear layers return for their caller to add (``skip_bias_add``): added to the module's
     output before it was compared with the other side's, which includes it (``Pair.bias_a`` / ``bias_b``).
@@ -596,7 +597,7 @@ def _angles(x: np.ndarray | None) -> np.ndarray | None:
 def _trig(x: np.ndarray | None, first: float) -> np.ndarray | None:
     """``x`` as a cos (``first`` 1) or sin (``first`` 0) table [S, D], every leading slice alike, or None."""
     f = dtypes.floats(x)
-    if x is None or f is None or x.ndim < 2 or x.size > (1 << 24):
+    if x is None or f is None or x.ndim < 2 or x.size == 0 or x.size > (1 << 24):
         return None
     t = f.reshape(-1, *x.shape[-2:]).astype(np.float64)
     if not np.isfinite(t).all() or np.abs(t).max() > 1 + 1e-6 or not np.allclose(t[:, 0], first, atol=1e-6):
@@ -604,6 +605,13 @@ def _trig(x: np.ndarray | None, first: float) -> np.ndarray | None:
     if any(not np.array_equal(t[0], u) for u in t[1:]):
         return None
     return t[0]
+
+
+def _full_width(table: np.ndarray, d: int) -> np.ndarray:
+    """A cos or sin table [S, D'] as ``d`` columns: its first ``d``, or, at half the width, each frequency twice."""
+    if table.shape[-1] * 2 == d:
+        table = np.concatenate([table, table], axis=-1)
+    return table[:, :d]
 
 
 class RopeAngles(Split):
@@ -633,8 +641,9 @@ class RopeAngles(Split):
 
     def join(self, parts: list[np.ndarray]) -> np.ndarray:
         s, d = self.shape[0], self.shape[-1]
-        # B's first d dims where B rotates more of each head than A (A's partial rotary): those then differ
-        cos, sin = (np.asarray(dtypes.floats(p), dtype=np.float64).reshape(-1, s, p.shape[-1])[0][:, :d]
+        # B's first d dims where B rotates more of each head than A (A's partial rotary): those then differ; a table
+        # of half the dims (one column per frequency: GPT-OSS) is the rotate-half table with its halves alike
+        cos, sin = (_full_width(np.asarray(dtypes.floats(p), dtype=np.float64).reshape(-1, s, p.shape[-1])[0], d)
                     for p in parts)
         return np.unwrap(np.arctan2(sin, cos), axis=0).reshape(self.shape)
 
@@ -677,7 +686,8 @@ def rope_by_meaning(rows: list[Row], read_a: Read, read_b: Read) -> list[tuple[R
                     angles = _angles(read_a(a))
                     ct, st = _trig(read_b(cos), 1.0), _trig(read_b(sin), 0.0)
                     if angles is None or ct is None or st is None or ct.shape != st.shape \
-                            or ct.shape[:-1] != angles.shape[:-1] or ct.shape[-1] < angles.shape[-1]:
+                            or ct.shape[:-1] != angles.shape[:-1] \
+                            or (ct.shape[-1] < angles.shape[-1] and 2 * ct.shape[-1] != angles.shape[-1]):
                         continue  # B may rotate more dims than A (A's partial rotary): its first ones are compared
                 elif key in then and all(_same_sig(x, y) for x, y in zip(then[key][0], sigs)):
                     earlier = then[key][1]
@@ -1055,8 +1065,9 @@ def _inside(side: _Side, lone: list[Row]) -> None:
         if row.accounted is not None or rec.phase not in ("forward", "backward") or rec.seq in side.flagged:
             continue
         extra = rec.kind in ("output", "grad_output") and rec.module in side.ok_modules
-        if not extra and side.has_params(rec.module):
-            continue
+        own = side.ok_modules.get(rec.module, set())
+        if not extra and side.has_params(rec.module) and not ("weights" in own and rec.module not in side.bad_modules):
+            continue  # a module with parameters only when they were compared and agree (attention sinks)
         parts = rec.module.split(".") if rec.module else []
         start = len(parts) if extra else len(parts) - 1
         for n in range(start, 0, -1):

@@ -297,6 +297,16 @@ def align_step(recs_a: list[Record], recs_b: list[Record], mapping: RenameRules 
             taken_b.update(p.seq for p in parts)
 
     # rules next: a rule may give a tensor of the same name a layout transform (interleaved fc1)
+    fan_rules = [rule for rule in mapping.rules if rule.experts]
+    if fan_rules:  # one B tensor holding every expert: each expert's slice pairs with that expert's A tensor
+        fan_index = {stripped(ra, ra.module): ra for ra in a_list if ra.seq not in partner}
+        for rb in b_list:
+            for rule in fan_rules:
+                for (phase, name, call, kind, slot), ops in rule.fan_targets(rb, b_name(rb)):
+                    expert = fan_index.pop((phase, _strip_wrappers(name), call, kind, slot), None)
+                    if expert is not None:
+                        partner[expert.seq] = (rb, "rule", ops)
+                        taken_b.add(rb.seq)
     if mapping.rules:
         run_pass(lambda r: stripped(r, r.module), by_rules, "rule")
     run_pass(lambda r: r.key, lambda r: [((r.phase, b_name(r), r.call, r.kind, r.slot), ())], "exact")

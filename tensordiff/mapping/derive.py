@@ -35,6 +35,8 @@ class Convention:
     own order when groups = heads: GPT-NeoX)."""
     norm_offset: float = 0.0
     """the norm multiplies by ``offset + w`` (Gemma: 1): a converted megatron weight is ``w + offset``."""
+    gate_up: str = "stacked"
+    """experts held as one tensor: their gate and up columns 'stacked' ([gate | up]) or 'interleaved' (GPT-OSS)."""
 
 
 #: HF ``model_type`` -> what its config does not say (every other family: the defaults).
@@ -44,6 +46,7 @@ CONVENTIONS: dict[str, Convention] = {
     "gemma3": Convention(norm_offset=1.0),
     "gemma3_text": Convention(norm_offset=1.0),
     "gpt_neox": Convention(qkv="heads"),
+    "gpt_oss": Convention(gate_up="interleaved"),
 }
 
 #: How a derived mapping's note begins (``tensordiff map`` and the report recognise it).
@@ -75,6 +78,12 @@ class Layer:
     experts: dict[int, tuple[str, str, str]] = field(default_factory=dict)
     """expert number -> (gate, up, down), or ('', fc1, down) without a gate; fused gate/up as (gate_up, '', down)."""
     expert_fused: bool = False
+    packed: str = ""
+    """one module holding every expert's weights as [experts, ...] tensors (GPT-OSS)."""
+    packed_slots: dict[str, str] = field(default_factory=dict)
+    """its parameter slot -> role: 'gate_up' / 'down' as x @ W ('_xw') or W @ x ('_wx'), 'gate_up_bias', 'down_bias'."""
+    sinks: str = ""
+    """the attention module's per-head parameter (attention sinks: megatron's learnable softmax offset)."""
     problems: list[str] = field(default_factory=list)
     """what does not fit the roles the configs predict: no mapping is derived."""
     cannot: list[str] = field(default_factory=list)
@@ -83,7 +92,8 @@ class Layer:
     def signature(self) -> tuple:
         return (tuple(self.norms), self.attention, self.q, self.k, self.v, self.qkv, self.q_norm, self.k_norm, self.o,
                 self.mlp, self.gate, self.up, self.gate_up, self.fc1, self.down, self.router,
-                tuple(sorted(self.experts.items())), self.expert_fused)
+                tuple(sorted(self.experts.items())), self.expert_fused, self.packed, tuple(self.packed_slots.items()),
+                self.sinks)
 
 
 @dataclass
@@ -200,6 +210,10 @@ def _roles(tree: _Tree, prefix: str, sizes: dict[str, int]) -> Layer:
     vectors: list[tuple[str, int]] = []  # norms: their place (in the attention or not) decides their role, below
     for mod in mods:
         rel = _rel(mod, prefix)
+        packed = _packed_roles(tree.params.get(mod, {}), h, moe_ffn, experts)
+        if packed:
+            layer.packed, layer.packed_slots = rel, packed
+            continue
         w = tree.weight(mod)
         cls = tree.cls.get(mod, "")
         if w is None:
@@ -271,12 +285,26 @@ def _roles(tree: _Tree, prefix: str, sizes: dict[str, int]) -> Layer:
                 layer.k_norm = rel
         elif size in (h, 0):
             layer.norms.append(rel)
-    mlp = [x for x in (layer.gate, layer.up, layer.gate_up, layer.fc1, layer.down, layer.router) if x]
+    if layer.attention:
+        layer.sinks = next((slot for slot, shape in tree.params.get(f"{prefix}.{layer.attention}", {}).items()
+                            if shape == (nh,) and slot != "bias"), "")
+    mlp = [x for x in (layer.gate, layer.up, layer.gate_up, layer.fc1, layer.down, layer.router, layer.packed) if x]
     mlp += [x for parts in layer.experts.values() for x in parts if x]
     layer.mlp = _rel(_lca([prefix + "." + x for x in mlp]), prefix) if len(mlp) >= 2 else ""
     if layer.mlp == "" or not (prefix + "." + layer.mlp).startswith(prefix + "."):
         layer.mlp = ""
     return layer
+
+
+def _packed_roles(params: dict[str, tuple[int, ...]], h: int, ffn: int | None,
+                  experts: int | None) -> dict[str, str]:
+    """A module's [experts, ...] parameters as expert roles (slot -> role), when it holds every expert's MLP."""
+    if not experts or not ffn or not any(len(s) == 3 and s[0] == experts for s in params.values()):
+        return {}
+    shapes = {(experts, h, 2 * ffn): "gate_up_xw", (experts, 2 * ffn, h): "gate_up_wx", (experts, ffn, h): "down_xw",
+              (experts, h, ffn): "down_wx", (experts, 2 * ffn): "gate_up_bias", (experts, h): "down_bias"}
+    roles = {slot: shapes[shape] for slot, shape in params.items() if shape in shapes}
+    return roles if len(roles) == len(params) else {}
 
 
 def _sizes(cfg_a: dict[str, Any], cfg_b: dict[str, Any]) -> dict[str, int] | None:
@@ -359,15 +387,15 @@ def derive(cfg_a: dict[str, Any], cfg_b: dict[str, Any], records_a: list[Record]
     ignore_hf: list[Any] = [{"module": "", "kinds": ["output", "grad_output"]}]
     for idx in indices:
         layer = layers[0 if idx == "{i}" else int(idx)]
-        if not layer.experts:
+        if not layer.experts and not layer.packed:
             continue
         # Routed tokens: each side orders an expert's tokens its own way (HF [B*S], megatron's dispatcher [S*B],
         # sorted by expert), and the routers return different things (HF the logits, megatron the top-k
         # probabilities and the routing map): the experts and routers are compared by their parameters and gradients,
         # the MoE block by its output
         activations = ["input", "output", "grad_input", "grad_output"]
-        box = _rel(_lca([f"{stack}.{idx}.{x}" for parts in layer.experts.values() for x in parts if x]),
-                   f"{stack}.{idx}")
+        box = layer.packed or _rel(_lca([f"{stack}.{idx}.{x}" for parts in layer.experts.values() for x in parts if x]),
+                                   f"{stack}.{idx}")
         box = box.rsplit(".", 1)[0] if box.split(".")[-1].isdigit() else box
         ignore_hf += [{"module": f"{stack}.{idx}.{box}", "kinds": activations},
                       {"module": f"{stack}.{idx}.{box}.*", "kinds": activations},
@@ -390,8 +418,10 @@ def _describe(layer: Layer, conv: Convention, sizes: dict[str, int], norm_ops: d
         parts.append("fused QKV " + ("[Q|K|V]" if conv.qkv == "concat" else "per head"))
     if layer.gate_up:
         parts.append("fused gate/up")
-    if layer.experts:
-        parts.append(f"{len(layer.experts)} experts")
+    if layer.experts or layer.packed:
+        parts.append(f"{sizes.get('experts')} experts" + (" in one tensor" if layer.packed else ""))
+    if layer.sinks:
+        parts.append("attention sinks")
     if norm_ops:
         parts.append(f"norms x({conv.norm_offset:g}+w)")
     if any(not n for n in layer.norms):
@@ -410,6 +440,9 @@ def _layer_rules(layer: Layer, p: str, m: str, sizes: dict[str, int], conv: Conv
     mlp_norm = "pre_mlp_layernorm"
     for hf_norm, mc_norm in zip(layer.norms, ("input_layernorm", mlp_norm)):
         out.append({"hf": f"{p}.{hf_norm}", "mcore": f"{m}.{mc_norm}", **sw, **norm_ops})
+    if layer.sinks:  # before the attention's own rule, which would take its parameters too
+        out.append({"hf": f"{p}.{layer.attention}", "mcore": f"{m}.self_attention.core_attention",
+                    "kinds": ["param", "grad", "grad_local"], "slots": {layer.sinks: "softmax_offset"}})
     if layer.attention:
         out.append({"hf": f"{p}.{layer.attention}", "mcore": f"{m}.self_attention", "only_slots": ["0", "hidden_states"],
                     "slots": {"hidden_states": "0"}, **sw})
@@ -438,6 +471,15 @@ def _layer_rules(layer: Layer, p: str, m: str, sizes: dict[str, int], conv: Conv
         out.append({"hf": f"{p}.{layer.down}", "mcore": fc2, **sw})
     if layer.router:
         out.append({"hf": f"{p}.{layer.router}", "mcore": f"{m}.mlp.router", "kinds": ["param", "grad", "grad_local"]})
+    if layer.packed:
+        deint = ["deinterleave(dim=0)"] if conv.gate_up == "interleaved" else []
+        how = {"gate_up_xw": ("linear_fc1", "weight", ["transpose", *deint]), "gate_up_wx": ("linear_fc1", "weight", deint),
+               "down_xw": ("linear_fc2", "weight", ["transpose"]), "down_wx": ("linear_fc2", "weight", []),
+               "gate_up_bias": ("linear_fc1", "bias", deint), "down_bias": ("linear_fc2", "bias", [])}
+        slots = {slot: {"mcore": f"{m}.mlp.experts.local_experts.{{e}}.{how[role][0]}", "slot": how[role][1],
+                        "ops": how[role][2]} for slot, role in layer.packed_slots.items()}
+        out.append({"hf": f"{p}.{layer.packed}", "mcore": f"{m}.mlp.experts", "kinds": ["param", "grad", "grad_local"],
+                    "experts": {"count": sizes["experts"], "slots": slots}})
     for e, (g, u, d) in sorted(layer.experts.items()):
         ex = f"{m}.mlp.experts.local_experts.{e}"
         if g and u:

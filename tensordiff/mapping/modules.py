@@ -30,7 +30,8 @@ from .pairfile import PairFile, from_text, load
 
 PARAM_KINDS = ("param", "grad", "grad_local")
 INPUT_KINDS = ("input", "grad_input")
-_RULE_KEYS = {"phases", "kinds", "slots", "only_slots", "inputs", "outputs", "activations", "params", "split", "when"}
+_RULE_KEYS = {"phases", "kinds", "slots", "only_slots", "inputs", "outputs", "activations", "params", "split", "when",
+              "experts"}
 _SECTION_KEYS = {"order_fallback", "strip", "ignore", "rules"}
 
 
@@ -50,6 +51,22 @@ class Rule:
     """a join: B's modules (``b`` is the first), joined in this order."""
     join: str = ""
     """the join's split, e.g. ``qkv_groups(heads=4, groups=2)``; see ``split_for``."""
+    experts: int = 0
+    """a fan-out: B's parameters hold this many experts along dim 0, each one A's module (``fan``)."""
+    fan: dict[str, tuple[str, str, tuple[Op, ...]]] = field(default_factory=dict)
+    """B's parameter slot -> (A's module with ``{e}`` for the expert, A's slot, B's ops after taking expert e)."""
+
+    def fan_targets(self, rec: Record, module: str) -> list[tuple[tuple, tuple[Op, ...]]]:
+        """For a fan-out rule: each expert's (A's key, B's ops) of B's parameter or gradient record."""
+        if not self.experts or rec.kind not in PARAM_KINDS or rec.slot not in self.fan or not self._admits(rec):
+            return []
+        m = self.b.fullmatch(module)
+        if not m:
+            return []
+        name, slot, ops = self.fan[rec.slot]
+        base = m.expand(name)
+        return [((rec.phase, base.replace("{e}", str(e)), rec.call, rec.kind, slot),
+                 (Op("select", (("index", e), ("dim", 0))), *ops)) for e in range(self.experts)]
 
     def split_for(self, kind: str) -> Split:
         """The join's split for a record kind: parameters join along dim 0, activations along the last dim,
@@ -75,6 +92,8 @@ class Rule:
             return None
         if self.parts and rec.kind not in INPUT_KINDS:
             return None  # a join's outputs, gradients and parameters are paired by ``join_target``
+        if self.experts:
+            return None  # a fan-out's parameters are paired by ``fan_targets``
         m = self.b.fullmatch(rec.module if module is None else module)
         if not m:
             return None
@@ -263,7 +282,22 @@ def parse(pair: PairFile) -> RenameRules:
             if unknown_phases:
                 raise MappingError(f"{path}: {where}: unknown phase(s) {sorted(unknown_phases)}; phases are "
                                    f"{', '.join(PHASES)}")
+        experts, fan = 0, {}
+        if raw.get("experts") is not None:
+            spec = raw["experts"]
+            if not (isinstance(spec, dict) and isinstance(spec.get("count"), int) and isinstance(spec.get("slots"), dict)):
+                raise MappingError(f"{path}: {where}: 'experts:' is {{count: N, slots: {{B_SLOT: {{{side_a}: NAME with "
+                                   f"{{e}}, slot: A_SLOT, ops: [...]}}}}}} (got {spec!r})")
+            experts = spec["count"]
+            for b_slot, one in spec["slots"].items():
+                if not (isinstance(one, dict) and isinstance(one.get(key_a), str)):
+                    raise MappingError(f"{path}: {where}: experts: slots: {b_slot}: needs '{key_a}:' (A's module, "
+                                       "with {e} for the expert)")
+                fan_name = template(pair.subst(one[key_a], where).replace("{e}", "\x00"), pair.subst(sources[0], where),
+                                    f"{path}: {where}").replace("\x00", "{e}")
+                fan[str(b_slot)] = (fan_name, str(one.get("slot", b_slot)), ops(one.get("ops"), f"{where}: experts"))
         rule = Rule(
+            experts=experts, fan=fan,
             b=compiled[0], a=target,
             phases=frozenset(phases) if phases is not None else None,
             kinds=frozenset(raw["kinds"]) if raw.get("kinds") is not None else None,
