@@ -21,7 +21,7 @@ from examples.families.matrix import EXPECTED, Case, run_case  # noqa: E402
 SAMPLE = [
     Case("gemma"), Case("gemma", fault="norm-offset"),
     Case("phi3"),
-    Case("mixtral"), Case("mixtral", "bfloat16"),
+    Case("mixtral"), Case("mixtral", "bfloat16"), Case("gpt_oss"),
     Case("starcoder2"),  # not in the list, no convention of its own: LayerNorm, biases, c_fc/c_proj
     Case("olmoe"),
 ]
@@ -33,7 +33,7 @@ def outcomes(tmp_path_factory):
     return {c.name: run_case(c, out) for c in SAMPLE}
 
 
-@pytest.mark.parametrize("family", ["gemma", "phi3", "mixtral", "starcoder2"])
+@pytest.mark.parametrize("family", ["gemma", "phi3", "mixtral", "starcoder2", "gpt_oss"])
 def test_each_pair_is_equivalent_by_its_logits_before_tensordiff_is_asked(family):
     assert check_equivalent(family) < 1e-5
 
@@ -59,6 +59,7 @@ def test_gemma_norms_are_read_as_one_plus_w_and_phi3_fuses_qkv_as_q_k_v(outcomes
     assert "norms x(1+w)" in outcomes["gemma[fp32]"].note
     assert "fused QKV [Q|K|V], fused gate/up" in outcomes["phi3[fp32]"].note
     assert "4 experts" in outcomes["mixtral[fp32]"].note
+    assert "4 experts in one tensor, attention sinks" in outcomes["gpt_oss[fp32]"].note
 
 
 def test_a_family_megatron_core_cannot_express_is_said_in_one_line(outcomes):

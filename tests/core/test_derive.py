@@ -9,7 +9,7 @@ import pytest
 from tensordiff.diff.accounting import _equal
 from tensordiff.mapping.derive import derive
 from tensordiff.record import Record
-from tensordiff.transforms import parse_op
+from tensordiff.transforms import apply, parse_op
 
 H, HEADS, GROUPS, HD, FFN, V = 64, 4, 2, 16, 128, 96
 CFG_A = {"num_attention_heads": HEADS, "num_query_groups": GROUPS, "hidden_size": H}
@@ -133,3 +133,31 @@ def test_a_copy_with_its_first_two_dimensions_swapped_holds_the_same_values():
     assert _equal(x, np.ascontiguousarray(x.transpose(1, 0, 2))) is True
     assert _equal(x, x.reshape(3, 2, 4)) is True  # a view: the same order
     assert _equal(x, np.ascontiguousarray(x.transpose(1, 0, 2))[::-1].copy()) is False
+
+
+def test_experts_held_in_one_tensor_fan_out_to_megatron_s_per_expert_linears():
+    """GPT-OSS: one module holds every expert as [experts, in, out] tensors, gate and up interleaved; the attention
+    holds a per-head sinks parameter."""
+    e, layer = 4, [(n, s, c) for n, s, c in LLAMA if not n.startswith("mlp")]
+    layer.insert(1, ("self_attn", None, "Attention"))
+    recs = tree(layer + [("mlp", None, "MLP"), ("mlp.router", (e, H), "Router")])
+    extra = []
+    for i in range(2):
+        for slot, shape in (("gate_up_proj", (e, H, 2 * FFN)), ("gate_up_proj_bias", (e, 2 * FFN)),
+                            ("down_proj", (e, FFN, H)), ("down_proj_bias", (e, H))):
+            extra.append(Record(0, 900 + len(extra), "weights", f"model.layers.{i}.mlp.experts", 0, "param", slot,
+                                "Experts", "float32", shape))
+        extra.append(Record(0, 900 + len(extra), "weights", f"model.layers.{i}.self_attn", 0, "param", "sinks",
+                            "Attention", "float32", (HEADS,)))
+    d = derive(CFG_A, hf_cfg(model_type="gpt_oss", num_local_experts=e), [], recs + extra)
+    assert d.rules is not None and "4 experts in one tensor, attention sinks" in d.note
+    fan = next(r for r in d.rules.rules if r.experts)
+    gate_up = Record(0, 0, "weights", "model.layers.1.mlp.experts", 0, "param", "gate_up_proj", "", "float32",
+                     (e, H, 2 * FFN))
+    targets = fan.fan_targets(gate_up, gate_up.module)
+    assert [t[0][1] for t in targets] == [f"decoder.layers.1.mlp.experts.local_experts.{k}.linear_fc1" for k in range(e)]
+    assert [str(o) for o in targets[2][1]] == ["select(index=2, dim=0)", "transpose", "deinterleave(dim=0)"]
+    x = np.arange(e * 3 * 4, dtype=np.float64).reshape(e, 3, 4)  # [experts, in, out], out = g0 u0 g1 u1
+    assert apply(targets[1][1], x).tolist() == [list(x[1][:, 0]), list(x[1][:, 2]), list(x[1][:, 1]), list(x[1][:, 3])]
+    sinks = next(r for r in d.rules.rules if r.slots.get("sinks") == "softmax_offset")
+    assert sinks.a.endswith("self_attention.core_attention")
