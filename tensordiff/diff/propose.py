@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..mapping.derive import DERIVED, derive
+from ..mapping.names import common_parent, inside, parent
 from ..record import Record
 from ..store import open_capture
 from ..transforms import Chunk, QkvGroups, Split, parse_op
@@ -209,24 +210,6 @@ def _splits_for(shape_a: tuple[int, ...], shapes_b: list[tuple[int, ...]], heads
                 continue
             seen.add((heads, groups))
             yield QkvGroups(heads, groups, 0)
-
-
-def _parent(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else ""
-
-
-def _lca(names: list[str]) -> str:
-    parts = [n.split(".") for n in names]
-    common = []
-    for level in zip(*parts):
-        if len(set(level)) != 1:
-            break
-        common.append(level[0])
-    return ".".join(common)
-
-
-def _inside(child: str, parent: str) -> bool:
-    return parent == "" or child == parent or child.startswith(parent + ".")
 
 
 def _config_heads(attrs: dict) -> tuple[int, int] | None:
@@ -435,7 +418,7 @@ def _match(prop: Proposal, params_a: list[Param], params_b: list[Param], recs_a:
         groups: dict[tuple[str, str], list[int]] = {}
         for j, pb in enumerate(params_b):
             if j not in used_b and pb.x is not None and pb.rec.slot == pa.rec.slot:
-                groups.setdefault((_parent(pb.module), pb.rec.slot), []).append(j)
+                groups.setdefault((parent(pb.module), pb.rec.slot), []).append(j)
         done = False
         expected = _expected_qkv(pa, heads, megatron)
         for members in groups.values():
@@ -485,12 +468,12 @@ def _match(prop: Proposal, params_a: list[Param], params_b: list[Param], recs_a:
     for mod in sorted(modules_b, key=lambda n: -n.count(".")):  # deepest first
         if mod in image or mod == "":
             continue
-        inner = [a for b, a in image.items() if _inside(b, mod) and b != mod]
+        inner = [a for b, a in image.items() if inside(b, mod) and b != mod]
         if not inner:
             continue
-        target = _lca(inner)
+        target = common_parent(inner)
         while target and target not in modules_a:
-            target = _parent(target)
+            target = parent(target)
         if target in taken_a or target not in modules_a:
             continue
         matches.append(ModuleMatch((mod,), target, "tree"))
@@ -508,7 +491,7 @@ def _match(prop: Proposal, params_a: list[Param], params_b: list[Param], recs_a:
             continue
         shape_b = _out_shape(recs_b, mod)
         leaf = mod.rsplit(".", 1)[-1]
-        options = [a for a in modules_a if a not in taken_a and _inside(a, parent_image) and a != parent_image
+        options = [a for a in modules_a if a not in taken_a and inside(a, parent_image) and a != parent_image
                    and (classes_a.get(a) == classes_b.get(mod) or a.rsplit(".", 1)[-1] == leaf)
                    and shape_b is not None and _out_shape(recs_a, a) in (shape_b, _swapped(shape_b))]
         if len(options) == 1:
@@ -536,7 +519,7 @@ def _match(prop: Proposal, params_a: list[Param], params_b: list[Param], recs_a:
     prop.matches = matches
     mapped_a = {m.a for m in matches}
     for mod in modules_a:
-        if mod and mod not in mapped_a and not any(_inside(mod, a) and a for a in mapped_a if _is_leaf_image(a, matches)):
+        if mod and mod not in mapped_a and not any(inside(mod, a) and a for a in mapped_a if _is_leaf_image(a, matches)):
             prop.unmatched_a[mod] = _why(mod, classes_a.get(mod, ""), params_a)
     for mod in modules_b:
         if mod and mod not in image:
@@ -588,13 +571,13 @@ def _swapped(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _image_of_parent(mod: str, image: dict[str, str]) -> str | None:
-    parent = _parent(mod)
+    up = parent(mod)
     while True:
-        if parent in image:
-            return image[parent]
-        if parent == "":
+        if up in image:
+            return image[up]
+        if up == "":
             return None
-        parent = _parent(parent)
+        up = parent(up)
 
 
 def _forward_order(records: list[Record]) -> dict[str, int]:

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..record import Record
 from .modules import RenameRules, parse
-from .names import unwrap
+from .names import common_parent, inside, parent, unwrap
 from .pairfile import PairFile
 
 
@@ -114,26 +114,6 @@ def _int(cfg: dict[str, Any], *names: str) -> int | None:
         if isinstance(v, (int, float)) and v:
             return int(v)
     return None
-
-
-def _parent(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else ""
-
-
-def _lca(names: list[str]) -> str:
-    parts = [n.split(".") for n in names if n]
-    if not parts:
-        return ""
-    out = []
-    for segs in zip(*parts):
-        if len(set(segs)) != 1:
-            break
-        out.append(segs[0])
-    return ".".join(out)
-
-
-def _inside(name: str, parent: str) -> bool:
-    return parent == "" or name.startswith(parent + ".")
 
 
 def _is_norm(tree: _Tree, mod: str, hidden: int) -> bool:
@@ -272,10 +252,10 @@ def _roles(tree: _Tree, prefix: str, sizes: dict[str, int]) -> Layer:
     elif len(in_h) == 1:
         layer.fc1 = in_h[0]
     attn = [x for x in (layer.q, layer.k, layer.v, layer.qkv, layer.o) if x]
-    layer.attention = _lca([prefix + "." + x for x in attn]) if len(attn) >= 2 else ""
+    layer.attention = common_parent([prefix + "." + x for x in attn]) if len(attn) >= 2 else ""
     layer.attention = _rel(layer.attention, prefix) if layer.attention.startswith(prefix + ".") else ""
     for rel, size in vectors:
-        if layer.attention and _inside(rel, layer.attention):  # q then k norm, in the order they ran
+        if layer.attention and inside(rel, layer.attention):  # q then k norm, in the order they ran
             if size != hd:
                 layer.cannot.append(f"{rel} normalises [{size}] (q or k of all heads at once); megatron-core's "
                                     f"qk_layernorm normalises each head's [{hd}] on its own")
@@ -290,7 +270,7 @@ def _roles(tree: _Tree, prefix: str, sizes: dict[str, int]) -> Layer:
                             if shape == (nh,) and slot != "bias"), "")
     mlp = [x for x in (layer.gate, layer.up, layer.gate_up, layer.fc1, layer.down, layer.router, layer.packed) if x]
     mlp += [x for parts in layer.experts.values() for x in parts if x]
-    layer.mlp = _rel(_lca([prefix + "." + x for x in mlp]), prefix) if len(mlp) >= 2 else ""
+    layer.mlp = _rel(common_parent([prefix + "." + x for x in mlp]), prefix) if len(mlp) >= 2 else ""
     if layer.mlp == "" or not (prefix + "." + layer.mlp).startswith(prefix + "."):
         layer.mlp = ""
     return layer
@@ -355,14 +335,14 @@ def derive(cfg_a: dict[str, Any], cfg_b: dict[str, Any], records_a: list[Record]
                                 "counterpart there")
         if layer.cannot:
             return Derived(None, "megatron-core cannot express it", [f"{stack}.{i}: {c}" for c in layer.cannot])
-    base = _parent(stack)
+    base = parent(stack)
     outside = [m for m in tree.modules if not m.startswith(stack + ".") and m != stack]
     last = tree.order.get(f"{stack}.{n - 1}", 0)
     embed = next((m for m in outside if len(tree.weight(m) or ()) == 2 and (tree.weight(m) or (0, 0))[1] ==
                   sizes["hidden"] and "Embedding" in tree.cls.get(m, "")), "")
-    final_norm = next((m for m in outside if _inside(m, base) and tree.order.get(m, -1) > last
+    final_norm = next((m for m in outside if inside(m, base) and tree.order.get(m, -1) > last
                        and _is_norm(tree, m, sizes["hidden"])), "")
-    head = next((m for m in outside if not _inside(m, base) and tree.order.get(m, -1) > last
+    head = next((m for m in outside if not inside(m, base) and tree.order.get(m, -1) > last
                  and "Linear" in tree.cls.get(m, "")), "")
     rules: list[dict[str, Any]] = [{"hf": "", "mcore": "", "kinds": ["input"], "only_slots": ["input_ids"],
                                     "slots": {"input_ids": "0"}}]
@@ -394,7 +374,7 @@ def derive(cfg_a: dict[str, Any], cfg_b: dict[str, Any], records_a: list[Record]
         # probabilities and the routing map): the experts and routers are compared by their parameters and gradients,
         # the MoE block by its output
         activations = ["input", "output", "grad_input", "grad_output"]
-        box = layer.packed or _rel(_lca([f"{stack}.{idx}.{x}" for parts in layer.experts.values() for x in parts if x]),
+        box = layer.packed or _rel(common_parent([f"{stack}.{idx}.{x}" for parts in layer.experts.values() for x in parts if x]),
                                    f"{stack}.{idx}")
         box = box.rsplit(".", 1)[0] if box.split(".")[-1].isdigit() else box
         ignore_hf += [{"module": f"{stack}.{idx}.{box}", "kinds": activations},

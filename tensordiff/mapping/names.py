@@ -40,6 +40,26 @@ def unwrap(name: str) -> str:
     return name
 
 
+def parent(name: str) -> str:
+    """The enclosing module of a dotted module name ('' for a top-level one)."""
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def common_parent(names: list[str]) -> str:
+    """The longest dotted prefix all ``names`` share ('' when none)."""
+    common = []
+    for level in zip(*(n.split(".") for n in names)):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def inside(child: str, outer: str) -> bool:
+    """``child`` is ``outer`` or a module under it (everything is under the root, '')."""
+    return outer == "" or child == outer or child.startswith(outer + ".")
+
+
 def regex(pattern: str, numbers: bool = True) -> str:
     """The regular expression of a name pattern: ``{i}`` a number (a named group), ``*`` any text (a numbered group
     ``s1``, ``s2``, ... in order), the rest literal."""
