@@ -32,7 +32,8 @@ def table(results: list[Outcome]) -> list[str]:
     for (family, dtype), outs in rows.items():
         clean = next((r for r in outs if not r.case.fault), None)
         verdict = "-" if clean is None else (f"{'✓' if clean.passed else '✗'} exit {clean.codes[0]}/{clean.codes[1]}"
-                                             + (f" ({clean.hint})" if clean.hint else ""))
+                                             + (f" ({clean.hint})" if clean.hint else "")
+                                             + (f" ({clean.found})" if clean.found.startswith("routed") else ""))
         derived = clean.note.split(": B is")[0].replace("derived from the captures ", "") if clean and clean.note else "-"
         faults = "; ".join(f"{'✓' if r.passed else '✗'} {r.case.fault}: {r.found} ({r.hint})" for r in outs
                            if r.case.fault)
@@ -54,7 +55,7 @@ def main() -> int:
     lines = table(results)
     clean = [r for r in results if not r.case.fault]
     faults = [r for r in results if r.case.fault]
-    summary = (f"clean pairs agree (or, BF16 MoE, name a near-tie routing flip) in both orders: "
+    summary = (f"clean pairs agree in both orders: "
                f"{sum(r.passed for r in clean)}/{len(clean)}; conversion faults at their module with the right hint "
                f"first: {sum(r.passed for r in faults)}/{len(faults)} ({time.perf_counter() - start:.0f} s)")
     print("\n".join(lines + [summary]))

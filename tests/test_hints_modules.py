@@ -137,7 +137,7 @@ def test_a_check_that_cannot_run_says_why(tmp_path):
             "RoPE (needs q/k (4-D) or an attention output (3-D), "
             "this one is 2-D); attention scale (not an attention output (a 3-D forward tensor) or the scores a "
             "softmax module takes); bias (the module has no bias); tied embeddings (not a parameter gradient of a "
-            "matrix (forward)); routing (not a block's 3-D forward output). See docs/hints.md.") in text
+            "matrix (forward)); router normalisation (not a block's 3-D forward output). See docs/hints.md.") in text
     checks = DiffReport(result).to_dict()["checks"]
     assert {"cause": "RoPE", "ran": False, "reason": "needs q/k (4-D) or an attention output (3-D), this one is 2-D"} in checks
     assert {"cause": "activation", "ran": True, "reason": None} in checks

@@ -270,6 +270,8 @@ def build_mcore(family: Family | str, dtype: str = "float32", hf_state: dict[str
         gpt["rotary_percent"] = 0.5
     elif fault == "untied-output":
         gpt["share_embeddings_and_output_weights"] = False
+    elif fault == "router-softmax":
+        tf["moe_router_pre_softmax"] = not tf["moe_router_pre_softmax"]
     config = TransformerConfig(**tf)
     spec = get_gpt_layer_local_spec(num_experts=tf.get("num_moe_experts"), moe_grouped_gemm=False,
                                     qk_layernorm=tf["qk_layernorm"], normalization=tf["normalization"])

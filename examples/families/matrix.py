@@ -42,6 +42,7 @@ EXPECTED: dict[str, tuple[str, str, str]] = {
     "partial-rotary": ("forward", "rotary_pos_emb", "rope"),
     "untied-output": ("param_grad", "embedding.word_embeddings", "tied"),
     "dropped-bias": ("forward", "decoder.layers.0.self_attention.linear_qkv", "missing-bias"),
+    "router-softmax": ("forward", "decoder.layers.0.mlp", "router-norm"),
 }
 DTYPES = ("float32", "bfloat16")
 
@@ -132,8 +133,10 @@ def judge(case: Case, code: int, doc: dict) -> tuple[bool, str, str, list[str]]:
         said = str(doc.get("error", ""))
         return code == 2 and "cannot express" in said and len(said.strip().splitlines()) == 1, found, hint, reasons
     if not case.fault:
-        if code == 1 and hint.startswith("routing") and case.dtype != "float32" and FAMILIES[case.family].moe:
-            return True, found, hint, reasons  # MoE in BF16: tokens routed apart on near ties, named as such
+        flips = doc.get("routing") or []  # MoE in BF16: tokens routed apart on near ties, accounted and named
+        if flips:
+            found = "; ".join(f"routed: {unwrap(f['module_a'])} {len(f['tokens'])} token(s), "
+                              f"{len(f['accounted'])} record(s)" for f in flips)
         return code == 0 and doc.get("outcome") == "agree", found, hint, reasons
     phase, module, cause = EXPECTED[case.fault]
     where = first is not None and first["phase"] == phase and (

@@ -29,9 +29,11 @@ FAULTS: dict[str, str] = {
                     "add_bias_linear=False too, megatron-core giving linear_qkv a bias whenever add_bias_linear, "
                     "so every linear bias dropped)",
     "partial-rotary": "mcore: rotary_percent=0.5 while HF rotates the whole head",
+    "router-softmax": "mcore: moe_router_pre_softmax flipped: the top-k probabilities renormalised where HF does not, "
+                      "or not where it does (every token's MoE output scaled by its own factor)",
 }
 _DENSE = ("qkv-layout", "rope-theta", "partial-rotary")
-_MOE_FAULTS = ("qkv-layout", "rope-theta")
+_MOE_FAULTS = ("qkv-layout", "rope-theta", "router-softmax")
 
 
 @dataclass(frozen=True)

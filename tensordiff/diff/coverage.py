@@ -192,7 +192,15 @@ def judge_outcome(result: DiffResult) -> tuple[Outcome, list[str]]:
                 "; ".join(f"{note} ({n})" for note, n in why.most_common(2)) if why else
                 "statistics cannot follow their layout transform; capture with --tensors all to compare them"))
         if cov.uncertain:
-            reasons.append(f"{phase}: {cov.uncertain} pair(s) matched by order only differ (see the 'uncertain' rows)")
+            routed = sum(1 for r in result.rows if r.phase == phase and r.verdict == "uncertain"
+                         and r.note.startswith("differs after tokens were routed"))
+            if routed:
+                reasons.append(f"{phase}: {routed} pair(s) differ after tokens were routed to other experts on a near tie, "
+                               "and hold statistics only: whether they differ only through those tokens cannot be "
+                               "checked (capture with --tensors all; see the 'uncertain' rows)")
+            if cov.uncertain - routed:
+                reasons.append(f"{phase}: {cov.uncertain - routed} pair(s) matched by order only differ (see the "
+                               "'uncertain' rows)")
         if cov.recorded_a and not cov.compared and cov.not_recorded_a < cov.recorded_a:
             reasons.append(f"{phase}: A recorded {cov.recorded_a} record(s), B {cov.recorded_b}, and no pair was compared"
                            + ("" if cov.recorded_b else " (B did not record this phase)")

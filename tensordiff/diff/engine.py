@@ -31,6 +31,7 @@ from .judge import Measured, compare_pair, compute_dtype, measure_pair, tensor_k
 from .nonfinite import describe, first_nonfinite
 from .reference import judge_against_reference
 from .result import DiffOptions, DiffResult, Row
+from .routing import account_routing
 from .tolerance import LOADED_ROUNDINGS, judged_dtype
 from .workers import BATCH_BYTES, BATCH_PAIRS, measure_batch, records_of
 
@@ -124,6 +125,7 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         masks_by_meaning(rows)
         mark_unmatched(rows, skip_a, skip_b, not_recorded_phases(ca.attrs), not_recorded_phases(cb.attrs))
         findings = account(rows, {"A": records_a, "B": records_b}, {"A": ca.array, "B": cb.array})
+        flips = account_routing(rows, ca, cb)
         covered = coverage(rows)
         first = find_first_divergence(rows, records_a, options.jump, records_b)
         result = DiffResult(
@@ -135,7 +137,7 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
                                   if isinstance(cap, MergedCapture) for step in common for line in cap.inconsistencies(step)],
             interrupted=[f"{side} step {step}: {why}" for side, cap in (("A", ca), ("B", cb)) for step in common
                          for why in [cap.step_attrs(step).get("interrupted")] if why],
-            findings=findings, exact=exact_note,
+            findings=findings, exact=exact_note, routing=flips,
             nonfinite={side: describe(first_nonfinite(cap)) for side, cap in (("A", ca), ("B", cb))},
         )
         result.outcome, result.reasons = judge_outcome(result)

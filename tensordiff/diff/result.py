@@ -18,11 +18,11 @@ from .align import Pair
 from .metrics import Metrics
 from .tolerance import Tolerances
 
-RowVerdict = Literal["ok", "diverged", "unmatched", "shape", "skipped", "drift", "uncertain"]
+RowVerdict = Literal["ok", "diverged", "unmatched", "shape", "skipped", "drift", "uncertain", "routed"]
 #: Every verdict a row can have.
 ROW_VERDICTS: tuple[RowVerdict, ...] = get_args(RowVerdict)
 #: Rows whose two tensors were compared and judged (the rest count against coverage).
-COMPARED: frozenset[str] = frozenset({"ok", "diverged", "drift"})
+COMPARED: frozenset[str] = frozenset({"ok", "diverged", "drift", "routed"})
 
 Outcome = Literal["agree", "diverged", "inconclusive"]
 #: ``tensordiff diff``'s exit code for each outcome (2 is bad input).
@@ -92,8 +92,9 @@ class Row:
     verdict: RowVerdict = "unmatched"
     """'ok', 'diverged', 'unmatched' (one side only), 'shape' (shapes differ after transforms),
     'skipped' (statistics cannot follow a transform), 'drift' (weights after an optimizer step
-    differ, but nothing computed in that step does) or 'uncertain' (paired by order and shape only,
-    across modules whose names and classes disagree, and the values differ: never a divergence on its own)."""
+    differ, but nothing computed in that step does), 'uncertain' (paired by order and shape only,
+    across modules whose names and classes disagree, and the values differ: never a divergence on its own) or
+    'routed' (differs only through tokens two MoE routers sent to other experts on a near tie: ``diff.routing``)."""
     note: str = ""
     judged: str = ""
     """The dtype whose tolerance judged this pair."""
@@ -203,6 +204,9 @@ class DiffResult:
     """Same-stack exactness held (``diff.exactness``): the stack and the evidence, in words ('' when it did not)."""
     findings: list[str] = field(default_factory=list)
     """Differences seen outside the pairs (an active dropout on one side): never passed over."""
+    routing: list = field(default_factory=list)
+    """Near-tie routing flips (``diff.routing.Flip``): MoE tokens two routers sent to other experts where rounding
+    decided, and the records they account for (verdict 'routed')."""
     """Compared steps that a run's exception cut short: 'B step 0: RuntimeError: ...'."""
     """Records a side's rank files must hold identically (replicated, reduced) but do not: 'B: <label>: TP ranks 0/1
     differ'. The merged view reads the first rank's copy, so these are never passed over."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from rich import box
@@ -21,7 +21,8 @@ from ..record import module_label
 from .theme import collapse, fmt, fmt_cos
 
 VERDICT_TEXT: dict[RowVerdict, str] = {"ok": "ok", "diverged": "DIVERGED", "unmatched": "unmatched", "shape": "SHAPE",
-                                      "drift": "drift", "skipped": "skipped", "uncertain": "UNCERTAIN"}
+                                      "drift": "drift", "skipped": "skipped", "uncertain": "UNCERTAIN",
+                                      "routed": "routed"}
 JSON_VERSION = 1
 
 
@@ -82,7 +83,9 @@ class DiffReport:
                        + (", or accounted for by a rule of structure and value (the 'accounted' lines)"
                           if accounted else "")
                        + (f", or is of a kind the other side never records ({why})" if skipped else "")
-                       + ", and every pair is within its tolerance.", style="tensordiff.ok")
+                       + ", and every pair is within its tolerance"
+                       + (", but for the 'routed' rows below." if res.routing else "."), style="tensordiff.ok")
+        yield from _routing_lines(res)
 
     def _table(self, step: int, phase: str, rows: list[Row], first_key: Any, width: int) -> Table | Group:
         wide = width >= 110
@@ -258,6 +261,9 @@ class DiffReport:
                         f"{skipped[0]} of A's, {skipped[1]} of B's", style="tensordiff.dim")
         if res.count("drift"):
             text.append(f", {res.count('drift')} drifted without effect", style="tensordiff.drift")
+        if res.count("routed"):
+            text.append(f", {res.count('routed')} differ only through tokens routed apart on a near tie (rule routing)",
+                        style="tensordiff.drift")
         if res.count("shape"):
             text.append(f", {res.count('shape')} with different shapes", style="tensordiff.shape")
         if res.count("skipped"):
@@ -303,6 +309,7 @@ class DiffReport:
             "hints": [h.as_dict() for h in hints], "hints_note": hints_note or None,
             "checks": [c.as_dict() for c in checks],
             "summary": {"ok": res.count("ok"), "diverged": res.count("diverged"), "drift": res.count("drift"),
+                        "routed": res.count("routed"),
                         "only_a": res.only_in("a"), "only_b": res.only_in("b"),
                         "linked_a": res.linked("a"), "linked_b": res.linked("b"),
                         "shape_mismatch": res.count("shape"), "skipped": res.count("skipped"),
@@ -315,6 +322,7 @@ class DiffReport:
             "first_divergence": res.first.as_dict() if res.first else None,
             "outcome": res.outcome, "exit_code": res.exit_code, "inconclusive_reasons": res.reasons,
             "findings": res.findings,
+            "routing": [f.as_dict() for f in res.routing],
             "mapping_note": res.mapping_note or None,
             "swapped": res.swapped,
             "rank_inconsistencies": res.rank_inconsistencies,
@@ -323,6 +331,23 @@ class DiffReport:
             "rows": rows,
         }
 
+
+
+def _routing_lines(res: DiffResult) -> Iterator[Text]:
+    """The near-tie routing flips (``diff.routing``) and what they account for: said whenever there are any."""
+    for flip in res.routing:
+        routed = [r for r in res.rows if r.step == flip.step and r.verdict == "routed"]
+        first_of_step = flip is next(f for f in res.routing if f.step == flip.step)
+        tokens = f"token{'s' if len(flip.tokens) > 1 else ''} {flip.where()} of A's {list(flip.grid_a)} layout"
+        yield Text(
+            f"Routing, step {flip.step}: the routers of {module_label(flip.module_a)} sent "
+            f"{plural(len(flip.tokens), 'token', 'tokens')} of {flip.tokens_total} ({tokens}) to other experts on a "
+            f"near tie of their router scores (each gap at most {flip.gap_share:.0%} of what the runs' own difference "
+            f"moves it by): rounding decided, not a conversion fault. The other tokens agree there (rel L2 "
+            f"{flip.rest:.1e}, tolerance {flip.tol:.1e}). "
+            + (f"{plural(len(routed), 'record', 'records')} of this step differ only through these tokens (verdict "
+               "'routed', each with its check)." if routed and first_of_step else ""),
+            style="tensordiff.drift")
 
 
 def _share(part: int, whole: int) -> str:

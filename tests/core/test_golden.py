@@ -301,11 +301,12 @@ def test_diff_report_no_known_cause():
         ("RoPE", "needs q/k (4-D) or an attention output (3-D), this one is 2-D"),
         ("attention scale", "not an attention output (a 3-D forward tensor) or the scores a softmax module takes"),
         ("tied embeddings", "not a parameter gradient of a matrix (forward)"),
-        ("routing", "not a block's 3-D forward output")]
+        ("router normalisation", "not a block's 3-D forward output")]
     checks = DiffReport(res).to_dict()["checks"]
     assert [c["cause"] for c in checks] == ["activation", "norm epsilon", "RoPE", "attention scale", "dtype", "layout",
                                             "bias", "dropout", "loss normalisation", "aux loss", "tied embeddings",
-                                            "routing", "constant factor", "vocabulary padding", "checkpoint",
+                                            "router normalisation", "constant factor", "vocabulary padding",
+                                            "checkpoint",
                                             "optimizer step"]
     assert checks[1] == {"cause": "norm epsilon", "ran": False, "reason": "no input of a fitting shape"}
     golden("diff_report_no_cause.txt", DiffReport(res, first_only=True))

@@ -61,8 +61,8 @@ def test_partial_hint_names_what_was_not_tested(tmp_path):
     text = " ".join(render(DiffReport(res, first_only=True)).split())
     assert ("Not tested here: RoPE (needs q/k (4-D) or an attention output (3-D), this one is 2-D); attention scale "
             "(not an attention output (a 3-D forward tensor) or the scores a softmax module takes); "
-            "bias (the module has no bias); tied embeddings (not a parameter gradient of a matrix (forward)); routing "
-            "(not a block's 3-D forward output); checkpoint (no weights compared at step 0).") in text
+            "bias (the module has no bias); tied embeddings (not a parameter gradient of a matrix (forward)); router "
+            "normalisation (not a block's 3-D forward output); checkpoint (no weights compared at step 0).") in text
 
 
 def test_rows_that_differ_from_some_row_on_are_no_padded_vocabulary_outside_a_vocabulary_dimension(tmp_path):

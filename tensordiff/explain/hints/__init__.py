@@ -13,8 +13,8 @@ RoPE, no stored input, no bias) raises ``NotApplicable(reason)``, and ``run_chec
 explain at least half of the gap are reported. One module per cause, one page each in
 docs/hints/: ``activation``, ``norm``, ``rope``, ``dtype``, ``layout``, ``dropout``, ``loss``
 (loss normalisation), ``aux_loss`` (a router's auxiliary loss in one side's loss or gradients), ``factor``,
-``vocab`` (vocabulary padding), ``tied`` (tied embeddings on one side), ``routing`` (MoE tokens routed apart on near ties),
-``checkpoint`` (and a norm's ``1 + w`` offset), ``update`` (the optimizer step);
+``vocab`` (vocabulary padding), ``tied`` (tied embeddings on one side), ``router_norm`` (top-k router
+probabilities renormalised on one side only), ``checkpoint`` (and a norm's ``1 + w`` offset), ``update`` (the optimizer step);
 ``base`` holds the site, the fit they share and ``NotApplicable``. Framework-free: numpy on
 captured arrays.
 """
@@ -42,7 +42,7 @@ from .norm import check_norm_epsilon
 from .parallel import check_partial_sum
 from .pipeline import check_pipeline
 from .rope import check_rope
-from .routing import check_routing
+from .router_norm import check_router_norm
 from .tied import check_tied
 from .update import check_update
 from .vocab import check_vocab_padding
@@ -60,12 +60,13 @@ CHECKS: tuple[tuple[str, Callable[[Site], Iterator[Hint]]], ...] = (
     ("norm epsilon", check_norm_epsilon),
     ("dtype", check_dtype), ("layout", check_layout), ("bias", check_missing_bias),
     ("loss normalisation", check_loss_normalisation), ("aux loss", check_aux_loss), ("tied embeddings", check_tied),
-    ("routing", check_routing), ("constant factor", check_factor),
+    ("router normalisation", check_router_norm), ("constant factor", check_factor),
 )
 #: Every cause tested, in words, in the order reports name them; ``check_checkpoint`` (it needs the whole diff
 #: result) runs first.
-CHECKED = ("activation", "norm epsilon", "RoPE", "attention scale", "dtype", "layout", "bias", "dropout", "loss normalisation",
-           "aux loss", "tied embeddings", "routing", "constant factor", "vocabulary padding", "checkpoint", "optimizer step")
+CHECKED = ("activation", "norm epsilon", "RoPE", "attention scale", "dtype", "layout", "bias", "dropout",
+           "loss normalisation", "aux loss", "tied embeddings", "router normalisation", "constant factor",
+           "vocabulary padding", "checkpoint", "optimizer step")
 
 
 def _none_ran(reason: str) -> list[CheckStatus]:
