@@ -23,6 +23,7 @@ SAMPLE = [
     Case("phi3"),
     Case("mixtral", "bfloat16"), Case("mixtral", "bfloat16", "router-softmax"), Case("gpt_oss"),
     Case("starcoder2"),  # not in the list, no convention of its own: LayerNorm, biases, c_fc/c_proj
+    Case("deepseek_v3"),
     Case("olmoe"),
 ]
 
@@ -33,7 +34,7 @@ def outcomes(tmp_path_factory):
     return {c.name: run_case(c, out) for c in SAMPLE}
 
 
-@pytest.mark.parametrize("family", ["gemma", "phi3", "mixtral", "starcoder2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["gemma", "phi3", "mixtral", "starcoder2", "gpt_oss", "deepseek_v3"])
 def test_each_pair_is_equivalent_by_its_logits_before_tensordiff_is_asked(family):
     assert check_equivalent(family) < 1e-5
 
@@ -60,6 +61,8 @@ def test_gemma_norms_are_read_as_one_plus_w_and_phi3_fuses_qkv_as_q_k_v(outcomes
     assert "fused QKV [Q|K|V], fused gate/up" in outcomes["phi3[fp32]"].note
     assert "4 experts" in outcomes["mixtral[bf16]"].note
     assert "4 experts in one tensor, attention sinks" in outcomes["gpt_oss[fp32]"].note
+    assert "multi-latent attention, 4 experts (the first layer dense), a shared expert" in \
+        outcomes["deepseek_v3[fp32]"].note
 
 
 def test_a_family_megatron_core_cannot_express_is_said_in_one_line(outcomes):

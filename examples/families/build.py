@@ -63,12 +63,19 @@ def build_hf(family: Family | str, dtype: str = "float32", attn: str = "sdpa", s
                 p.copy_(0.05 * torch.randn_like(p))
             elif name.endswith(".sinks"):
                 p.copy_(torch.randn_like(p))
+        if cfg.model_type == "deepseek_v3":  # a sigmoid router on std-0.02 weights barely depends on the token
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.mul_(15.0)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):  # zeros by default: make it change the routing
+                    b.copy_(0.05 * torch.randn_like(b))
     return model.to(getattr(torch, dtype))
 
 
 # --------------------------------------------------------------------------------------------------- megatron config
 def _moe(cfg: Any) -> bool:
-    return cfg.model_type in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss")
+    return cfg.model_type in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")
 
 
 #: GPT-OSS's expert activation, hard-coded in ``transformers``' ``GptOssExperts`` (not in the config):
@@ -123,7 +130,9 @@ def mcore_config(cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
             # HF: query i sees keys i - sliding_window < j <= i (exact; on a CPU-only torch it needs the
             # device="cuda" shim: megatron builds its sliding-window mask there)
             tf.update(window_size=(cfg.sliding_window - 1, 0), window_attn_skip_freq=[int(s) for s in sliding])
-    if _moe(cfg):
+    if cfg.model_type == "deepseek_v3":
+        tf.update(_deepseek_v3(cfg))
+    elif _moe(cfg):
         experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
         # HF: softmax over all experts, top-k, renormalised (Mixtral; Qwen3-MoE with norm_topk_prob) == megatron's
         # top-k of the logits then softmax over the k (pre_softmax=False), GPT-OSS's router (top-k of the logits,
@@ -141,6 +150,32 @@ def mcore_config(cfg: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return tf, gpt
 
 
+def _deepseek_v3(cfg: Any) -> dict[str, Any]:
+    """DeepSeek-V3's multi-latent attention and MoE as megatron-core config fields (``MLATransformerConfig``)."""
+    if cfg.rope_scaling is not None:
+        raise NotImplementedError("deepseek_v3: only plain RoPE (rope_scaling=None) is converted, not YaRN")
+    if not cfg.norm_topk_prob:
+        raise NotImplementedError("deepseek_v3: megatron-core's sigmoid router renormalises the top k: "
+                                  "norm_topk_prob must be True")
+    dense = cfg.first_k_dense_replace
+    return dict(
+        num_query_groups=cfg.num_attention_heads, kv_channels=cfg.v_head_dim,
+        multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+        qk_head_dim=cfg.qk_nope_head_dim, qk_pos_emb_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        # MLA's RoPE takes x[0::2], x[1::2] and rotates halves: HF's rope_interleave=True (the default) as is
+        rope_type="rope", rotary_base=cfg.rope_theta, rotary_percent=1.0, rotary_interleaved=False,
+        qk_layernorm=True,  # megatron-core's local spec builds MLA's q_layernorm / kv_layernorm only with it
+        num_moe_experts=cfg.n_routed_experts, moe_router_topk=cfg.num_experts_per_tok,
+        moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts,
+        moe_layer_freq=[0] * dense + [1] * (cfg.num_hidden_layers - dense),
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_router_topk_scaling_factor=cfg.routed_scaling_factor, moe_router_pre_softmax=False,
+        moe_router_num_groups=cfg.n_group, moe_router_group_topk=cfg.topk_group,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather", moe_grouped_gemm=False)
+
+
 # --------------------------------------------------------------------------------------------------- weights
 def _pack_qkv(q: Tensor, k: Tensor, v: Tensor, groups: int, head_dim: int, per_group: bool = True) -> Tensor:
     """[all q], [all k], [all v] rows -> megatron's rows per query group [q heads of g, k_g, v_g]."""
@@ -153,6 +188,8 @@ def _pack_qkv(q: Tensor, k: Tensor, v: Tensor, groups: int, head_dim: int, per_g
 
 def hf_to_mcore(hf: dict[str, Tensor], cfg: Any, fault: str = "") -> dict[str, Tensor]:
     """HF state dict -> megatron-core ``GPTModel`` state dict (``fault``: a conversion mistake of ``table.FAULTS``)."""
+    if cfg.model_type == "deepseek_v3":
+        return _deepseek_v3_to_mcore(hf, cfg, fault)
     gemma = cfg.model_type == "gemma"
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     nq, nkv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
@@ -227,7 +264,95 @@ def hf_to_mcore(hf: dict[str, Tensor], cfg: Any, fault: str = "") -> dict[str, T
     return {k: v.detach().clone().float().contiguous() for k, v in out.items()}
 
 
+def _deepseek_v3_to_mcore(hf: dict[str, Tensor], cfg: Any, fault: str = "") -> dict[str, Tensor]:
+    """DeepSeek-V3: q_a/q_b (or q_proj), kv_a_proj_with_mqa, kv_b_proj and their norms to MLA's down/up projections
+    (rows per head [nope | rope] on both sides; with HF's rope_interleave=False the rope rows are reordered for
+    MLA's x[0::2], x[1::2]); the first ``first_k_dense_replace`` layers dense; routers with their score-correction
+    bias (megatron's expert_bias), routed and shared experts fc1 = [gate; up]."""
+    heads, nope, rope = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    rows = torch.arange(rope) if cfg.rope_interleave else \
+        torch.stack([torch.arange(rope // 2), torch.arange(rope // 2) + rope // 2], dim=1).reshape(-1)
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    if not cfg.tie_word_embeddings:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+
+    def glu(mc: str, h: str) -> None:
+        out[mc + "linear_fc1.weight"] = torch.cat([hf[h + "gate_proj.weight"], hf[h + "up_proj.weight"]])
+        out[mc + "linear_fc2.weight"] = hf[h + "down_proj.weight"]
+
+    for i in range(cfg.num_hidden_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        a, sa = h + "self_attn.", m + "self_attention."
+        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        lora = cfg.q_lora_rank is not None
+        q = hf[a + ("q_b_proj.weight" if lora else "q_proj.weight")].reshape(heads, nope + rope, -1)
+        q = torch.cat([q[:, :nope], q[:, nope:][:, rows]], dim=1).reshape(heads * (nope + rope), -1)
+        out[sa + ("linear_q_up_proj.weight" if lora else "linear_q_proj.weight")] = q
+        if lora:
+            out[sa + "linear_q_down_proj.weight"] = hf[a + "q_a_proj.weight"]
+            out[sa + "q_layernorm.weight"] = hf[a + "q_a_layernorm.weight"]
+        kv = hf[a + "kv_a_proj_with_mqa.weight"]  # [kv_lora_rank | rope] rows
+        r = cfg.kv_lora_rank
+        out[sa + "linear_kv_down_proj.weight"] = torch.cat([kv[:r], kv[r:][rows]])
+        out[sa + "kv_layernorm.weight"] = hf[a + "kv_a_layernorm.weight"]
+        out[sa + "linear_kv_up_proj.weight"] = hf[a + "kv_b_proj.weight"]  # rows per head [k_nope | v] on both
+        out[sa + "linear_proj.weight"] = hf[a + "o_proj.weight"]
+        if i < cfg.first_k_dense_replace:
+            glu(m + "mlp.", h + "mlp.")
+            continue
+        out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"]
+        out[m + "mlp.router.expert_bias"] = hf[h + "mlp.gate.e_score_correction_bias"]
+        for e in range(cfg.n_routed_experts):
+            glu(m + f"mlp.experts.local_experts.{e}.", h + f"mlp.experts.{e}.")
+        glu(m + "mlp.shared_experts.", h + "mlp.shared_experts.")
+    return {k: v.detach().clone().float().contiguous() for k, v in out.items()}
+
+
 # --------------------------------------------------------------------------------------------------- megatron-core
+def _mla_core_attention_class() -> type:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.utils import divide
+
+    class MLADotProductAttention(DotProductAttention):
+        """megatron-core 0.16.1's local ``DotProductAttention`` taking the ``k_channels`` / ``v_channels`` MLA passes
+        (its local spec builds it without them: "unexpected keyword argument 'k_channels'"): q and k have
+        k_channels per head, v v_channels, the context [s, b, heads * v_channels]; MLA gives its own softmax scale."""
+
+        def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                     **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if v_channels is not None:
+                self.hidden_size_per_partition = divide(v_channels * self.config.num_attention_heads,
+                                                        self.tp_group.size())
+            if k_channels is not None:
+                self.hidden_size_per_attention_head = k_channels
+
+    return MLADotProductAttention
+
+
+def _build_mla(config: Any, gpt: dict[str, Any]) -> Any:
+    """megatron-core's ``GPTModel`` with multi-latent attention on the local spec, dense layers where
+    ``moe_layer_freq`` says (the decoder block spec), two workarounds of megatron-core 0.16.1 without Transformer
+    Engine: the core attention above, and ``multi_latent_attention.HAVE_TE`` False while the model is built (its
+    import of ``TELinear`` succeeds against the stand-in ``MagicMock`` that ``extensions.transformer_engine`` binds,
+    and MLA's ``isinstance(self.linear_proj, TELinear)`` then raises "isinstance() arg 2 must be a type")."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    core = _mla_core_attention_class()
+    for layer_spec in spec.layer_specs:
+        layer_spec.submodules.self_attention.submodules.core_attention = core
+    had_te, mla.HAVE_TE = mla.HAVE_TE, False
+    try:
+        return GPTModel(config=config, transformer_layer_spec=spec, **gpt)
+    finally:
+        mla.HAVE_TE = had_te
+
+
 def _scaled_embedding_class() -> type:
     from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 
@@ -266,16 +391,22 @@ def build_mcore(family: Family | str, dtype: str = "float32", hf_state: dict[str
         tf["add_qkv_bias"] = tf["add_bias_linear"] = False
     elif fault == "rope-theta":
         gpt["rotary_base"] = 1e6
+        tf["rotary_base"] = 1e6  # multi-latent attention builds its own rotary embedding from the config
     elif fault == "partial-rotary":
         gpt["rotary_percent"] = 0.5
     elif fault == "untied-output":
         gpt["share_embeddings_and_output_weights"] = False
     elif fault == "router-softmax":
         tf["moe_router_pre_softmax"] = not tf["moe_router_pre_softmax"]
-    config = TransformerConfig(**tf)
-    spec = get_gpt_layer_local_spec(num_experts=tf.get("num_moe_experts"), moe_grouped_gemm=False,
-                                    qk_layernorm=tf["qk_layernorm"], normalization=tf["normalization"])
-    model = GPTModel(config=config, transformer_layer_spec=spec, **gpt)
+    if tf.get("multi_latent_attention"):
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        model = _build_mla(MLATransformerConfig(**tf), gpt)
+    else:
+        config = TransformerConfig(**tf)
+        spec = get_gpt_layer_local_spec(num_experts=tf.get("num_moe_experts"), moe_grouped_gemm=False,
+                                        qk_layernorm=tf["qk_layernorm"], normalization=tf["normalization"])
+        model = GPTModel(config=config, transformer_layer_spec=spec, **gpt)
     if cfg.model_type == "gemma" and fault != "embed-scale":
         model.embedding.__class__ = _scaled_embedding_class()  # Megatron-Bridge extends the instance likewise
     if tf.get("num_moe_experts") and tf["add_bias_linear"]:  # GPT-OSS: experts with biases, trainable (see there)

@@ -82,6 +82,16 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # YaRN not converted) and a sliding window as long as max_position_embeddings (the sliding layers see everything)
     Family("gpt_oss", "GptOssConfig", {**MOE, "num_local_experts": 4, "rope_scaling": None,
                                        "sliding_window": TINY["max_position_embeddings"]}, _MOE_FAULTS),
+    # DeepSeek-V3: multi-latent attention (q and kv through low-rank projections with their norms, RoPE on a part of
+    # each head), a dense first layer, then sigmoid routing with a score-correction bias and a shared expert
+    Family("deepseek_v3", "DeepseekV3Config", {**MOE, "num_key_value_heads": 4, "head_dim": 8,  # its RoPE part
+                                               "q_lora_rank": 32, "kv_lora_rank": 32,
+                                               "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                                               "n_routed_experts": 4, "n_shared_experts": 1,
+                                               "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+                                               "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
+                                               "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_scaling": None},
+           ("rope-theta",)),
     Family("olmoe", "OlmoeConfig", {**MOE, "num_experts": 4}, (), mcore_can_express=False,
            reason="OLMoE's q_norm/k_norm are RMSNorms over the whole q/k projection (all heads), megatron-core's "
                   "qk_layernorm normalises each head (kv_channels) separately"),

@@ -25,6 +25,10 @@ FIELDS = (
     "qk_layernorm", "add_qkv_bias", "attention_bias", "num_moe_experts", "num_local_experts", "num_experts",
     "n_routed_experts", "moe_ffn_hidden_size", "moe_intermediate_size", "moe_router_topk", "num_experts_per_tok",
     "use_parallel_residual", "parallel_attn",
+    # multi-latent attention and shared experts (DeepSeek): HF's names, then megatron-core's
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim",
+    "qk_pos_emb_head_dim", "multi_latent_attention", "n_shared_experts", "moe_shared_expert_intermediate_size",
+    "first_k_dense_replace", "moe_layer_freq",
 )
 
 

@@ -36,10 +36,11 @@ record it accounts. Rules, in the order they are tried:
     with the model, the decoder or a layer stack as the consumer, never for a record that is a finding.
 ``inside``
     a record of a parameter-free module (or an extra output) strictly inside a module both sides recorded and whose
-    compared records agree (SDPA on one side, explicit softmax and dropout on the other). Never for a module with
-    parameters that were not compared and found to agree (megatron's core attention holding GPT-OSS's sinks is
-    compared by them), never with the model, the decoder or a layer stack as the enclosing module: a mapping that
-    pairs nothing inside the decoder stays inconclusive.
+    compared records agree (SDPA on one side, explicit softmax and dropout on the other); in backward, a module whose
+    own gradients are recorded and agree, or, where neither side recorded them, whose parameters' gradients all do.
+    Never for a module with parameters that were not compared and found to agree (megatron's core attention holding
+    GPT-OSS's sinks is compared by them), never with the model, the decoder or a layer stack as the enclosing module:
+    a mapping that pairs nothing inside the decoder stays inconclusive.
 ``bias``
     the bias megatron's linear layers return for their caller to add (``skip_bias_add``): added to the module's
     output before it was compared with the other side's, which includes it (``Pair.bias_a`` / ``bias_b``).
@@ -1058,6 +1059,15 @@ def _inputs(side: _Side, lone: list[Row]) -> None:
                 break
 
 
+def _gradients_agree(side: _Side, outer: str) -> bool:
+    """Every parameter inside ``outer`` had its gradient compared, and it agrees: the backward through ``outer``
+    computed what the other side's did even where neither recorded ``outer``'s own gradients (an MoE block's
+    shared expert)."""
+    inner = [m for m in side.param_modules if m == outer or is_inside(m, outer)]
+    return bool(inner) and all("param_grad" in side.ok_modules.get(m, set()) and m not in side.bad_modules
+                               for m in inner)
+
+
 def _inside(side: _Side, lone: list[Row]) -> None:
     """Records of parameter-free modules, and extra outputs, strictly inside a module whose compared records agree."""
     for row in lone:
@@ -1077,7 +1087,8 @@ def _inside(side: _Side, lone: list[Row]) -> None:
                 continue
             if side.holds_stack(outer):
                 break  # never the decoder, the model, a layer stack
-            if "forward" not in phases or (rec.phase == "backward" and "backward" not in phases):
+            if "forward" not in phases or (rec.phase == "backward" and "backward" not in phases
+                                           and not _gradients_agree(side, outer)):
                 continue
             what = (f"an extra output of {outer}" if extra else f"{module_label(rec.module)} "
                     f"({rec.module_class or '?'})")

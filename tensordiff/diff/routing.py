@@ -90,20 +90,23 @@ class Flip:
 # ----------------------------------------------------------------------------- reading the routers
 
 def _router_records(recs: list[Record], block: str, tokens: int) -> list[Record]:
-    """Records inside ``block`` (a module and its children) of shape [tokens, E], E > 1, in the order they ran."""
+    """Outputs inside ``block`` (a module and its children) of shape [tokens, E or k], more than one column, in the
+    order they ran."""
     return [r for r in recs if r.phase == "forward" and r.kind == "output" and r.has_data and len(r.shape) == 2
             and r.shape[0] == tokens and r.shape[1] > 1 and (r.module == block or is_inside(r.module, block))]
 
 
-def _routing(cap: Any, recs: list[Record], block: str, tokens: int, k: int | None) \
+def _routing(cap: Any, recs: list[Record], block: str, tokens: int, k: int | None, experts: int | None = None) \
         -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None] | None:
     """(top-k sets as a bool [T, E], dense scores [T, E] or None, each token's top-k probability mass [T] or None) of
-    one side's router inside ``block``."""
-    sets, scores, mass = None, None, None
+    one side's router inside ``block``; ``experts``: E, for a router that returns the chosen experts' indices
+    [T, k] (DeepSeek-V3's) rather than anything [T, E]."""
+    sets, scores, mass, indices = None, None, None, None
     for r in _router_records(recs, block, tokens):
         x = np.asarray(cap.array(r))
         if x.dtype.kind in "iu":
-            continue  # the chosen experts' indices [T, k] (GPT-OSS's router): the sets say the same
+            indices = x if indices is None else indices  # the chosen experts' indices [T, k]
+            continue
         if x.dtype == bool:
             sets = x if sets is None else sets
         else:
@@ -114,6 +117,10 @@ def _routing(cap: Any, recs: list[Record], block: str, tokens: int, k: int | Non
                 mass = x.sum(axis=1) if mass is None and np.all(x >= 0) else mass
             elif scores is None:
                 scores = x
+    if sets is None and indices is not None and experts and indices.size and indices.min() >= 0 \
+            and indices.max() < experts:
+        sets = np.zeros((tokens, experts), dtype=bool)
+        np.put_along_axis(sets, indices.astype(np.int64), True, axis=1)
     if sets is not None and scores is not None and scores.shape != sets.shape:
         scores = None  # a [T, k] tensor of the chosen experts' weights, not scores over every expert
     if sets is None and scores is not None and k:
@@ -181,9 +188,9 @@ def routers(row: Row, ca: Any, cb: Any, grid: tuple[int, int]) -> Routers | None
         return None
     d0, d1 = grid
     tokens = d0 * d1
-    found_a = _routing(ca, ca.records(a.step), a.module, tokens, None)
+    found_a = _routing(ca, ca.records(a.step), a.module, tokens, None, _experts(ca.records(a.step), a.module))
     k = int(found_a[0].sum(axis=1).max()) if found_a is not None else None
-    found_b = _routing(cb, cb.records(b.step), b.module, tokens, k)
+    found_b = _routing(cb, cb.records(b.step), b.module, tokens, k, _experts(cb.records(b.step), b.module))
     if found_a is None or found_b is None:
         return None
     sets_a, scores_a, mass_a = found_a
@@ -198,6 +205,14 @@ def routers(row: Row, ca: Any, cb: Any, grid: tuple[int, int]) -> Routers | None
         scores_b = None if scores_b is None else scores_b.reshape(d1, d0, -1).transpose(1, 0, 2).reshape(tokens, -1)
         mass_b = None if mass_b is None else mass_b.reshape(d1, d0).T.reshape(tokens)
     return Routers(sets_a, flat_b[order], scores_b if scores_b is not None else scores_a, order == 1, mass_a, mass_b)
+
+
+def _experts(recs: list[Record], block: str) -> int | None:
+    """E, the number of experts numbered inside the block (``experts.0`` ... ``experts.{E-1}``), for a side whose
+    router returns only the chosen experts' indices."""
+    numbers = {int(seg) for r in recs if r.phase == "weights" and is_inside(r.module, block)
+               for seg in r.module[len(block) + 1:].split(".") if seg.isdigit()}
+    return max(numbers) + 1 if numbers and numbers == set(range(max(numbers) + 1)) else None
 
 
 def near_tie_flips(row: Row, ca: Any, cb: Any, xa: np.ndarray, xb: np.ndarray) -> Flip | None:

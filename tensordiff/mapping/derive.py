@@ -84,6 +84,11 @@ class Layer:
     """its parameter slot -> role: 'gate_up' / 'down' as x @ W ('_xw') or W @ x ('_wx'), 'gate_up_bias', 'down_bias'."""
     sinks: str = ""
     """the attention module's per-head parameter (attention sinks: megatron's learnable softmax offset)."""
+    mla: dict[str, str] = field(default_factory=dict)
+    """multi-latent attention (DeepSeek): megatron's module name -> HF's (linear_q_down_proj, linear_q_up_proj or
+    linear_q_proj, linear_kv_down_proj, linear_kv_up_proj, q_layernorm, kv_layernorm)."""
+    shared: tuple[str, str, str] = ("", "", "")
+    """the MoE block's shared expert: (gate, up, down)."""
     problems: list[str] = field(default_factory=list)
     """what does not fit the roles the configs predict: no mapping is derived."""
     cannot: list[str] = field(default_factory=list)
@@ -93,7 +98,7 @@ class Layer:
         return (tuple(self.norms), self.attention, self.q, self.k, self.v, self.qkv, self.q_norm, self.k_norm, self.o,
                 self.mlp, self.gate, self.up, self.gate_up, self.fc1, self.down, self.router,
                 tuple(sorted(self.experts.items())), self.expert_fused, self.packed, tuple(self.packed_slots.items()),
-                self.sinks)
+                self.sinks, tuple(sorted(self.mla.items())), self.shared)
 
 
 @dataclass
@@ -222,9 +227,15 @@ def _roles(tree: _Tree, prefix: str, sizes: dict[str, int]) -> Layer:
             layer.experts[e] = (g, u, d)
             continue
         linears.append((rel, out, inp))
+    taken: set[str] = set()
+    if sizes.get("kv_lora"):
+        taken = _mla_roles(layer, linears, sizes)
     # attention first: q, k, v, o as four projections in the order they ran, else one fused QKV and o
-    sep = [x for x in linears if (x[2] == h and x[1] in (nh * hd, ng * hd)) or (x[2] == nh * hd and x[1] == h)]
-    if len(sep) >= 4 and [x[1] for x in sep[:3]] == [nh * hd, ng * hd, ng * hd] and sep[3][1:] == (h, nh * hd):
+    sep = [] if layer.mla else [x for x in linears if (x[2] == h and x[1] in (nh * hd, ng * hd))
+                                or (x[2] == nh * hd and x[1] == h)]
+    if layer.mla:
+        pass
+    elif len(sep) >= 4 and [x[1] for x in sep[:3]] == [nh * hd, ng * hd, ng * hd] and sep[3][1:] == (h, nh * hd):
         (layer.q, _, _), (layer.k, _, _), (layer.v, _, _), (layer.o, _, _) = sep[:4]
         taken = {x[0] for x in sep[:4]}
     else:
@@ -234,10 +245,16 @@ def _roles(tree: _Tree, prefix: str, sizes: dict[str, int]) -> Layer:
         if fused and out_proj:
             layer.qkv, layer.o = fused[0], out_proj[0]
         taken = {layer.qkv, layer.o} - {""}
+    shared_ffn = sizes.get("shared_ffn")
+    shared_in: list[str] = []
     for rel, out, inp in linears:
         if rel in taken:
             continue
-        if inp == h and ffn and out == 2 * ffn:
+        if shared_ffn and inp == h and out == shared_ffn and shared_ffn != ffn:
+            shared_in.append(rel)
+        elif shared_ffn and inp == shared_ffn and out == h and shared_ffn != ffn:
+            layer.shared = (*layer.shared[:2], rel)
+        elif inp == h and ffn and out == 2 * ffn:
             layer.gate_up = rel
         elif inp == h and ffn and out == ffn:
             in_h.append(rel)
@@ -251,11 +268,24 @@ def _roles(tree: _Tree, prefix: str, sizes: dict[str, int]) -> Layer:
         layer.gate, layer.up = in_h
     elif len(in_h) == 1:
         layer.fc1 = in_h[0]
-    attn = [x for x in (layer.q, layer.k, layer.v, layer.qkv, layer.o) if x]
+    if len(shared_in) == 2:
+        layer.shared = (shared_in[0], shared_in[1], layer.shared[2])
+    elif shared_in:
+        layer.problems.append(f"{shared_in[0]}: a shared expert's projection without its pair")
+    attn = [x for x in (layer.q, layer.k, layer.v, layer.qkv, layer.o, *layer.mla.values()) if x]
     layer.attention = common_parent([prefix + "." + x for x in attn]) if len(attn) >= 2 else ""
     layer.attention = _rel(layer.attention, prefix) if layer.attention.startswith(prefix + ".") else ""
+    mla_norms = [n for n in ("q_layernorm", "kv_layernorm") if n not in layer.mla and sizes.get(
+        "q_lora" if n == "q_layernorm" else "kv_lora")]
     for rel, size in vectors:
-        if layer.attention and inside(rel, layer.attention):  # q then k norm, in the order they ran
+        if layer.mla and layer.attention and inside(rel, layer.attention):  # MLA: q's then kv's latent norm
+            want = [n for n in mla_norms if size == sizes["q_lora" if n == "q_layernorm" else "kv_lora"]]
+            if want:
+                layer.mla[want[0]] = rel
+                mla_norms.remove(want[0])
+            else:
+                layer.problems.append(f"{rel}: a [{size}] norm in the multi-latent attention of no latent size")
+        elif layer.attention and inside(rel, layer.attention):  # q then k norm, in the order they ran
             if size != hd:
                 layer.cannot.append(f"{rel} normalises [{size}] (q or k of all heads at once); megatron-core's "
                                     f"qk_layernorm normalises each head's [{hd}] on its own")
@@ -268,12 +298,36 @@ def _roles(tree: _Tree, prefix: str, sizes: dict[str, int]) -> Layer:
     if layer.attention:
         layer.sinks = next((slot for slot, shape in tree.params.get(f"{prefix}.{layer.attention}", {}).items()
                             if shape == (nh,) and slot != "bias"), "")
-    mlp = [x for x in (layer.gate, layer.up, layer.gate_up, layer.fc1, layer.down, layer.router, layer.packed) if x]
+    mlp = [x for x in (layer.gate, layer.up, layer.gate_up, layer.fc1, layer.down, layer.router, layer.packed,
+                       *layer.shared) if x]
     mlp += [x for parts in layer.experts.values() for x in parts if x]
     layer.mlp = _rel(common_parent([prefix + "." + x for x in mlp]), prefix) if len(mlp) >= 2 else ""
     if layer.mlp == "" or not (prefix + "." + layer.mlp).startswith(prefix + "."):
         layer.mlp = ""
     return layer
+
+
+def _mla_roles(layer: Layer, linears: list[tuple[str, int, int]], sizes: dict[str, int]) -> set[str]:
+    """Multi-latent attention's projections, by shape in the order they ran: q's down (hidden -> q latent) and up
+    (q latent -> heads x (nope + rope)) projections, or one q projection without a q latent; kv's down projection
+    (hidden -> kv latent + rope) and up projection (kv latent -> heads x (nope + v)); the output projection."""
+    h, nh = sizes["hidden"], sizes["heads"]
+    q_lora, kv_lora, rope = sizes.get("q_lora"), sizes["kv_lora"], sizes["qk_rope"]
+    qh, kvh = sizes["qk_nope"] + rope, sizes["qk_nope"] + sizes["v_head"]
+    want = ([("linear_q_down_proj", h, q_lora), ("linear_q_up_proj", q_lora, nh * qh)] if q_lora else
+            [("linear_q_proj", h, nh * qh)]) + [("linear_kv_down_proj", h, kv_lora + rope),
+                                                ("linear_kv_up_proj", kv_lora, nh * kvh),
+                                                ("linear_proj", nh * sizes["v_head"], h)]
+    found: dict[str, str] = {}
+    for rel, out, inp in linears:
+        role = next((r for r, i, o in want if r not in found and (i, o) == (inp, out)), None)
+        if role:
+            found[role] = rel
+    if len(found) != len(want):
+        return set()
+    layer.o = found.pop("linear_proj")
+    layer.mla = found
+    return {layer.o, *found.values()}
 
 
 def _packed_roles(params: dict[str, tuple[int, ...]], h: int, ffn: int | None,
@@ -301,6 +355,17 @@ def _sizes(cfg_a: dict[str, Any], cfg_b: dict[str, Any]) -> dict[str, int] | Non
     for key, value in (("ffn", ffn), ("moe_ffn", moe_ffn or ffn if experts else None), ("experts", experts)):
         if value:
             out[key] = value
+    shared = (_int(cfg_b, "n_shared_experts") or 0) * (moe_ffn or 0) or _int(cfg_a, "moe_shared_expert_intermediate_size")
+    if shared and experts:
+        out["shared_ffn"] = shared
+    kv_lora = _int(cfg_b, "kv_lora_rank") or _int(cfg_a, "kv_lora_rank")
+    if kv_lora:  # multi-latent attention (DeepSeek)
+        out.update(kv_lora=kv_lora, qk_nope=_int(cfg_b, "qk_nope_head_dim") or _int(cfg_a, "qk_head_dim") or 0,
+                   qk_rope=_int(cfg_b, "qk_rope_head_dim") or _int(cfg_a, "qk_pos_emb_head_dim") or 0,
+                   v_head=_int(cfg_b, "v_head_dim") or _int(cfg_a, "v_head_dim") or 0)
+        q_lora = _int(cfg_b, "q_lora_rank") or _int(cfg_a, "q_lora_rank")
+        if q_lora:
+            out["q_lora"] = q_lora
     return out
 
 
@@ -324,7 +389,7 @@ def derive(cfg_a: dict[str, Any], cfg_b: dict[str, Any], records_a: list[Record]
             f"{parallel[0]}: True, a parallel residual (attention and MLP both read the layer's input, their outputs "
             "added to it together); a megatron-core layer runs them one after the other"])
     for i, layer in enumerate(layers):
-        missing = [what for what, ok in (("attention q/k/v", layer.qkv or layer.q), ("attention output", layer.o),
+        missing = [what for what, ok in (("attention q/k/v", layer.qkv or layer.q or layer.mla), ("attention output", layer.o),
                                         ("MLP", layer.mlp)) if not ok]
         if missing or layer.problems:
             return Derived(None, f"{stack}.{i}: " + "; ".join([f"no {m} found by shape" for m in missing]
@@ -388,20 +453,30 @@ def derive(cfg_a: dict[str, Any], cfg_b: dict[str, Any], records_a: list[Record]
     doc = {"tensordiff_mapping": 2, "sides": ["mcore", "hf"], "description": description,
            "modules": {"order_fallback": False, "ignore": {"mcore": ignore_mcore, "hf": ignore_hf}, "rules": rules}}
     pair = PairFile(name="derived", path="<derived mapping>", sides=("mcore", "hf"), description=description, _doc=doc)
-    shape = _describe(layers[0], conv, sizes, norm_ops)
+    shape = _describe(layers, conv, sizes, norm_ops)
     return Derived(parse(pair), f"{DERIVED} ({shape})", doc=doc)
 
 
-def _describe(layer: Layer, conv: Convention, sizes: dict[str, int], norm_ops: dict) -> str:
-    parts = [f"{sizes['heads']} heads in {sizes['groups']} query groups"]
+def _describe(layers: list[Layer], conv: Convention, sizes: dict[str, int], norm_ops: dict) -> str:
+    """The derived layout in words: what any layer has (a dense first layer and MoE ones: both said)."""
+    layer = layers[0]
+    parts = [f"{sizes['heads']} heads, multi-latent attention" if layer.mla else
+             f"{sizes['heads']} heads in {sizes['groups']} query groups"]
     if layer.qkv:
         parts.append("fused QKV " + ("[Q|K|V]" if conv.qkv == "concat" else "per head"))
-    if layer.gate_up:
+    if any(lay.gate_up for lay in layers):
         parts.append("fused gate/up")
-    if layer.experts or layer.packed:
-        parts.append(f"{sizes.get('experts')} experts" + (" in one tensor" if layer.packed else ""))
+    moe = [lay for lay in layers if lay.experts or lay.packed]
+    if moe:
+        dense = len(layers) - len(moe)
+        first_dense = dense and all(lay.experts or lay.packed for lay in layers[dense:])
+        parts.append(f"{sizes.get('experts')} experts" + (" in one tensor" if moe[0].packed else "")
+                     + ("" if not first_dense else " (the first layer dense)" if dense == 1 else
+                        f" (the first {dense} layers dense)"))
     if layer.sinks:
         parts.append("attention sinks")
+    if any(lay.shared[2] for lay in layers):
+        parts.append("a shared expert")
     if norm_ops:
         parts.append(f"norms x({conv.norm_offset:g}+w)")
     if any(not n for n in layer.norms):
@@ -427,7 +502,12 @@ def _layer_rules(layer: Layer, p: str, m: str, sizes: dict[str, int], conv: Conv
         out.append({"hf": f"{p}.{layer.attention}", "mcore": f"{m}.self_attention", "only_slots": ["0", "hidden_states"],
                     "slots": {"hidden_states": "0"}, **sw})
     qkv = f"{m}.self_attention.linear_qkv"
-    if layer.qkv:
+    for mc_name, hf_name in sorted(layer.mla.items()):
+        out.append({"hf": f"{p}.{hf_name}", "mcore": f"{m}.self_attention.{mc_name}", **sw,
+                    **(norm_ops if mc_name.endswith("layernorm") else {})})
+    if layer.mla:
+        pass
+    elif layer.qkv:
         if conv.qkv == "concat":
             op = f"qkv_grouped(heads={heads}, groups={groups}, dim=%d)"
             out.append({"hf": f"{p}.{layer.qkv}", "mcore": qkv, "inputs": ["swap01"],
@@ -451,6 +531,13 @@ def _layer_rules(layer: Layer, p: str, m: str, sizes: dict[str, int], conv: Conv
         out.append({"hf": f"{p}.{layer.down}", "mcore": fc2, **sw})
     if layer.router:
         out.append({"hf": f"{p}.{layer.router}", "mcore": f"{m}.mlp.router", "kinds": ["param", "grad", "grad_local"]})
+    sg, su, sd = layer.shared
+    if sg and su and sd:
+        box = common_parent([f"{p}.{sg}", f"{p}.{su}", f"{p}.{sd}"])
+        se = f"{m}.mlp.shared_experts"
+        out += [{"hf": box, "mcore": se, "only_slots": ["0"], **sw},
+                {"hf": [f"{p}.{sg}", f"{p}.{su}"], "mcore": f"{se}.linear_fc1", "split": "chunk(n=2)", **sw},
+                {"hf": f"{p}.{sd}", "mcore": f"{se}.linear_fc2", **sw}]
     if layer.packed:
         deint = ["deinterleave(dim=0)"] if conv.gate_up == "interleaved" else []
         how = {"gate_up_xw": ("linear_fc1", "weight", ["transpose", *deint]), "gate_up_wx": ("linear_fc1", "weight", deint),
