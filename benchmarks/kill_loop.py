@@ -5,6 +5,8 @@ kills, the steps returned, and the returned steps missing from the file (the gua
     python benchmarks/kill_loop.py                     # 20 kills per signal, the default (process) writer
     python benchmarks/kill_loop.py --writer thread --kills 20
     python benchmarks/kill_loop.py --device cuda --tensors all   # a GPU model, full tensors at every step
+    python benchmarks/kill_loop.py --cli --signals INT       # Ctrl-C in a terminal: SIGINT to the process group of
+                                                             # `tensordiff capture -- python train.py` (exit 130)
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ m = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Li
 opt = torch.optim.SGD(m.parameters(), lr=0.01)
 x = torch.randn(128, 256, device=sys.argv[3])
 writer = None if sys.argv[2] == "default" else sys.argv[2]
-with tensordiff.capture(m, sys.argv[1], steps=60, optimizer=opt, writer=writer, tensors=sys.argv[4]) as cap:
+path = None if sys.argv[1] == "-" else sys.argv[1]  # "-": tensordiff capture -o sets it
+with tensordiff.capture(m, path, steps=60, optimizer=opt, writer=writer, tensors=sys.argv[4]) as cap:
     for i in range(60):
         loss = m(x).pow(2).mean()
         loss.backward()
@@ -40,20 +43,28 @@ with tensordiff.capture(m, sys.argv[1], steps=60, optimizer=opt, writer=writer, 
 
 
 def one(path: str, writer: str, signum: int, target: int, delay: float, device: str = "cpu",
-        tensors: str = "first") -> tuple[int, list[int], int, float]:
-    """(the last step returned, the steps in the file, the exit status, seconds from the signal to the exit)."""
+        tensors: str = "first", cli: bool = False) -> tuple[int, list[int], int, float]:
+    """(the last step returned, the steps in the file, the exit status, seconds from the signal to the exit).
+    ``cli``: the program runs under ``tensordiff capture``, and the signal goes to their whole process group (as a
+    terminal's Ctrl-C does)."""
     from tensordiff.store import CaptureFile
 
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.Popen([sys.executable, "-c", PROGRAM, path, writer, device, tensors], stdout=subprocess.PIPE,
-                            text=True, env=env)
+    program = [sys.executable, "-c", PROGRAM, "-" if cli else path, writer, device, tensors]
+    if cli:
+        program = [sys.executable, "-m", "tensordiff", "capture", "-o", path, "--steps", "60", "--tensors", tensors,
+                   "--", *program]
+    proc = subprocess.Popen(program, stdout=subprocess.PIPE, text=True, env=env, start_new_session=cli)
     returned, sent = -1, 0.0
     assert proc.stdout is not None
     for line in proc.stdout:
         returned = int(line.split()[1])
         if returned >= target:
             time.sleep(delay)
-            proc.send_signal(signum)
+            if cli:
+                os.killpg(proc.pid, signum)
+            else:
+                proc.send_signal(signum)
             sent = time.perf_counter()
             break
     try:
@@ -80,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="where the model runs (cuda: a GPU model)")
     p.add_argument("--tensors", default="first", choices=("first", "all", "none"))
     p.add_argument("--signals", default="KILL,TERM,INT", help="which signals (default KILL,TERM,INT)")
+    p.add_argument("--cli", action="store_true", help="run under tensordiff capture, signal the process group")
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
     bad = 0
@@ -89,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             for k in range(args.kills):
                 path = os.path.join(folder, f"{signum}-{k}.h5")
                 ret, kept, status, took = one(path, args.writer, signum, rng.randrange(0, 55), rng.uniform(0, 0.03),
-                                             args.device, args.tensors)
+                                             args.device, args.tensors, args.cli)
                 lost = len(set(range(ret + 1)) - set(kept))
                 lost_total += lost
                 returned_total += ret + 1
@@ -97,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                 statuses.add(status)
                 bad += lost > 0
             print(f"{signal.Signals(signum).name:8s} {args.device} tensors={args.tensors} writer={args.writer:8s} "
-                  f"kills {args.kills}: steps returned "
+                  + ("under tensordiff capture, to the process group; " if args.cli else "")
+                  + f"kills {args.kills}: steps returned "
                   f"{returned_total}, returned steps missing from the file {lost_total}; exit statuses "
                   f"{sorted(statuses)}; longest exit after the signal {worst:.2f} s")
     return 1 if bad else 0

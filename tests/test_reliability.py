@@ -453,3 +453,57 @@ def test_a_step_returns_before_its_gpu_copies_and_a_kill_keeps_their_statistics(
             assert int(c.step_attrs(0)["tensors_lost"]) == 1 and int(c.step_attrs(1)["tensors_lost"]) == 1
             assert c.records(1)[0].has_data == 0
             assert proc.stderr.count("did not reach the writer") == 2, proc.stderr  # one line a step
+
+
+INTERRUPTED = r"""
+import sys, torch, tensordiff
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+opt = torch.optim.SGD(m.parameters(), lr=0.01)
+x = torch.randn(128, 256)
+with tensordiff.capture(m, optimizer=opt) as cap:  # tensordiff capture -o sets the file and the steps
+    for i in range(200):
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        cap.step(loss)
+        print(f"returned {i}", flush=True)
+"""
+
+
+def test_a_ctrl_c_stops_the_run_keeps_every_returned_step_and_exits_130(tmp_path):
+    """Ctrl-C in a terminal: SIGINT to the whole process group (tensordiff capture, the training program, its writer
+    process) at random moments. The program gets its KeyboardInterrupt and stops, as without tensordiff; the file
+    keeps every step whose step() returned; tensordiff capture exits 130 and says which file holds how many steps."""
+    import random
+    import signal
+    import time
+
+    rng = random.Random(44)
+    script = tmp_path / "train.py"
+    script.write_text(INTERRUPTED)
+    for trial in range(3):  # benchmarks/kill_loop.py --cli --signals INT runs the long loop
+        path = str(tmp_path / f"int{trial}.h5")
+        target, delay = rng.randrange(2, 40), rng.uniform(0.0, 0.05)
+        proc = subprocess.Popen([sys.executable, "-m", "tensordiff", "capture", "-o", path, "--steps", "200",
+                                 "--tensors", "all", "--", sys.executable, str(script)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        returned = -1
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("returned"):
+                returned = int(line.split()[1])
+                if returned >= target:
+                    time.sleep(delay)
+                    os.killpg(proc.pid, signal.SIGINT)
+                    break
+        out, err = proc.communicate(timeout=120)
+        last = max([returned] + [int(x.split()[1]) for x in out.splitlines() if x.startswith("returned")])
+        assert proc.returncode == 130, (trial, proc.returncode, err[-2000:])
+        assert last < 199, "the run went on after the Ctrl-C"
+        with CaptureFile(path) as c:
+            kept = c.steps
+        assert kept[: last + 1] == list(range(last + 1)), (trial, target, last, kept)
+        assert f"{path} keeps {len(kept)} complete step(s)" in err, err[-2000:]
+        assert "stopped by SIGINT" in err

@@ -3,6 +3,11 @@ closed terminal) finishes writing the steps it was handed and closes its file, w
 signal do what it would have done without tensordiff: the program's own handler runs, or the process ends by the
 signal with the status it would have had.
 
+A Ctrl-C (SIGINT) is the program's: it gets its KeyboardInterrupt (or its own handler runs) as without tensordiff,
+and the capture closes its file on the way out with every step whose ``step()`` returned. Only while the main thread
+hands a step to the writer (a frame into the writer process's pipe, the queue) does the interrupt wait until the
+handover is whole, so that it never cuts a step in two.
+
 Installed from the main thread only (Python runs signal handlers there), when the capture starts; removed when it
 closes, unless the program installed a handler of its own in between (then that one stays).
 """
@@ -18,7 +23,7 @@ from typing import Any
 
 #: How long a signal may wait for the file to be finished before it goes on (seconds; TENSORDIFF_SIGNAL_TIMEOUT).
 DEFAULT_TIMEOUT = 30.0
-_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP", "SIGINT") if hasattr(signal, name))
 
 
 def _timeout() -> float:
@@ -30,7 +35,8 @@ def _timeout() -> float:
 
 
 class SignalGuard:
-    """Runs ``finish(timeout)`` on SIGTERM / SIGHUP, then the signal's previous disposition."""
+    """Runs ``finish(timeout)`` on SIGTERM / SIGHUP, then the signal's previous disposition; SIGINT's previous
+    disposition at once (deferred, as the others are, while the main thread hands a step over)."""
 
     def __init__(self, finish: Callable[[float], None], busy: Callable[[], bool] | None = None,
                  defer: Callable[[Callable[[], None]], None] | None = None):
@@ -66,6 +72,13 @@ class SignalGuard:
             self._defer(lambda: self._handle(signum, frame))
             return
         previous = self._previous.get(signum, signal.SIG_DFL)
+        if signum == getattr(signal, "SIGINT", None):  # the program's: its handler (KeyboardInterrupt) as is
+            if callable(previous):
+                previous(signum, frame)
+            elif previous != signal.SIG_IGN:
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+            return
         self.remove()
         with contextlib.suppress(BaseException):  # the signal's own action happens whatever the capture did
             self._finish(_timeout())

@@ -6,8 +6,10 @@ import argparse
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,15 +64,30 @@ def command_after_dashes(items: list[str]) -> list[str]:
 
 
 def run_program(cmd: list[str], env: dict[str, str]) -> int:
-    """Run the training program with ``env``; its exit code (a missing program is a UsageError)."""
+    """Run the training program with ``env`` and wait for it, as a shell waits for its foreground job: a Ctrl-C
+    reaches the program (its whole process group), which decides what it does (stops, saves, finishes writing its
+    capture); this process ignores it meanwhile, never killing the program under its capture. The program's exit
+    code, or minus the signal that ended it (a missing program is a UsageError)."""
     try:
-        return subprocess.call(cmd, env=env)
+        proc = subprocess.Popen(cmd, env=env)
     except FileNotFoundError:
         raise UsageError(f"cannot run {cmd[0]!r}: no such program; check the command after '--'") from None
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        return proc.wait()
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
 def program_failed(code: int) -> int:
-    """Say that the training program failed; the exit code to pass on."""
+    """Say that the training program failed; the exit code to pass on: the program's, 128 + N where signal N ended
+    it (130 after a Ctrl-C, as a shell gives)."""
+    if code < 0:
+        name = next((s.name for s in signal.Signals if s.value == -code), f"signal {-code}")
+        print(f"tensordiff: the training command was stopped by {name}", file=sys.stderr)
+        return 128 - code
     print(f"tensordiff: the training command exited with code {code}", file=sys.stderr)
     return code if 0 < code < 256 else 2
 

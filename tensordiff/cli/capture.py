@@ -84,6 +84,19 @@ def add_parsers(sub: Any) -> None:
     n.set_defaults(run=run_noise)
 
 
+def _say_kept(out: str) -> None:
+    """After a run that stopped early: which capture file(s) it left and how many complete steps each holds."""
+    for path in [out] if os.path.exists(out) else rank_files(out):
+        try:
+            with CaptureFile(path) as cap:
+                steps = cap.steps
+        except Exception as err:  # a file the run could not finish: said, never a traceback
+            print(f"tensordiff: {path}: not readable ({type(err).__name__}); nothing was kept", file=sys.stderr)
+            continue
+        print(f"tensordiff: {path} keeps {len(steps)} complete step(s)"
+              + (f" ({steps[0]}..{steps[-1]})" if steps else ""), file=sys.stderr)
+
+
 def run_capture(args: argparse.Namespace) -> int:
     if args.cmd and args.cmd[0] != "--":  # a program is run only when it follows '--': never a misnamed file
         raise UsageError(f"tensordiff capture: put the training command after '--' (got {' '.join(args.cmd[:3])!r}), "
@@ -147,7 +160,9 @@ def run_capture(args: argparse.Namespace) -> int:
     for line in problems:
         print(f"tensordiff: warning: {line}", file=sys.stderr)
     if code != 0:
-        return program_failed(code)
+        failed = program_failed(code)
+        _say_kept(out)
+        return failed
     ranks = [] if os.path.exists(out) else rank_files(out)
     if not os.path.exists(out) and not ranks:
         raise UsageError(f"{cmd[0]} ran but wrote no capture to {out}"

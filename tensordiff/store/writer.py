@@ -339,6 +339,14 @@ class CaptureWriter:
                 self._write_scalars(job[1], job[2])
             else:
                 self._write(*job)
+        except (KeyboardInterrupt, SystemExit):
+            # the program is being stopped (a Ctrl-C reached this thread while it wrote): as without tensordiff,
+            # the interrupt goes on to the program; the step being written is left out (its group removed: it was
+            # never marked complete), the steps before it stay, and the file closes when the capture does
+            if job[0] != "scalars":
+                with contextlib.suppress(Exception):
+                    del self._file[step_group_name(job[0])]
+            raise
         except BaseException as err:  # never let storage problems reach training
             self.error = err
             self._release_reserve()  # HDF5 may need room to write what it holds
