@@ -28,7 +28,8 @@ demo: setup
 	$(TD) capture -o $(DEMO)/a.h5 --steps 2 -- $(PY) examples/gpt/train.py 2>/dev/null
 	$(TD) capture -o $(DEMO)/b.h5 --steps 2 -- $(PY) examples/gpt/train.py --fault gelu-tanh 2>/dev/null
 	$(TD) diff $(DEMO)/a.h5 $(DEMO)/b.h5 --first-divergence --json $(DEMO)/report.json; \
-	  code=$$?; test $$code -eq 1 && echo "(exit code 1: a divergence was found, as intended; JSON in $(DEMO)/report.json)"
+	  code=$$?; test $$code -eq 1 && echo "(exit code 1: a divergence was found, as intended; JSON in $(DEMO)/report.json)" \
+	  && echo "tensordiff is in $(CURDIR)/$(VENV)/bin: 'source $(CURDIR)/$(VENV)/bin/activate' puts it on your PATH"
 
 compare: setup
 	$(PY) examples/megatron_vs_mindformers/run.py --family $(FAMILY) --fault $(FAULT); \
