@@ -391,7 +391,8 @@ def build_mcore(family: Family | str, dtype: str = "float32", hf_state: dict[str
         tf["add_qkv_bias"] = tf["add_bias_linear"] = False
     elif fault == "rope-theta":
         gpt["rotary_base"] = 1e6
-        tf["rotary_base"] = 1e6  # multi-latent attention builds its own rotary embedding from the config
+        if tf.get("multi_latent_attention"):
+            tf["rotary_base"] = 1e6  # multi-latent attention builds its own rotary embedding from the config
     elif fault == "partial-rotary":
         gpt["rotary_percent"] = 0.5
     elif fault == "untied-output":
