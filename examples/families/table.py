@@ -92,6 +92,16 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                                                "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.5,
                                                "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_scaling": None},
            ("rope-theta",)),
+    # Gemma 2 / 3: norms after attention and after the MLP too (four a layer), attention logit soft-capping (2):
+    # megatron-core's layer has two norms and no soft-capping (Megatron-Bridge adds its own modules for them)
+    Family("gemma2", "Gemma2Config", {"hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+                                      "query_pre_attn_scalar": 16}, (), mcore_can_express=False,
+           reason="Gemma 2's norms after attention and after the MLP (four a layer) and its attention logit "
+                  "soft-capping: megatron-core's layer has two norms and no soft-capping"),
+    Family("gemma3", "Gemma3TextConfig", {"hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+                                          "query_pre_attn_scalar": 16, "rope_scaling": None}, (),
+           mcore_can_express=False, reason="Gemma 3's norms after attention and after the MLP (four a layer): "
+                                           "megatron-core's layer has two"),
     Family("olmoe", "OlmoeConfig", {**MOE, "num_experts": 4}, (), mcore_can_express=False,
            reason="OLMoE's q_norm/k_norm are RMSNorms over the whole q/k projection (all heads), megatron-core's "
                   "qk_layernorm normalises each head (kv_channels) separately"),

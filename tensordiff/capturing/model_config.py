@@ -29,6 +29,8 @@ FIELDS = (
     "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim",
     "qk_pos_emb_head_dim", "multi_latent_attention", "n_shared_experts", "moe_shared_expert_intermediate_size",
     "first_k_dense_replace", "moe_layer_freq",
+    # what megatron-core cannot compute (Gemma 2): said, never a false divergence
+    "attn_logit_softcapping", "final_logit_softcapping",
 )
 
 

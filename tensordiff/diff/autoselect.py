@@ -74,7 +74,7 @@ def pick_mapping(attrs_a: dict[str, Any], attrs_b: dict[str, Any], records_a: li
                                    "); each module's role from its parameters' shapes, the configs' sizes and the "
                                    "order it ran (--mapping overrides)")
         if derived.cannot:
-            return None, f"none: Hugging Face {cls_b} {CANNOT_EXPRESS}: {derived.cannot[0]}"
+            return None, f"none: Hugging Face {cls_b} {CANNOT_EXPRESS}: {'; '.join(derived.cannot)}"
         if not _is_hf_llama(records_b):
             return None, _none(fw_a, cls_a, fw_b, cls_b) + f"; no mapping derived: {derived.note}"
     if fw_b == "mindspore" and cls_b == "LlamaForCausalLM":

@@ -383,6 +383,8 @@ def derive(cfg_a: dict[str, Any], cfg_b: dict[str, Any], records_a: list[Record]
     stack, n = found
     layers = [_roles(tree, f"{stack}.{i}", sizes) for i in range(n)]
     conv = CONVENTIONS.get(str(cfg_b.get("model_type", "")), Convention())
+    capped = [f"{f}: {cfg_b[f]:g}" for f in ("attn_logit_softcapping", "final_logit_softcapping")
+              if isinstance(cfg_b.get(f), (int, float)) and not isinstance(cfg_b.get(f), bool) and cfg_b[f]]
     parallel = [f for f in ("use_parallel_residual", "parallel_attn") if cfg_b.get(f) is True]
     if parallel:  # the config says it: attention and MLP both read the layer's input, their outputs summed
         return Derived(None, "megatron-core cannot express it", [
@@ -399,7 +401,11 @@ def derive(cfg_a: dict[str, Any], cfg_b: dict[str, Any], records_a: list[Record]
                                 "(before attention, before the MLP): a norm after attention or after the MLP has no "
                                 "counterpart there")
         if layer.cannot:
-            return Derived(None, "megatron-core cannot express it", [f"{stack}.{i}: {c}" for c in layer.cannot])
+            soft = [f"{', '.join(capped)}: tanh soft-capping of the logits; megatron-core has none"] if capped else []
+            return Derived(None, "megatron-core cannot express it", [f"{stack}.{i}: {c}" for c in layer.cannot] + soft)
+    if capped:
+        return Derived(None, "megatron-core cannot express it", [
+            f"{', '.join(capped)}: tanh soft-capping of the logits; megatron-core has none"])
     base = parent(stack)
     outside = [m for m in tree.modules if not m.startswith(stack + ".") and m != stack]
     last = tree.order.get(f"{stack}.{n - 1}", 0)

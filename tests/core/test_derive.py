@@ -116,10 +116,39 @@ def test_experts_and_router_map_by_shape_and_their_token_ordered_activations_are
     (LLAMA, {"use_parallel_residual": True}, "a parallel residual"),
     ([*LLAMA[:6], ("self_attn.q_norm", (HEADS * HD,), "RMSNorm"), ("self_attn.k_norm", (GROUPS * HD,), "RMSNorm"),
       *LLAMA[6:]], {}, "q or k of all heads at once"),
+    (LLAMA, {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping: 50: tanh soft-capping"),
 ])
 def test_what_megatron_core_cannot_compute_is_said_and_no_mapping_derived(layer, cfg, said):
     d = derive(CFG_A, hf_cfg(**cfg), [], tree(layer))
-    assert d.rules is None and d.cannot and said in d.cannot[0]
+    assert d.rules is None and d.cannot and said in "; ".join(d.cannot)
+
+
+QL, KVL, NOPE, ROPE, VH, SFF = 32, 24, 16, 8, 16, 32
+MLA = [("input_layernorm", (H,), "RMSNorm"), ("self_attn", None, "Attention"),
+       ("self_attn.q_a_proj", (QL, H), "Linear"), ("self_attn.q_a_layernorm", (QL,), "RMSNorm"),
+       ("self_attn.q_b_proj", (HEADS * (NOPE + ROPE), QL), "Linear"),
+       ("self_attn.kv_a_proj_with_mqa", (KVL + ROPE, H), "Linear"), ("self_attn.kv_a_layernorm", (KVL,), "RMSNorm"),
+       ("self_attn.kv_b_proj", (HEADS * (NOPE + VH), KVL), "Linear"), ("self_attn.o_proj", (H, HEADS * VH), "Linear"),
+       ("post_attention_layernorm", (H,), "RMSNorm"), ("mlp", None, "MoE"), ("mlp.gate", (4, H), "Router"),
+       *[(f"mlp.experts.{e}.{n}", shape, "Linear") for e in range(4)
+         for n, shape in (("gate_proj", (SFF, H)), ("up_proj", (SFF, H)), ("down_proj", (H, SFF)))],
+       ("mlp.shared_experts.gate_proj", (SFF, H), "Linear"), ("mlp.shared_experts.up_proj", (SFF, H), "Linear"),
+       ("mlp.shared_experts.down_proj", (H, SFF), "Linear")]
+
+
+def test_multi_latent_attention_and_a_shared_expert_map_by_the_latent_sizes_the_config_gives():
+    cfg = hf_cfg(model_type="deepseek_v3", q_lora_rank=QL, kv_lora_rank=KVL, qk_nope_head_dim=NOPE,
+                 qk_rope_head_dim=ROPE, v_head_dim=VH, n_routed_experts=4, moe_intermediate_size=SFF,
+                 n_shared_experts=1, num_key_value_heads=HEADS, head_dim=ROPE)
+    d = derive(CFG_A, cfg, [], tree(MLA))
+    assert d.rules is not None, d.note
+    assert "multi-latent attention, 4 experts, a shared expert" in d.note
+    got = {r.a.replace("\\g<i>", "{i}"): r.b.pattern for r in d.rules.rules}
+    for mcore, hf in (("linear_q_down_proj", "q_a_proj"), ("linear_q_up_proj", "q_b_proj"),
+                      ("linear_kv_down_proj", "kv_a_proj_with_mqa"), ("linear_kv_up_proj", "kv_b_proj"),
+                      ("q_layernorm", "q_a_layernorm"), ("kv_layernorm", "kv_a_layernorm"), ("linear_proj", "o_proj")):
+        assert got[f"decoder.layers.{{i}}.self_attention.{mcore}"].endswith(f"self_attn\\.{hf}"), mcore
+    assert "decoder.layers.{i}.mlp.shared_experts.linear_fc2" in got
 
 
 def test_a_weight_of_no_predicted_role_derives_nothing_and_says_which():
