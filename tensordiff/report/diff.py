@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from rich import box
@@ -24,16 +24,27 @@ VERDICT_TEXT: dict[RowVerdict, str] = {"ok": "ok", "diverged": "DIVERGED", "unma
                                       "drift": "drift", "skipped": "skipped", "uncertain": "UNCERTAIN",
                                       "routed": "routed"}
 JSON_VERSION = 1
+_STEP = re.compile(r"\b([Ss])tep (\d+)\b")
 
 
 class DiffReport:
     """A diff result (and, for a ``Diagnosis``, its likely causes) that renders itself: ``console.print(report)``."""
 
-    def __init__(self, result: DiffResult, max_rows: int = 40, phases: Iterable[str] | None = None, first_only: bool = False):
+    def __init__(self, result: DiffResult, max_rows: int = 40, phases: Iterable[str] | None = None, first_only: bool = False,
+                 iteration_of: Callable[[int], int] | None = None):
         self.result = result
         self.max_rows = max_rows
         self.phases = set(phases) if phases else None
         self.first_only = first_only
+        #: a capture step's training iteration (``tensordiff locate``: the resumed run's numbering), said instead
+        self.iteration_of = iteration_of
+
+    def _steps(self, text: str) -> str:
+        """``text`` with its capture steps ("step 1", "Step 0") said as iterations, where they are known."""
+        if self.iteration_of is None:
+            return text
+        of = self.iteration_of
+        return _STEP.sub(lambda m: f"{'I' if m.group(1) == 'S' else 'i'}teration {of(int(m.group(2)))}", text)
 
     # ------------------------------------------------------------------ text
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
@@ -64,7 +75,7 @@ class DiffReport:
         if first is not None:
             style = "tensordiff.diverged"
             title = "First divergence" if first.introduced else "First divergence (accumulated, not introduced at one place)"
-            body = Text(first.explanation)
+            body = Text(self._steps(first.explanation))
             yield Panel(body, title=title, title_align="left", border_style=style,
                         box=box.ASCII if console.legacy_windows else box.ROUNDED)
             yield from self._hints()
@@ -89,8 +100,8 @@ class DiffReport:
 
     def _table(self, step: int, phase: str, rows: list[Row], first_key: Any, width: int) -> Table | Group:
         wide = width >= 110
-        table = Table(title=f"step {step} · {phase}", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                      show_edge=False, expand=False)
+        table = Table(title=self._steps(f"step {step}") + f" · {phase}", title_justify="left", box=box.SIMPLE_HEAD,
+                      pad_edge=False, show_edge=False, expand=False)
         table.add_column("#", justify="right", style="tensordiff.dim", no_wrap=True)
         table.add_column("module · tensor", overflow="fold", ratio=1)
         if wide:
@@ -219,9 +230,9 @@ class DiffReport:
             grid.add_column(ratio=1, overflow="fold")
             for i, hint in enumerate(res.hints, 1):
                 text = Text(f"{hint.cause}: ", style="tensordiff.title")
-                text.append(hint.title)
+                text.append(self._steps(hint.title))
                 if hint.evidence:
-                    text.append(f"\n{hint.evidence}", style="tensordiff.dim")
+                    text.append(f"\n{self._steps(hint.evidence)}", style="tensordiff.dim")
                 grid.add_row(f"{i}.", Text(f"{hint.explained:.1%}", style="tensordiff.ok" if hint.explained > 0.9 else ""),
                              text)
             yield grid

@@ -174,7 +174,7 @@ class LocateReport:
             else:
                 yield Text(f"Own state: at iteration {plan.resume} the weights of both runs still agree ({total} "
                            "parameters compared).")
-        yield DiffReport(res, first_only=True)
+        yield DiffReport(res, first_only=True, iteration_of=plan.iteration_of)
         lines = self.update_lines()
         if lines:
             lead = ("Beyond the drift, each side's own optimizer update" if plan.mode == "own" and drift and drift[0]
@@ -197,8 +197,9 @@ class LocateReport:
         first = res.first
         if first is not None:
             top = f"; likely cause: {res.hints[0].title}" if getattr(res, "hints", None) else ""
-            yield Text(f"First divergence: iteration {plan.iteration_of(first.step)} (capture step {first.step}), "
-                       f"{first.phase}, {first.module_a}{top}.", style="tensordiff.diverged")
+            said = DiffReport(res, iteration_of=plan.iteration_of)._steps(top)
+            yield Text(f"First divergence: iteration {plan.iteration_of(first.step)}, {first.phase}, "
+                       f"{first.module_a}{said}.", style="tensordiff.diverged")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"tensordiff_locate": 1, **self.plan.as_dict(),
