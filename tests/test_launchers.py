@@ -73,6 +73,9 @@ def test_clean_pair_agrees(tmp_path, clean, args):
     mindformers = "mindformers.rank*.h5" if "--mf-dp" in args else "mindformers.h5"
     if not args:
         assert "--megatron recorded 2 training step(s) of DistributedDataParallel" in stdout
+        # the commands paste as printed: run in the output folder, the repository's files by their full paths
+        assert f"$ cd {out}\n" in stdout
+        assert f"$ tensordiff capture --megatron -o megatron.h5 --steps 2 -- {sys.executable} {ROOT}/examples/" in stdout
     if "--mf-dp" not in args:  # under msrun the Trainer's log goes to msrun_logs/
         assert stdout.count("{ Epoch:") == 3
     with open_capture(str(out / megatron)) as a, open_capture(str(out / mindformers)) as b:

@@ -40,8 +40,11 @@ VOCAB, SEQ, BATCH, HEADS, GROUPS = 128, 16, 2, 4, 2
 
 
 def _shown(cmd: list[str]) -> str:
-    return " ".join(shlex.quote(os.path.relpath(c, ROOT) if os.path.isabs(c) and c.startswith(ROOT) else c)
-                    for c in cmd)
+    """A command as it pastes in the output folder (where it runs): files by their full paths, ``tensordiff``
+    for ``python -m tensordiff``."""
+    if cmd[:3] == [sys.executable, "-m", "tensordiff"]:
+        cmd = ["tensordiff", *cmd[3:]]
+    return " ".join(shlex.quote(c) for c in cmd)
 
 
 def _run(cmd: list[str], cwd: str, verbose: bool) -> int:
@@ -137,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.reuse and all(os.path.exists(os.path.join(out, f)) for f in kept):
         print(f"run.py: --reuse: {', '.join(kept)} kept from the earlier run in {out}", flush=True)
         steps = steps[3:]
+    print(f"$ cd {shlex.quote(out)}", flush=True)
     for cmd in steps:
         code = _run(cmd, out, args.verbose)
         if code != 0:
