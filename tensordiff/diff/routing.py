@@ -459,6 +459,9 @@ def account_routing(rows: list[Row], ca: Any, cb: Any) -> list[Flip]:
     last: tuple = ()
     for step, diverged in sorted(by_step.items()):
         tensors = _Tensors(ca, cb)
+        # modules that returned something [tokens, E] (a router's choice): only a block holding one can route apart
+        routers_at = {r.module for r in ca.records(step) if r.phase == "forward" and r.kind == "output"
+                      and r.has_data and len(r.shape) == 2 and r.shape[1] > 1}
         batch, seen = _batch(ca, step)
         if not seen or seen != last:
             carried = []
@@ -466,8 +469,9 @@ def account_routing(rows: list[Row], ca: Any, cb: Any) -> list[Flip]:
         found = []
         for row in diverged:
             a = row.pair.a
-            got = tensors(row) if row.phase == "forward" and a is not None and a.kind == "output" \
-                and len(a.shape) == 3 else None
+            block = a is not None and row.phase == "forward" and a.kind == "output" and len(a.shape) == 3 and any(
+                m == a.module or is_inside(m, a.module) for m in routers_at)
+            got = tensors(row) if block else None
             flip = near_tie_flips(row, ca, cb, *got) if got is not None else None
             if flip is not None:
                 found.append(flip)
