@@ -54,7 +54,8 @@ def one(path: str, writer: str, signum: int, target: int, delay: float, device: 
     if cli:
         program = [sys.executable, "-m", "tensordiff", "capture", "-o", path, "--steps", "60", "--tensors", tensors,
                    "--", *program]
-    proc = subprocess.Popen(program, stdout=subprocess.PIPE, text=True, env=env, start_new_session=cli)
+    proc = subprocess.Popen(program, stdout=subprocess.PIPE, text=True, env=env, start_new_session=cli,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal
     returned, sent = -1, 0.0
     assert proc.stdout is not None
     for line in proc.stdout:

@@ -488,7 +488,10 @@ def test_a_ctrl_c_stops_the_run_keeps_every_returned_step_and_exits_130(tmp_path
         target, delay = rng.randrange(2, 40), rng.uniform(0.0, 0.05)
         proc = subprocess.Popen([sys.executable, "-m", "tensordiff", "capture", "-o", path, "--steps", "200",
                                  "--tensors", "all", "--", sys.executable, str(script)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                # as from a terminal: a pytest-xdist worker ignores SIGINT, and an ignored signal
+                                # stays ignored in every program it starts
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         returned = -1
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -500,7 +503,7 @@ def test_a_ctrl_c_stops_the_run_keeps_every_returned_step_and_exits_130(tmp_path
                     break
         out, err = proc.communicate(timeout=120)
         last = max([returned] + [int(x.split()[1]) for x in out.splitlines() if x.startswith("returned")])
-        assert proc.returncode == 130, (trial, proc.returncode, err[-2000:])
+        assert proc.returncode == 130, (trial, target, last, proc.returncode, err[-2000:])
         assert last < 199, "the run went on after the Ctrl-C"
         with CaptureFile(path) as c:
             kept = c.steps
