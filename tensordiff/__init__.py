@@ -14,8 +14,8 @@ Then ``tensordiff diff a.h5 b.h5 --first-divergence``.
 Pipeline, one sub-package per stage: ``capturing`` (hooks record each step) → ``store`` (the
 HDF5 file) → ``diff`` (align, compare, judge, the first divergence) → ``explain`` (likely causes,
 replay) → ``report`` (tables, JSON). Beside it: ``ckpt`` (one checkpoint for both frameworks),
-``runs`` (whole training runs), ``cli`` (the commands). torch and MindSpore are imported only in
-``frameworks``, the capture adapters and ``compat``.
+``runs`` (whole training runs), ``cli`` (the commands); ``_progress``, the progress of long work (a bar on a
+terminal). torch and MindSpore are imported only in ``frameworks``, the capture adapters and ``compat``.
 """
 
 from __future__ import annotations

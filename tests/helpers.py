@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import os
+import re
+import subprocess
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,6 +130,8 @@ def render(renderable: Any, width: int = 80) -> str:
 def check_golden(name: str, text: str) -> None:
     """``text`` must equal ``tests/golden/NAME``; with TENSORDIFF_UPDATE_GOLDENS=1 the file is rewritten instead."""
     path = os.path.join(GOLDEN_DIR, name)
+    if os.environ.get(UPDATE_ENV) and os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+        pytest.fail(f"{UPDATE_ENV} is set in CI: goldens would be rewritten instead of compared; unset it")
     if os.environ.get(UPDATE_ENV):
         os.makedirs(GOLDEN_DIR, exist_ok=True)
         with open(path, "w", encoding="utf-8") as fh:
@@ -137,3 +141,43 @@ def check_golden(name: str, text: str) -> None:
     with open(path, encoding="utf-8") as fh:
         expected = fh.read()
     assert text == expected, f"{name} differs from its golden file (rerun with {UPDATE_ENV}=1 if the change is intended)"
+
+
+# ----------------------------------------------------------------------------------------- as a user sees it
+#: an ANSI escape sequence (colours, cursor moves of a progress bar)
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def on_terminal(cmd: list[str], columns: int, cwd: str | None = None, env: dict[str, str] | None = None,
+                timeout: float = 300) -> tuple[int, str]:
+    """(exit code, everything written to the terminal, raw: ANSI codes and carriage returns kept)."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    full = dict(os.environ if env is None else env)
+    full.pop("COLUMNS", None)
+    full.pop("LINES", None)
+    full["TERM"] = "xterm-256color"
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, cwd=cwd, env=full, close_fds=True)
+    os.close(slave)
+    out = bytearray()
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # the terminal closed: the program ended
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    return proc.wait(timeout), out.decode("utf-8", "replace")
+
+
+def plain(raw: str) -> str:
+    """What a terminal shows at the end, roughly: ANSI codes and carriage returns out (a progress bar that was
+    erased leaves its text behind here; read it from ``raw``)."""
+    return ANSI.sub("", raw).replace("\r\n", "\n").replace("\r", "")

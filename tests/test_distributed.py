@@ -235,8 +235,12 @@ def test_a_missing_dp_all_reduce_is_found_by_the_cross_rank_check_with_no_refere
     doc = json.loads(report.read_text())
     assert "A: embedding.word_embeddings grad weight: DP ranks 0/1 differ" in doc["rank_inconsistencies"]
     assert any("must be identical on every rank holding them differ" in r for r in doc["inconclusive_reasons"])
-    code, _ = _diff(runs, "nored", tmp_path)
-    assert code != 0
+    # against the single-device run: each rank's own gradient was never averaged over DP, which is where it parts
+    code, report = _diff(runs, "nored", tmp_path)
+    first = report["first_divergence"]
+    assert code == 1 and report["outcome"] == "diverged", report["inconclusive_reasons"]
+    assert (first["step"], first["phase"], first["kind"]) == (0, "param_grad", "grad"), first
+    assert first["location"] == "in the data-parallel gradient reduction", first["location"]
 
 
 # ----------------------------------------------------------------------------- pipeline parallelism

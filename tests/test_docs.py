@@ -94,11 +94,21 @@ def workdir(tmp_path_factory):
     return str(folder)
 
 
+@pytest.fixture(scope="module")
+def workflow(workdir):
+    """docs/megatron-to-mindformers.md run as written in ``workdir``, once: (the folder, what went wrong). The pages
+    after it run on its batch, checkpoint and captures."""
+    return workdir, run_page("docs/megatron-to-mindformers.md", workdir)
+
+
+WORKFLOW_FILES = ("batch.h5", "megatron.h5", "init.safetensors", "init.ckpt", "mindspore.h5", "mindspore-fc1.h5")
+
+
 @needs_frameworks
-def test_the_megatron_to_mindformers_workflow_runs_as_written_agrees_and_finds_the_fault(workdir):
-    problems = run_page("docs/megatron-to-mindformers.md", workdir)
+def test_the_megatron_to_mindformers_workflow_runs_as_written_agrees_and_finds_the_fault(workflow):
+    workdir, problems = workflow
     assert problems == [], "\n".join(problems)
-    for name in ("batch.h5", "megatron.h5", "init.safetensors", "init.ckpt", "mindspore.h5", "mindspore-fc1.h5"):
+    for name in WORKFLOW_FILES:
         assert os.path.exists(os.path.join(workdir, name)), name
 
 
@@ -141,9 +151,10 @@ def test_the_recipe_builds_both_models_converts_the_weights_and_loads_them_stric
 
 
 @needs_frameworks
-def test_the_checkpoint_page_converts_and_checks_the_workflows_weights_saved_as_megatron_lm_does(workdir):
-    if not os.path.exists(os.path.join(workdir, "init.safetensors")):
-        pytest.skip("the workflow's checkpoint is made by the test before")
+def test_the_checkpoint_page_converts_and_checks_the_workflows_weights_saved_as_megatron_lm_does(workflow):
+    workdir, problems = workflow
+    assert os.path.exists(os.path.join(workdir, "init.safetensors")), "the workflow page made no checkpoint: " + \
+        "\n".join(problems)
     proc = subprocess.run([sys.executable, "-c", "import torch; from safetensors.torch import load_file; "
                            "torch.save({'model': load_file('init.safetensors'), 'iteration': 0}, 'mcore.pt')"],
                           cwd=workdir, env=_env(), capture_output=True, text=True)
@@ -154,9 +165,10 @@ def test_the_checkpoint_page_converts_and_checks_the_workflows_weights_saved_as_
 
 
 @needs_frameworks
-def test_the_mapping_pages_commands_print_what_it_shows_on_the_workflows_captures(workdir):
-    if not os.path.exists(os.path.join(workdir, "mindspore.h5")):
-        pytest.skip("the workflow's captures are made by the test before")
+def test_the_mapping_pages_commands_print_what_it_shows_on_the_workflows_captures(workflow):
+    workdir, problems = workflow
+    assert os.path.exists(os.path.join(workdir, "mindspore.h5")), "the workflow page made no capture: " + \
+        "\n".join(problems)
     problems = run_page("docs/mapping.md", workdir, only=("output",))
     assert problems == [], "\n".join(problems)
 

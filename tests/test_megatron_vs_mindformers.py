@@ -1,6 +1,10 @@
-"""Megatron vs MindSpore end to end on the CPU: real megatron-core, MindSpore and MindFormers models,
-one shared checkpoint and batch, each side in its own process, as examples/megatron_vs_mindformers/run.py
-runs them. With every fix the two agree within FP32 noise; each fault is named where it is made."""
+"""Megatron vs MindSpore end to end on the CPU: real megatron-core and MindSpore, one shared checkpoint and batch,
+each side in its own process, as examples/megatron_vs_mindformers/run.py runs them. With every fix the two agree
+within FP32 noise; each fault is named where it is made.
+
+The MindSpore side is a real MindFormers model for every family but ``gpt2``: that one is the hand-written MindSpore
+port of GPT-2 in ``examples/megatron_vs_mindformers/ms_gpt.py`` (MindFormers 1.9 has no trainable GPT-2 of the
+mcore kind), and its test ids say so (``gpt2-msport``)."""
 
 from __future__ import annotations
 
@@ -22,14 +26,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = os.path.join(ROOT, "examples", "megatron_vs_mindformers", "run.py")
 
 
-#: family -> the output folder of this module's first run of it: the Megatron side (which does not depend on the
-#: MindSpore side's fault or mode) is made once per family and reused by the later runs (run.py --reuse-megatron)
-MEGATRON_SIDE: dict[str, str] = {}
+GPT2 = pytest.param("gpt2", id="gpt2-msport")  # the hand-written MindSpore port, not a MindFormers model
 
 
-def _run(tmp_path, family, fault="none", graph=False, jit=False, no_loss_mask=False):
+@pytest.fixture(scope="module")
+def pair_run():
+    """``pair_run(tmp_path, family, fault, ...)``: run.py's exit code, JSON report and output. The Megatron side
+    (which does not depend on the MindSpore side's fault or mode) is made by a family's first run in this module
+    and reused by the later ones (run.py --reuse-megatron); any test alone makes its own."""
+    megatron_side: dict[str, str] = {}  # family -> the output folder of its first run
+
+    def run(tmp_path, family, fault="none", graph=False, jit=False, no_loss_mask=False):
+        return _run(megatron_side, tmp_path, family, fault, graph, jit, no_loss_mask)
+
+    return run
+
+
+def _run(megatron_side, tmp_path, family, fault, graph, jit, no_loss_mask):
     out = tmp_path / f"{family}-{fault}{'-graph' if graph else ''}{'-jit' if jit else ''}"
-    reuse = ["--reuse-megatron", MEGATRON_SIDE[family]] if family in MEGATRON_SIDE else []
+    reuse = ["--reuse-megatron", megatron_side[family]] if family in megatron_side else []
     proc = subprocess.run([sys.executable, RUN, "--family", family, "--fault", fault, "--out", str(out)]
                           + (["--graph"] if graph else []) + (["--jit"] if jit else [])
                           + (["--no-loss-mask"] if no_loss_mask else []) + reuse,
@@ -37,14 +52,14 @@ def _run(tmp_path, family, fault="none", graph=False, jit=False, no_loss_mask=Fa
     report = out / "report.json"
     assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     if not reuse and (out / "run.json").exists():
-        MEGATRON_SIDE[family] = str(out)
+        megatron_side[family] = str(out)
     with open(report) as f:
         return proc.returncode, json.load(f), proc.stdout
 
 
-@pytest.mark.parametrize("family", ["gpt2", "llama", "llama-stacked", "qwen3", "llama-legacy"])
-def test_all_fixes_agree_within_fp32_noise(tmp_path, family):
-    code, report, out = _run(tmp_path, family)
+@pytest.mark.parametrize("family", [GPT2, "llama", "llama-stacked", "qwen3", "llama-legacy"])
+def test_all_fixes_agree_within_fp32_noise(pair_run, tmp_path, family):
+    code, report, out = pair_run(tmp_path, family)
     # the legacy Llama keeps q/k/v and w1/w3 apart where megatron fuses them: joined by the built-in mapping
     assert code == 0, out[-3000:]
     assert report["outcome"] == "agree" and report["inconclusive_reasons"] == []
@@ -78,11 +93,11 @@ def test_all_fixes_agree_within_fp32_noise(tmp_path, family):
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["pynative", "graph"])
-def test_labels_and_no_loss_mask_agree(tmp_path, graph):
+def test_labels_and_no_loss_mask_agree(pair_run, tmp_path, graph):
     """MindFormers' GPTModel called with labels and no loss_mask= (as users commonly call it) builds its own loss
     mask, ids that are not the pad token times labels that are not the ignore index, [B, S] and flattened: all
     ones on this batch, accounted for by value (megatron passes none), and the pair agrees; in GRAPH_MODE too."""
-    code, report, out = _run(tmp_path, "llama", graph=graph, no_loss_mask=True)
+    code, report, out = pair_run(tmp_path, "llama", graph=graph, no_loss_mask=True)
     assert code == 0 and report["outcome"] == "agree", out[-3000:]
     assert all(c["only_a"] == c["only_b"] == 0 for c in report["coverage"].values())
     for step in (0, 1):
@@ -96,8 +111,8 @@ def test_labels_and_no_loss_mask_agree(tmp_path, graph):
     assert unaccounted_citations(report["rows"]) == []
 
 
-def test_split_with_size_gradient_defect_is_named(tmp_path):
-    code, report, _ = _run(tmp_path, "llama", "split-with-size")
+def test_split_with_size_gradient_defect_is_named(pair_run, tmp_path):
+    code, report, _ = pair_run(tmp_path, "llama", "split-with-size")
     assert code == 1
     first = report["first_divergence"]
     assert (first["step"], first["phase"]) == (0, "backward")
@@ -113,8 +128,8 @@ def test_split_with_size_gradient_defect_is_named(tmp_path):
     assert top["cause"] == "layout" and top["details"]["op"] == "rearranged" and top["explained"] > 0.99
 
 
-def test_fc1_loaded_unconverted_is_a_checkpoint_divergence(tmp_path):
-    code, report, _ = _run(tmp_path, "llama", "fc1-unconverted")
+def test_fc1_loaded_unconverted_is_a_checkpoint_divergence(pair_run, tmp_path):
+    code, report, _ = pair_run(tmp_path, "llama", "fc1-unconverted")
     assert code == 1
     first = report["first_divergence"]
     assert (first["step"], first["phase"], first["module_a"], first["slot"]) == (
@@ -126,8 +141,8 @@ def test_fc1_loaded_unconverted_is_a_checkpoint_divergence(tmp_path):
     assert report["hints"][0]["details"]["op"] == "deinterleave(dim=0)"
 
 
-def test_mindspore_default_gelu_is_named(tmp_path):
-    code, report, _ = _run(tmp_path, "gpt2", "gelu-approx")
+def test_mindspore_default_gelu_is_named_on_the_msport_gpt2(pair_run, tmp_path):
+    code, report, _ = pair_run(tmp_path, "gpt2", "gelu-approx")
     assert code == 1
     first = report["first_divergence"]
     assert (first["step"], first["phase"], first["module_a"], first["kind"]) == (
@@ -140,8 +155,8 @@ def test_mindspore_default_gelu_is_named(tmp_path):
     assert top["explained"] > 0.99
 
 
-def test_mindspore_default_layernorm_epsilon_is_named(tmp_path):
-    code, report, _ = _run(tmp_path, "gpt2", "ln-eps")
+def test_mindspore_default_layernorm_epsilon_is_named_on_the_msport_gpt2(pair_run, tmp_path):
+    code, report, _ = pair_run(tmp_path, "gpt2", "ln-eps")
     assert code == 1
     first = report["first_divergence"]
     assert (first["step"], first["phase"], first["module_a"], first["kind"]) == (
@@ -165,17 +180,19 @@ GRAPH_CASES = {
 }
 
 
-@pytest.mark.parametrize(("family", "fault"), sorted(GRAPH_CASES))
-def test_graph_mode_gives_the_pynative_verdicts(tmp_path, family, fault):
-    code, report, out = _run(tmp_path, family, fault, graph=True)
+@pytest.mark.parametrize(("family", "fault"), sorted(GRAPH_CASES),
+                         ids=[f"{f}{'-msport' if f == 'gpt2' else ''}-{x}" for f, x in sorted(GRAPH_CASES)])
+def test_graph_mode_gives_the_pynative_verdicts(pair_run, tmp_path, family, fault):
+    code, report, out = pair_run(tmp_path, family, fault, graph=True)
     _assert_graph_verdict(code, report, out, GRAPH_CASES[(family, fault)])
 
 
-@pytest.mark.parametrize(("family", "fault"), [("gpt2", "gelu-approx"), ("llama", "none")])
-def test_a_jit_train_step_run_from_pynative_gives_the_graph_mode_verdicts(tmp_path, family, fault):
+@pytest.mark.parametrize(("family", "fault"), [pytest.param("gpt2", "gelu-approx", id="gpt2-msport-gelu-approx"),
+                                               ("llama", "none")])
+def test_a_jit_train_step_run_from_pynative_gives_the_graph_mode_verdicts(pair_run, tmp_path, family, fault):
     """run.py --jit: the MindSpore side stays in PyNative, its whole train step a ``mindspore.jit`` function,
     captured with ``graph=True`` through the same probes."""
-    code, report, out = _run(tmp_path, family, fault, jit=True)
+    code, report, out = pair_run(tmp_path, family, fault, jit=True)
     _assert_graph_verdict(code, report, out, GRAPH_CASES[(family, fault)])
 
 

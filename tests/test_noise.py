@@ -38,13 +38,21 @@ def test_one_ulp_perturbation_measures_rounding_noise(measured):
     assert 1e-8 < max(by_phase["param_grad"]) < 1e-5
 
 
-def test_noise_file_sets_tolerances_and_real_faults_still_show(measured, capsys):
-    path, doc, folder = measured
-    a, b = str(folder / "a.h5"), str(folder / "b.h5")
+@pytest.fixture(scope="module")
+def gelu_pair(tmp_path_factory):
+    """a.h5 (the GPT example) and b.h5 (the same with the tanh GELU), one step each."""
     from examples.gpt import train
 
+    folder = tmp_path_factory.mktemp("gelu")
+    a, b = str(folder / "a.h5"), str(folder / "b.h5")
     train.main(["--capture", a, "--train-steps", "1", "--capture-steps", "1"])
     train.main(["--capture", b, "--train-steps", "1", "--capture-steps", "1", "--fault", "gelu-tanh"])
+    return a, b
+
+
+def test_noise_file_sets_tolerances_and_real_faults_still_show(measured, gelu_pair, capsys):
+    path, doc, folder = measured
+    a, b = gelu_pair
     assert main(["diff", a, a, "--noise-file", path]) == 0
     capsys.readouterr()
     assert main(["diff", a, b, "--noise-file", path, "--first-divergence", "--json", str(folder / "r.json")]) == 1
@@ -56,11 +64,8 @@ def test_noise_file_sets_tolerances_and_real_faults_still_show(measured, capsys)
     assert first["tolerance"] == pytest.approx(max(1e-5, 3 * noise[("decoder.layers.1.mlp.linear_fc2", "input", "0")]))
 
 
-def test_two_identical_captures_have_no_noise(measured, tmp_path):
-    _, _, folder = measured
-    a = str(folder / "a.h5")
-    if not os.path.exists(a):
-        pytest.skip("needs the capture of the previous test")
+def test_two_identical_captures_have_no_noise(gelu_pair, tmp_path):
+    a = gelu_pair[0]
     out = str(tmp_path / "n.json")
     assert main(["noise", a, a, "-o", out]) == 0
     with open(out) as fh:

@@ -38,7 +38,7 @@ def test_introduced_where_the_fault_is(gelu):
 
 def test_inherited_downstream_of_the_fault(gelu, capsys):
     assert main(["replay", *gelu, "--module", "decoder.final_layernorm", "--model", "examples.gpt.models:replay_model"]) == 0
-    out = capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
     assert "came in with the inputs" in out
 
 

@@ -68,6 +68,31 @@ def logs(tmp_path_factory):
     return mega, mf
 
 
+#: a real log: Megatron-LM's own pretrain_gpt.py (core_v0.16.1, one H100, the tiny GPT of
+#: examples/megatron_lm/ckpt_variants_gpu.sh, 6 iterations, the distributed optimizer), as it wrote it
+REAL_LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "megatron_lm", "pretrain_gpt.log")
+
+
+def test_a_real_pretrain_gpt_log_is_read_line_for_line(tmp_path):
+    logged = {}
+    with open(REAL_LOG, encoding="utf-8") as fh:  # the iteration lines, read here by a plain regex
+        for line in fh:
+            m = re.search(r"\] iteration\s+(\d+)/\s*\d+ \|.*\| learning rate: ([0-9.E+-]+) \|.*"
+                          r"\| lm loss: ([0-9.E+-]+) \|.*\| grad norm: ([0-9.]+) \|", line)
+            if m:
+                logged[int(m.group(1))] = tuple(float(x) for x in m.group(2, 3, 4))
+    assert sorted(logged) == [1, 2, 3, 4, 5, 6]
+    run = read_run(REAL_LOG)
+    assert run.kind == "megatron-lm log" and sorted(run.loss) == sorted(logged)
+    for it, (lr, loss, norm) in logged.items():
+        assert (run.lr[it], run.loss[it], run.grad_norm[it]) == pytest.approx((lr, loss, norm), rel=1e-9), it
+    # against itself: the same run, every iteration compared
+    report = tmp_path / "self.json"
+    assert main(["runs", REAL_LOG, REAL_LOG, "--json", str(report)]) == 0
+    doc = json.loads(report.read_text())
+    assert doc["common_steps"] == 6 and doc["max_rel_loss"] == 0 and doc["passed"]
+
+
 def test_megatron_log_reader(logs):
     run = read_run(logs[0])
     assert run.kind == "megatron-lm log" and sorted(run.loss) == list(range(10, 201, 10))

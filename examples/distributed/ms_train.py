@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from dataclasses import replace
 
 if __package__ in (None, ""):  # run as a file: make the repository root importable
@@ -103,4 +104,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # MindFormers writes its log folder (output/log) into the working folder as soon as it logs; run as a script,
+    # this one only builds a model with it: its log goes to the temporary folder (LOG_MF_PATH set by the caller wins)
+    os.environ.setdefault("LOG_MF_PATH", os.path.join(tempfile.gettempdir(), "tensordiff-mindformers-log"))
     main()

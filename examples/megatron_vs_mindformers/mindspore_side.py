@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -144,6 +145,9 @@ def main(argv: list[str] | None = None) -> list[float]:
 
 
 if __name__ == "__main__":
+    # MindFormers writes its log folder (output/log) into the working folder as soon as it logs; run as a script,
+    # this one only builds a model with it: its log goes to the temporary folder (LOG_MF_PATH set by the caller wins)
+    os.environ.setdefault("LOG_MF_PATH", os.path.join(tempfile.gettempdir(), "tensordiff-mindformers-log"))
     from tensordiff.errors import TensordiffError
 
     try:

@@ -12,7 +12,9 @@
   and removed, a backend each;
 * ``auto``: capture of a PyTorch program that does not call tensordiff, training steps only;
   ``auto_main``: its entry point (``python -m tensordiff.capturing.auto_main SCRIPT``, what
-  ``tensordiff capture --auto`` runs).
+  ``tensordiff capture --auto`` runs);
+* ``startup``: the folder ``tensordiff capture`` puts first on the program's PYTHONPATH, whose ``sitecustomize``
+  quiets the frameworks' start-up chatter (``--framework-logs`` keeps it).
 
 Records go to ``tensordiff.store.CaptureWriter``.
 """

@@ -16,6 +16,7 @@ import traceback
 from collections.abc import Sequence
 
 from .. import _watchdog as watchdog
+from .._progress import ENV_QUIET
 from .._text import first_line
 from .._version import __version__
 from ..errors import TensordiffError, UsageError
@@ -24,6 +25,8 @@ from . import batch, capture, check, ckpt, config, diff, inspect, locate, map, m
 EXAMPLE = "example: tensordiff capture -o a.h5 --steps 2 -- python train.py; tensordiff diff a.h5 b.h5 --first-divergence"
 #: Exit code of an internal error (a bug in tensordiff), apart from every verdict and from bad input.
 EXIT_INTERNAL = 4
+QUIET = ("no progress bars (shown on a terminal only, on stderr, for work of a second or more; also "
+         "TENSORDIFF_QUIET=1; a capture's program inherits it)")
 #: The commands, in the order ``--help`` lists them.
 COMMANDS = (capture, diff, config, map, merge, check, replay, runs, locate, batch, inspect, ckpt)
 
@@ -33,10 +36,25 @@ def parser() -> argparse.ArgumentParser:
                                 epilog=EXAMPLE)
     p.add_argument("--version", action="version", version=f"tensordiff {__version__}")
     p.add_argument("--debug", action="store_true", help="print the traceback of an internal error (exit code 4)")
+    p.add_argument("-q", "--quiet", action="store_true", help=QUIET)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         command.add_parsers(sub)
+    _add_quiet(sub)
     return p
+
+
+def _add_quiet(sub: argparse._SubParsersAction, seen: set[int] | None = None) -> None:
+    """``--quiet`` after every command and sub-command too (tensordiff ckpt convert a b --quiet)."""
+    seen = set() if seen is None else seen
+    for command_parser in sub.choices.values():
+        if id(command_parser) in seen:  # an alias
+            continue
+        seen.add(id(command_parser))
+        command_parser.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help=QUIET)
+        for action in command_parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _add_quiet(action, seen)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # the command itself (not a call from Python), when it reads files rather than running a program: a read that
     # never returns is ended, exit 2
+    if args.quiet:
+        os.environ[ENV_QUIET] = "1"  # no progress bar; the programs tensordiff capture runs inherit it
     if argv is None and args.command not in ("capture", "noise"):
         supervised = watchdog.supervise()
         if supervised is not None:

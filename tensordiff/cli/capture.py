@@ -28,6 +28,8 @@ from ..capturing.options import (
     TENSOR_MODES,
     rank_files,
 )
+from ..capturing.startup import ENV_FRAMEWORK_LOGS
+from ..capturing.startup import FOLDER as STARTUP_FOLDER
 from ..diff import noise as noises
 from ..errors import MappingError, UsageError
 from ..report.capture import NoiseSummary
@@ -68,6 +70,11 @@ def add_parsers(sub: Any) -> None:
                    help="store full tensors only for modules whose name matches REGEX (statistics for the rest)")
     c.add_argument("--durable", action="store_true",
                    help="each captured step is on disk before training goes on: a killed run loses no finished step")
+    c.add_argument("--framework-logs", action="store_true",
+                   help="keep the frameworks' own start-up output as it is (by default MindFormers' INFO lines on "
+                        "stdout, Megatron-LM's INFO logging and the notices that Transformer Engine or Apex are not "
+                        "installed are left out; MindFormers' log files keep everything; env "
+                        "TENSORDIFF_FRAMEWORK_LOGS=1)")
     c.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the training command")
     c.set_defaults(run=run_capture)
 
@@ -147,6 +154,9 @@ def run_capture(args: argparse.Namespace) -> int:
         env[ENV_TENSORS_MATCH] = args.tensors_match
     if args.durable:
         env[ENV_DURABLE] = "1"
+    if not (args.framework_logs or os.environ.get(ENV_FRAMEWORK_LOGS)):  # the frameworks' start-up chatter, quieted
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [STARTUP_FOLDER, env.get("PYTHONPATH")]))
+        env.setdefault("MEGATRON_LOGGING_LEVEL", "30")  # Megatron-LM's root logger at WARNING (its default: INFO)
     for path in rank_files(out):  # a rank file left by an earlier run would pass for this run's
         os.remove(path)
     code = run_program(cmd, env)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .. import _progress as progress
 from ..errors import UsageError
 from ..explain.ranks import inconsistency_cause
 from ..store import open_capture
@@ -38,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
         out.print(f"{args.files}: {len(cap.paths)} rank files ({layout}{sp}), {len(cap.steps)} step(s)")
         bad_steps = 0
         for step in cap.steps:
-            items = cap.inconsistent_records(step)
+            with progress.task(f"checking step {step} across {len(cap.paths)} rank files"):
+                items = cap.inconsistent_records(step)
             if not items:
                 out.print(f"step {step}: every replicated record agrees across ranks")
                 continue

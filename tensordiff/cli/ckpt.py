@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .. import _progress as progress
 from ..ckpt.compare import diff_checkpoints
 from ..ckpt.convert import convert_file
 from ..errors import UsageError
@@ -76,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    done = convert_file(args.src, args.dst, args.mapping, parse_vars(args.var, "heads=32"), to=args.to)
+    with progress.task(f"converting {args.src} into {args.dst}"):
+        done = convert_file(args.src, args.dst, args.mapping, parse_vars(args.var, "heads=32"), to=args.to)
     console(args).print(ConvertSummary(done))
     return 0
 
@@ -88,8 +90,9 @@ def run_diff(args: argparse.Namespace) -> int:
         if len(parts) != 2 or not all(parts):
             raise UsageError(f"--sides {args.sides!r}: expected A_SIDE,B_SIDE, e.g. --sides mcore,mindformers")
         sides = (parts[0], parts[1])
-    result = diff_checkpoints(args.a, args.b, mapping=args.mapping, variables=parse_vars(args.var, "heads=32"),
-                              sides=sides, rtol=args.rtol)
+    with progress.task(f"comparing {args.a} with {args.b}"):
+        result = diff_checkpoints(args.a, args.b, mapping=args.mapping, variables=parse_vars(args.var, "heads=32"),
+                                  sides=sides, rtol=args.rtol)
     console(args).print(CkptDiffReport(result, max_rows=args.max_rows))
     write_json(args.json, result.to_dict())
     return 0 if result.passed else 1

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from typing import Any
 
+from .. import _progress as progress
 from ..config import ConfigDiff, compare_settings, run_settings
 from ..diff.result import DiffOptions
 from ..errors import UsageError
@@ -79,13 +80,31 @@ def _split(text: str, flag: str) -> list[str]:
     return cmd
 
 
+def _last_line(path: str, width: int = 60) -> str:
+    """The last line the run wrote to its log, cut to ``width`` (the progress line only)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, os.path.getsize(path) - 4096))
+            lines = [line.strip() for line in fh.read().decode("utf-8", "replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return lines[-1][:width] if lines else ""
+
+
 def _run_side(side: Any) -> None:
     for path, text in side.files.items():
         with open(path, "w", encoding="utf-8") as fh:
             fh.write(text)
     cmd = [sys.executable, "-m", "tensordiff", *side.capture_command[1:]]
-    with open(side.log, "w", encoding="utf-8") as log:
-        code = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+    with open(side.log, "w", encoding="utf-8") as log, \
+            progress.task(f"running {side.name}") as shown:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        while True:
+            try:
+                code = proc.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                shown.describe(f"running {side.name}: {_last_line(side.log)}")
     if code != 0 or not os.path.exists(side.capture):
         tail = ""
         try:

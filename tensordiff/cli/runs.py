@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .. import _progress as progress
 from ..errors import UsageError
 from ..report.runs import DriftReport, RunsReport
 from ..runs import compare_runs, read_run
@@ -102,10 +103,14 @@ def _settings(a: str, b: str) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    res = compare_runs(read_run(args.a), read_run(args.b), threshold=args.threshold, warmup=args.warmup,
-                       window=_window(args.window), ppl_threshold=args.ppl_threshold,
-                       grad_norm_threshold=args.grad_norm_threshold)
-    drift, why = _drift(args, res)
+    with progress.task(f"reading {args.a}") as shown:
+        run_a = read_run(args.a)
+        shown.describe(f"reading {args.b}")
+        run_b = read_run(args.b)
+    res = compare_runs(run_a, run_b, threshold=args.threshold, warmup=args.warmup, window=_window(args.window),
+                       ppl_threshold=args.ppl_threshold, grad_norm_threshold=args.grad_norm_threshold)
+    with progress.task("the layer drift table"):
+        drift, why = _drift(args, res)
     out = console(args)
     out.print(RunsReport(res))
     settings = _settings(args.a, args.b)

@@ -15,6 +15,7 @@ import re
 import uuid
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
+from .. import _progress as progress
 from .. import dtypes
 from ..errors import AlignmentError, UsageError
 from ..mapping import RenameRules
@@ -64,26 +65,31 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         many = max(_files(ca), _files(cb))  # rank files: merged and compared in worker processes where they pay
         with (executor_for(many) if many > 1 else contextlib.nullcontext()) as executor, \
                 _Measurer(ca, cb, options.ulp_k, compare_jobs(options.jobs), executor) as measurer:
-            for step in common:  # aligning the next step while the workers compare this one's pairs
-                pairs = align_step(ca.records(step), cb.records(step), mapping, options.order_fallback)
-                for pair in pairs:
-                    rec = pair.a or pair.b
-                    assert rec is not None
-                    row = Row(step=step, phase=rec.phase, pair=pair)
-                    if pair.matched:
-                        if pair.how not in ("order", "tensor") and rec.phase != "loss" and rec.module != "":
-                            matched_by_name += 1
-                        pending.append((row, measurer.submit(pair)))
-                    rows.append(row)
+            with progress.task(f"aligning {len(common)} step(s)", len(common), "steps") as shown:
+                for step in common:  # aligning the next step while the workers compare this one's pairs
+                    pairs = align_step(ca.records(step), cb.records(step), mapping, options.order_fallback)
+                    for pair in pairs:
+                        rec = pair.a or pair.b
+                        assert rec is not None
+                        row = Row(step=step, phase=rec.phase, pair=pair)
+                        if pair.matched:
+                            if pair.how not in ("order", "tensor") and rec.phase != "loss" and rec.module != "":
+                                matched_by_name += 1
+                            pending.append((row, measurer.submit(pair)))
+                        rows.append(row)
+                    shown.advance()
             measurer.flush()
-            for row, measured in pending:  # in row order: the first error raised is the one a serial diff raises
-                pair = row.pair
-                row.metrics, row.tol, row.verdict, row.note = compare_pair(
-                    ca, cb, pair, options.tolerances, options.ulp_k, run_dtype, measured=measured.result(),
-                    first_step=first_step)
-                row.judged = judged_dtype(pair.a.dtype, pair.b.dtype, run_dtype)  # type: ignore[union-attr]
-                if pair.how == "order":
-                    row.note = (row.note + "; " if row.note else "") + "matched by order"
+            with progress.task(f"comparing {len(pending)} tensor pairs of {len(common)} step(s)", len(pending),
+                               "pairs") as shown:
+                for row, measured in pending:  # in row order: the first error raised is the one a serial diff raises
+                    pair = row.pair
+                    row.metrics, row.tol, row.verdict, row.note = compare_pair(
+                        ca, cb, pair, options.tolerances, options.ulp_k, run_dtype, measured=measured.result(),
+                        first_step=first_step)
+                    row.judged = judged_dtype(pair.a.dtype, pair.b.dtype, run_dtype)  # type: ignore[union-attr]
+                    if pair.how == "order":
+                        row.note = (row.note + "; " if row.note else "") + "matched by order"
+                    shown.advance()
         for row, earlier in rope_by_meaning(rows, ca.array, cb.array):  # RoPE tables in two conventions
             if earlier is not None:  # a statistics-only step holding the same tables: judged as then
                 row.metrics, row.tol, row.verdict = earlier.metrics, earlier.tol, earlier.verdict

@@ -112,6 +112,9 @@ class PairFile:
         if not isinstance(when, dict):
             raise MappingError(f"{where}: when: must map variables to values, e.g. {{fc1_layout: stacked}}")
         for name, want in when.items():
+            if not _scalar(want):
+                raise MappingError(f"{where}: when: {name}: expected a value (text, a number or true/false), got "
+                                   f"{want!r}")
             if str(name) not in self.values:
                 raise MappingError(f"{where}: when: uses variable {name!r}, which has no value and no default in "
                                    "vars:")
@@ -180,6 +183,9 @@ def from_text(text: str, path: str = "<mapping>", name: str = "", variables: dic
     indices = doc.get("indices")
     if indices is not None and not (isinstance(indices, dict) and all(_scalar(v) for v in indices.values())):
         raise MappingError(f"{path}: indices: expected a mapping of placeholders to variable names, got {indices!r}")
+    for key in ("description", "example"):
+        if doc.get(key) is not None and not isinstance(doc[key], str):
+            raise MappingError(f"{path}: {key}: expected text, got {doc[key]!r}; see docs/mapping.md")
     pair = PairFile(name=name, path=path, sides=(sides[0], sides[1]), description=str(doc.get("description", "")),
                     example=str(doc.get("example", "")), variables=variables_,
                     indices={str(k): str(v) for k, v in (indices or {"i": "num_layers"}).items()},
@@ -208,6 +214,8 @@ def _vars(raw: Any, path: str) -> dict[str, Var]:
             default = spec.get("default")
             if default is not None and not _scalar(default):
                 raise fail(f"vars: {name}: default", "text, a number or true/false", default)
+            if spec.get("help") is not None and not isinstance(spec["help"], str):
+                raise fail(f"vars: {name}: help", "text", spec["help"])
             choices = spec.get("choices")
             if choices is not None and not (isinstance(choices, list) and all(_scalar(c) for c in choices)):
                 raise fail(f"vars: {name}: choices", "a list of text or numbers", choices)
@@ -226,7 +234,7 @@ def _vars(raw: Any, path: str) -> dict[str, Var]:
 def _legacy(doc: dict, path: str) -> dict | None:
     """An older file as a pair file: a ``diff`` mapping (``rules:``) or a ``ckpt`` table (``entries:``)."""
     if "tensordiff_ckpt_table" in doc or ("entries" in doc and "modules" not in doc and "tensors" not in doc):
-        if doc.get("tensordiff_ckpt_table", 1) != 1:
+        if doc.get("tensordiff_ckpt_table", 1) != 1 or isinstance(doc.get("tensordiff_ckpt_table"), bool):
             raise MappingError(f"{path}: tensordiff_ckpt_table {doc.get('tensordiff_ckpt_table')!r} is not supported "
                                "(this tensordiff reads version 1, and pair files: docs/mapping.md)")
         if "sides" not in doc:
@@ -236,7 +244,7 @@ def _legacy(doc: dict, path: str) -> dict | None:
         return {"tensordiff_mapping": VERSION, "sides": doc["sides"], "tensors": tensors,
                 **{k: doc[k] for k in ("description", "example", "vars", "indices") if k in doc}}
     if "rules" in doc and "modules" not in doc:
-        if doc.get("tensordiff_mapping", 1) != 1:
+        if doc.get("tensordiff_mapping", 1) != 1 or isinstance(doc.get("tensordiff_mapping"), bool):
             raise MappingError(f"{path}: tensordiff_mapping {doc['tensordiff_mapping']!r} with a top-level 'rules:' "
                                "list: version 1 has 'rules:' at the top, version 2 under 'modules:' (docs/mapping.md)")
         modules = {k: doc[k] for k in ("rules", "order_fallback", "ignore_a", "ignore_b", "strip_b") if k in doc}

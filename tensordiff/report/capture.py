@@ -13,6 +13,7 @@ from ..diff.nonfinite import describe, first_nonfinite
 from ..explain.replay import ReplayResult
 from ..record import PHASES, Record
 from ..store import CaptureFile
+from .theme import Name, table_width, wide
 
 #: File attributes ``ls`` lists, in this order.
 LS_ATTRS = ("framework", "framework_version", "megatron_core_version", "transformers_version", "model_class",
@@ -62,23 +63,23 @@ class RecordTable:
         self.records = records
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
-        wide = options.max_width >= 110
+        wide_ = table_width(console, options) >= 110
         table = Table(title=self.title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
         table.add_column("#", justify="right", style="tensordiff.dim", no_wrap=True)
         table.add_column("phase", no_wrap=True)
         table.add_column("module · tensor", overflow="fold", ratio=1)
-        for col in ("dtype", "shape", "mean", "l2") + (("min", "max", "nan/inf") if wide else ()):
+        for col in ("dtype", "shape", "mean", "l2") + (("min", "max", "nan/inf") if wide_ else ()):
             table.add_column(col, justify="left" if col in ("dtype", "shape") else "right", no_wrap=True)
         for r in self.records:
             name = Text(r.label)
             if r.same_as >= 0:
                 name.append(" (link)", style="tensordiff.dim")
-            cells: list[Text | str] = [str(r.seq), r.phase, name, r.dtype, times_shape(r.shape), f"{r.mean:.4g}",
+            cells: list[Name | str] = [str(r.seq), r.phase, Name(name), r.dtype, times_shape(r.shape), f"{r.mean:.4g}",
                                        f"{r.l2:.4g}"]
-            if wide:
+            if wide_:
                 cells += [f"{r.min:.4g}", f"{r.max:.4g}", f"{r.nan}/{r.inf}"]
             table.add_row(*cells)
-        yield table
+        yield wide(table)
 
 
 class ReplaySummary:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 
 from rich import box
@@ -14,7 +13,7 @@ from .._text import listing, plural, times_shape
 from ..ckpt.compare import CheckpointDiff, CkptVerdict, DiffRow
 from ..ckpt.convert import ConvertedFile
 from ..ckpt.files import describe_skipped
-from .theme import collapse, fmt
+from .theme import Name, collapse, fmt, table_width, wide
 
 
 class CkptDiffReport:
@@ -31,7 +30,7 @@ class CkptDiffReport:
             yield Text.assemble(("mapping ", "tensordiff.title"), self.diff.mapping)
         for note in self.diff.notes:
             yield Text(note, style="tensordiff.dim")
-        yield self._table(options.max_width)
+        yield wide(self._table(table_width(console, options)))
         yield self._summary()
 
     def _table(self, width: int) -> Table:
@@ -50,7 +49,8 @@ class CkptDiffReport:
                                 _VERDICT[row.verdict][0]]))
         heads = ["shape", "dtype", "rel L2", "max|Δ|", "verdict"]
         others = [max([len(h)] + [len(c[1][k]) for c in cells if not isinstance(c, int)]) for k, h in enumerate(heads)]
-        longest = max([6] + [len(c[0].name) for c in cells if not isinstance(c, int)])
+        longest = max([6] + [len(c[0].name) for c in cells if not isinstance(c, int)]
+                      + [len("B: " + _brace(c[0].b_from)) for c in cells if not isinstance(c, int) and c[0].b_from])
         name_width = min(longest, max(24, width - sum(others) - 3 * len(others)))  # 3: pad, rule, pad
         table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, expand=False)
         table.add_column("tensor", overflow="fold", width=name_width)
@@ -62,12 +62,12 @@ class CkptDiffReport:
                               "", "", "", "", "")
                 continue
             row, values = cell
-            name = Text(_wrap_dotted(row.name, name_width))
+            name = Text(row.name)
             if row.b_from:
-                name.append("\n" + _wrap_dotted("B: " + _brace(row.b_from), name_width, indent="   "), style="tensordiff.dim")
+                name.append("\nB: " + _brace(row.b_from), style="tensordiff.dim")
             if row.note:
-                name.append("\n" + _wrap_dotted(row.note, name_width, indent="   "), style="tensordiff.dim")
-            table.add_row(name, *values[:4], Text(values[4], style=_VERDICT[row.verdict][1]))
+                name.append("\n" + row.note, style="tensordiff.dim")
+            table.add_row(Name(name, indent="  "), *values[:4], Text(values[4], style=_VERDICT[row.verdict][1]))
         return table
 
     def _summary(self) -> Text:
@@ -100,23 +100,6 @@ _SHORT = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf1
 
 def _short(dtype: str) -> str:
     return _SHORT.get(dtype, dtype)
-
-
-def _wrap_dotted(text: str, width: int, indent: str = "  ") -> str:
-    """Break a long dotted name after dots (after commas inside a brace group wider than ``width``), never inside a word."""
-    if len(text) <= width:
-        return text
-    lines, line = [], ""
-    pieces = []
-    for piece in re.split(r"(?<=\.)", text):  # after dots; inside a piece wider than the column, after commas
-        pieces += re.split(r"(?<=,)", piece) if len(piece) > width - len(indent) else [piece]
-    for piece in pieces:
-        if line.strip() and len(line) + len(piece) > width:
-            lines.append(line)
-            line = indent
-        line += piece
-    lines.append(line)
-    return "\n".join(lines)
 
 
 def _brace(names: tuple[str, ...]) -> str:

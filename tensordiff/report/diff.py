@@ -18,7 +18,7 @@ from ..diff.result import DiffResult, Row, RowVerdict, phase_rows
 from ..explain.diagnosis import Diagnosis
 from ..explain.hints import CHECKED, CheckStatus
 from ..record import module_label
-from .theme import collapse, fmt, fmt_cos
+from .theme import Name, collapse, fmt, fmt_cos, table_width, wide
 
 VERDICT_TEXT: dict[RowVerdict, str] = {"ok": "ok", "diverged": "DIVERGED", "unmatched": "unmatched", "shape": "SHAPE",
                                       "drift": "drift", "skipped": "skipped", "uncertain": "UNCERTAIN",
@@ -67,7 +67,7 @@ class DiffReport:
                 continue
             if self.first_only and first is None and self.max_rows > 0 and not any(map(_open, rows)):
                 continue  # no divergence: only the tables holding what keeps it from agreeing (--max-rows 0: all)
-            yield self._table(step, phase, rows, first_key, options.max_width)
+            yield wide(self._table(step, phase, rows, first_key, table_width(console, options)))
         yield self._summary()
         for side, where in res.nonfinite.items():
             if where is not None:
@@ -75,7 +75,7 @@ class DiffReport:
         if first is not None:
             style = "tensordiff.diverged"
             title = "First divergence" if first.introduced else "First divergence (accumulated, not introduced at one place)"
-            body = Text(self._steps(first.explanation))
+            body = Name(Text(self._steps(first.explanation)))
             yield Panel(body, title=title, title_align="left", border_style=style,
                         box=box.ASCII if console.legacy_windows else box.ROUNDED)
             yield from self._hints()
@@ -85,7 +85,7 @@ class DiffReport:
             yield Text("Inconclusive: no divergence among the pairs compared, but not everything was compared "
                        "(exit code 3):", style="tensordiff.inconclusive")
             for reason in res.reasons:
-                yield Text(f"  - {reason}", style="tensordiff.unmatched")
+                yield Name(Text(f"  - {reason}", style="tensordiff.unmatched"), indent="    ")
         else:
             skipped = any(c.not_recorded_a or c.not_recorded_b for c in res.coverage.values())
             accounted = any(c.accounted_a or c.accounted_b for c in res.coverage.values())
@@ -176,7 +176,7 @@ class DiffReport:
             vstyle = f"tensordiff.{row.verdict}"
             if is_first:
                 verdict, vstyle = "FIRST", "tensordiff.first"
-            cells: list[Any] = [str(rec.seq), name]
+            cells: list[Any] = [str(rec.seq), Name(name)]
             if wide:
                 b_dtype = row.pair.b.dtype if row.pair.b is not None else rec.dtype
                 cells.append(rec.dtype if b_dtype == rec.dtype else f"{rec.dtype}/{b_dtype}")
@@ -234,7 +234,7 @@ class DiffReport:
                 if hint.evidence:
                     text.append(f"\n{self._steps(hint.evidence)}", style="tensordiff.dim")
                 grid.add_row(f"{i}.", Text(f"{hint.explained:.1%}", style="tensordiff.ok" if hint.explained > 0.9 else ""),
-                             text)
+                             Name(text))
             yield grid
             if res.hints[0].explained < 0.9 and res.not_checked:  # a partial answer: say what else was not tested
                 yield Text(f"Not tested here: {_not_tested(res.not_checked)}.", style="tensordiff.dim")

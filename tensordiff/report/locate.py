@@ -15,6 +15,7 @@ from ..config import ConfigDiff, Difference
 from ..runs.compare import pct
 from ..runs.locate import LocatePlan
 from .diff import DiffReport
+from .theme import Name, wide
 
 #: Settings a resume from another run's checkpoint restores from that checkpoint: torch optimizers' saved parameter
 #: groups carry Adam's betas and epsilon (Megatron-LM's scheduler sets the learning rate and weight decay itself).
@@ -151,7 +152,7 @@ class LocateReport:
         for side in (plan.a, plan.b):
             table.add_row(side.name, f"{side.loads or '(its start)'}" + (f" @ {side.iteration}" if side.iteration else ""),
                           shlex.join(side.capture_command))
-        yield table
+        yield wide(table)
         if res is None:
             yield Text("Run both (in any order, on their own machines if need be), then: tensordiff diff "
                        f"{plan.a.capture} {plan.b.capture} --first-divergence; or pass --run.")
@@ -160,9 +161,9 @@ class LocateReport:
         for col in ("iteration", "compared", "diverged", "first diverged record"):
             table.add_column(col, justify="right" if col in ("iteration", "compared", "diverged") else "left")
         for it in self.iterations():
-            table.add_row(str(it["iteration"]), str(it["compared"]), str(it["diverged"]), it["first_diverged"] or "-",
+            table.add_row(str(it["iteration"]), str(it["compared"]), str(it["diverged"]), Name(it["first_diverged"] or "-"),
                           style="tensordiff.diverged" if it["diverged"] else None)
-        yield table
+        yield wide(table)
         drift = self.drift()
         if plan.mode == "own" and drift is not None:
             n, total, worst, name = drift

@@ -10,6 +10,7 @@ from rich.text import Text
 
 from ..runs.compare import Comparison
 from ..runs.drift import DriftTable
+from .theme import Name, wide
 
 
 class RunsReport:
@@ -71,10 +72,10 @@ class DriftReport:
             table = Table(title=drift_title(t), title_justify="left")
             for name, justify in (("layer", "left"), ("first drift", "right"), ("kind", "left"),
                                   ("first record over", "left"), ("ratio there", "right"), ("max ratio", "right")):
-                table.add_column(name, justify=justify)  # type: ignore[arg-type]
+                table.add_column(name, justify=justify, overflow="fold")  # type: ignore[arg-type]
             for row in rows:
-                table.add_row(*row)
-            yield table
+                table.add_row(Name(row[0]), *row[1:3], Name(row[3]), *row[4:])
+            yield wide(table)
             more = len(t.ranking()) - len(rows)
             if more > 0:
                 yield Text(f"... and {more} more drifting layers (--drift-top N, --json)", style="tensordiff.dim")

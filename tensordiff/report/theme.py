@@ -1,16 +1,32 @@
-"""One theme for every renderable: named styles, number formats, the console, the collapsing of long tables.
+"""One theme for every renderable: named styles, number formats, the console and its width, the collapsing of long
+tables.
 
 Renderables use the ``tensordiff.*`` styles only; ``make_console`` is the one place a Console is made
 (``color=False`` for plain text and golden tests).
+
+Width, so that a module name is never cut or wrapped inside a word: ``--width`` if given, else the terminal's, else
+``COLUMNS``, else (a pipe, a file, CI) prose wraps at ``READING`` columns and every table is as wide as its longest
+name needs (``wide(table)``). Where a table is narrower than its names (a narrow terminal), a ``Name`` breaks after a
+dot or at a space, never inside a word of the name.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import re
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.measure import Measurement
+from rich.style import StyleType
+from rich.text import Text
 from rich.theme import Theme
+
+#: prose (paragraphs, panels) wraps at this many columns where the output has no width of its own
+READING = 100
+#: the width tables may take where the output has no width of its own (wide enough for any name)
+UNBOUNDED = 10_000
 
 THEME = Theme(
     {
@@ -62,6 +78,110 @@ def collapse(rows: list, keep: set[int]) -> list:
     return out
 
 
+class _Console(Console):
+    """A Console whose prose wraps at ``reading`` columns while its lines may be ``width`` long (tables in ``wide``)."""
+
+    reading: int | None = None
+
+    @property
+    def options(self) -> ConsoleOptions:
+        opts = super().options
+        return opts.update_width(min(opts.max_width, self.reading)) if self.reading else opts
+
+
 def make_console(file: Any = None, width: int | None = None, color: bool | None = None) -> Console:
-    return Console(file=file, width=width, theme=THEME, color_system="auto" if color is not False else None,
-                   no_color=color is False, highlight=False, soft_wrap=False)
+    console = _Console(file=file, width=width, theme=THEME, color_system="auto" if color is not False else None,
+                       no_color=color is False, highlight=False, soft_wrap=False)
+    if width is None and not console.is_terminal and not os.environ.get("COLUMNS", "").strip().isdigit():
+        console.width, console.reading = UNBOUNDED, READING  # no width of its own: never cut a name to 80 columns
+    return console
+
+
+def table_width(console: Console, options: ConsoleOptions) -> int:
+    """The width a table may take here: the whole line (``UNBOUNDED`` where the output has no width), else the
+    options' width."""
+    reading = getattr(console, "reading", None)
+    return console.width if reading else options.max_width
+
+
+class wide:
+    """``renderable`` (a table of names) rendered at ``table_width``: its natural width where the output has no
+    width of its own, the console's otherwise."""
+
+    def __init__(self, renderable: Any) -> None:
+        self.renderable = renderable
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield from console.render(self.renderable, options.update_width(table_width(console, options)))
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        return Measurement.get(console, options.update_width(table_width(console, options)), self.renderable)
+
+
+#: where a line may break, most wanted first: after a space; after the dot of a dotted name or a slash (a letter on
+#: either side of the dot: decoder.layers.1.mlp, never inside a number: 1.6e-04); after a comma ({wq,wk,wv})
+_BREAKS = (re.compile(r"(?<=\s)(?=\S)"), re.compile(r"(?<=/)|(?<=[A-Za-z_)\]}]\.)|(?<=\.)(?=[A-Za-z_{])"),
+           re.compile(r"(?<=,)"))
+
+
+class Name:
+    """Text that holds module names: a table cell (a name and what follows it), or a paragraph that names modules.
+    Whole words where they fit; a word wider than the line breaks after its dots, then after its commas (``indent``
+    starts each continued line); folded inside a word only where one piece is wider than the whole line. At least
+    as wide as its longest piece, at most its full length."""
+
+    def __init__(self, text: Text | str, style: StyleType = "", indent: str = "") -> None:
+        self.text = text if isinstance(text, Text) else Text(text, style=style)
+        self.indent = indent
+
+    @staticmethod
+    def _pieces(line: Text, level: int) -> list[Text]:
+        """``line`` cut at the breaks of ``_BREAKS[level]``."""
+        plain, out, at = line.plain, [], 0
+        for m in _BREAKS[level].finditer(plain):
+            if m.start() > at:
+                out.append(line[at:m.start()])
+                at = m.start()
+        if at < len(plain):
+            out.append(line[at:])
+        return out
+
+    def _smallest(self, line: Text, level: int = 0) -> list[Text]:
+        return [p for piece in self._pieces(line, level)
+                for p in ([piece] if level + 1 == len(_BREAKS) else self._smallest(piece, level + 1))]
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions) -> Measurement:
+        lines = self.text.split("\n", allow_blank=True)
+        longest = max((len(p.plain.rstrip()) for line in lines for p in self._smallest(line)), default=1)
+        full = max((len(line.plain) for line in lines), default=1)
+        return Measurement(min(longest + len(self.indent), full, options.max_width), min(full, options.max_width))
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        width = max(options.max_width, 1)
+        out = Text(style=self.text.style, end="")
+        used = 0
+
+        def put(piece: Text) -> None:
+            nonlocal used
+            if used and used + len(piece.plain.rstrip()) > width:  # a new line, its leading spaces dropped
+                out.append("\n" + self.indent)
+                used = len(self.indent)
+                piece = piece[len(piece.plain) - len(piece.plain.lstrip()):]
+            out.append_text(piece)
+            used += len(piece.plain)
+
+        def place(text: Text, level: int) -> None:
+            """Whole pieces of this level where they fit on a line of their own, else cut at the next level's."""
+            for piece in self._pieces(text, level):
+                fits = used + len(piece.plain.rstrip()) <= width or len(self.indent) + len(piece.plain.strip()) <= width
+                if fits or level + 1 == len(_BREAKS):
+                    put(piece)
+                else:
+                    place(piece, level + 1)
+
+        for n, line in enumerate(self.text.split("\n", allow_blank=True)):
+            if n:
+                out.append("\n")
+                used = 0
+            place(line, 0)
+        yield from console.render(out, options.update(overflow="fold", no_wrap=False))

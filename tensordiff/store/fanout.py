@@ -22,6 +22,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+from .. import _progress as progress
 from ..errors import UsageError
 from .reader import CaptureFile
 
@@ -98,8 +99,10 @@ def open_files(paths: list[str]) -> dict[str, CaptureFile]:
                     out[path] = CaptureFile(path)
                 return out
             chunk = max(1, min(16, len(paths) // (4 * max(1, _jobs(len(paths))))))
-            for path, summary in zip(paths, executor.map(_summary, paths, chunksize=chunk)):
-                out[path] = CaptureFile.unopened(path, summary)
+            with progress.task(f"opening {len(paths)} rank files", len(paths), "files") as shown:
+                for path, summary in zip(paths, executor.map(_summary, paths, chunksize=chunk)):
+                    out[path] = CaptureFile.unopened(path, summary)
+                    shown.advance()
         return out
     except BaseException:
         for cap in out.values():

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _progress as progress
 from .._yaml import load_yaml
 from ..errors import CaptureFileError, MappingError
 from ..mapping.names import unwrap
@@ -69,6 +70,9 @@ def _load_rules(name: str = "megatron-core", path: str | None = None) -> tuple[l
         doc = load_yaml(fh.read(), path, "split table")
     if not isinstance(doc, dict):
         raise MappingError(f"{path}: a split table is a YAML mapping with 'rules:' (see the file's header)")
+    version = doc.get("tensordiff_splits")
+    if version is not None and (isinstance(version, bool) or version != 1):
+        raise MappingError(f"{path}: tensordiff_splits: {version!r}: this tensordiff reads version 1")
 
     def texts(raw: dict[str, Any], key: str, where: str) -> frozenset[str] | None:
         value = raw.get(key)
@@ -86,6 +90,9 @@ def _load_rules(name: str = "megatron-core", path: str | None = None) -> tuple[l
         if not isinstance(split, dict) or ("dim" in split and (isinstance(split["dim"], bool)
                                                               or not isinstance(split["dim"], int))):
             raise MappingError(f"{path}: {where}: '{key}:' is {{dim: D}} with an integer D, got {split!r}")
+        if "stride" in split and split["stride"] != "weight":
+            raise MappingError(f"{path}: {where}: '{key}: stride:' is 'weight' (the stride of the module's weight), "
+                               f"got {split['stride']!r}")
         module = raw.get("module")
         if module is not None and not isinstance(module, str):
             raise MappingError(f"{path}: {where}: 'module:' is a regex as text, got {module!r}")
@@ -693,19 +700,21 @@ def write_capture_copy(cap: CaptureFile, out: str) -> int:
     writer = CaptureWriter(out, attrs, background=False)
     written = 0
     try:
-        for step in cap.steps:
-            rows, data = [], {}
-            for rec in cap.records(step):
-                row = {name: getattr(rec, name) for name in ROW_FIELDS or () if name != "shape"}
-                row["shape"] = shape_text(rec.shape)
-                x = cap.array(rec) if rec.has_data and rec.same_as < 0 else None
-                if x is not None:
-                    data[rec.seq] = x
-                elif rec.same_as < 0:
-                    row["has_data"] = 0
-                rows.append(row)
-            writer.submit(step, rows, data, cap.step_attrs(step))
-            written += len(rows)
+        with progress.task(f"writing {out}", len(cap.steps), "steps") as shown:
+            for step in cap.steps:
+                rows, data = [], {}
+                for rec in cap.records(step):
+                    row = {name: getattr(rec, name) for name in ROW_FIELDS or () if name != "shape"}
+                    row["shape"] = shape_text(rec.shape)
+                    x = cap.array(rec) if rec.has_data and rec.same_as < 0 else None
+                    if x is not None:
+                        data[rec.seq] = x
+                    elif rec.same_as < 0:
+                        row["has_data"] = 0
+                    rows.append(row)
+                writer.submit(step, rows, data, cap.step_attrs(step))
+                written += len(rows)
+                shown.advance()
         for name, values in cap.scalars().items():
             for step, value in values.items():
                 writer.submit_scalars(step, {name: value})

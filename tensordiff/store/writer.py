@@ -17,6 +17,7 @@ import contextlib
 import os
 import resource
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import h5py
 import numpy as np
 
+from .. import _progress as progress
 from .. import dtypes
 from .._text import first_line
 from .._warn import warn as _warn
@@ -279,6 +281,26 @@ class CaptureWriter:
             self._scalar_jobs.append(("scalars", step, values))
             self._cv.notify_all()
 
+    def _drain(self, timeout: float | None) -> None:
+        """Wait for the writer thread to write what is queued (``timeout`` seconds at most); a drain of a second or
+        more shows the bytes left on a terminal (``_progress``)."""
+        assert self._thread is not None
+        total = self._pending_bytes
+        if not total:
+            self._thread.join(timeout)
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with progress.task(f"tensordiff: writing {os.path.basename(self.path)}", total, "bytes") as shown:
+            done = 0
+            while self._thread.is_alive():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                self._thread.join(0.25 if left is None else min(0.25, left))
+                now = max(0, total - self._pending_bytes)
+                shown.advance(now - done)
+                done = now
+
     def close(self, timeout: float | None = None) -> bool:
         """Write what was handed over, then close the file; ``timeout``: give up waiting after that many seconds
         (a signal ending the run: the file then keeps the steps completed so far). True when the file is closed.
@@ -294,7 +316,7 @@ class CaptureWriter:
                 self._stop = True
                 self._cv.notify_all()
             try:
-                self._thread.join(timeout)
+                self._drain(timeout)
             except KeyboardInterrupt as err:
                 interrupted = err
                 self._thread.join(30.0 if timeout is None else timeout)

@@ -37,6 +37,7 @@ from typing import IO, Any, BinaryIO
 
 import numpy as np
 
+from .. import _progress as progress
 from .. import dtypes
 from .._warn import warn as _warn
 from .writer import CaptureWriter, without_data
@@ -152,7 +153,8 @@ class ProcessWriter(CaptureWriter):
             except OSError:
                 pass
         try:
-            code = self._proc.wait(60.0)  # the child finishes what it received, even after this process is gone
+            with progress.task(f"tensordiff: the writer process finishes {os.path.basename(self.path)}"):
+                code = self._proc.wait(60.0)  # the child finishes what it received, even after this process is gone
         except subprocess.TimeoutExpired:
             return
         if code != 0 and self.error is None:

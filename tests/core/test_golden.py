@@ -523,7 +523,8 @@ def test_one_noise_tensor_is_singular():
 def test_goldens_fit_80_columns():
     if os.environ.get(UPDATE_ENV):
         pytest.skip("goldens are being rewritten")
-    names = sorted(f for f in os.listdir(GOLDEN_DIR) if f.endswith(".txt"))
+    # but the output of a pipe, which is as wide as its names (test_terminal.py)
+    names = sorted(f for f in os.listdir(GOLDEN_DIR) if f.endswith(".txt") and f != "width_pipe.txt")
     assert names
     for name in names:
         with open(os.path.join(GOLDEN_DIR, name), encoding="utf-8") as fh:

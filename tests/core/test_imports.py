@@ -4,7 +4,8 @@
     capturing → store, frameworks;  batch → frameworks;  compat → nothing of tensordiff
 
 torch and MindSpore (and the frameworks built on them) are imported only in ``frameworks/``, the capture
-adapters and ``compat/``; rich only in ``report/`` and ``cli/``; and no two modules import each other,
+adapters and ``compat/``; rich only in ``report/``, ``cli/`` and ``_progress`` (the one progress bar, drawn for
+any stage's long work); and no two modules import each other,
 directly or through others.
 """
 
@@ -18,7 +19,7 @@ import pytest
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tensordiff")
 
 #: Leaf modules every stage may use.
-CORE = {"_version", "errors", "_text", "_yaml", "_regex", "_watchdog", "_warn", "dtypes", "record", "transforms",
+CORE = {"_version", "errors", "_text", "_yaml", "_regex", "_watchdog", "_warn", "_progress", "dtypes", "record", "transforms",
         "mapping", "stats"}
 #: Stage -> the stages it may import (besides itself and the core).
 ALLOWED: dict[str, set[str]] = {
@@ -43,7 +44,8 @@ FRAMEWORK_HOMES = ("tensordiff.frameworks.", "tensordiff.capturing.torch", "tens
                    "tensordiff.capturing.auto", "tensordiff.capturing.megatron", "tensordiff.compat.")
 FRAMEWORK_HOMES += ("tensordiff.capturing.mindformers_callback",)  # the MindFormers Trainer's callback (MindSpore)
 #: Other third-party packages and the only places that may import them.
-CONFINED = {"rich": ("tensordiff.report.", "tensordiff.cli."), "matplotlib": ("tensordiff.report.runs_plot",),
+CONFINED = {"rich": ("tensordiff.report.", "tensordiff.cli.", "tensordiff._progress"),
+            "matplotlib": ("tensordiff.report.runs_plot",),
             "safetensors": ("tensordiff.ckpt.safetensors_io",), "regex": ("tensordiff._regex",)}
 
 

@@ -55,7 +55,9 @@ def test_rank_files_read_back_as_the_single_device_tensors(tmp_path, tp, dp):
     full = {r.module + r.kind: r.value for r in recs(W, X, IDS, (X @ W.T) / 4.0)}
     with open_capture(write_run(tmp_path, "run", tp, dp)) as cap:
         assert isinstance(cap, MergedCapture) and (cap.tp, cap.dp) == (tp, dp)
-        for rec in cap.records(0):
+        merged = cap.records(0)
+        assert sorted(r.module + r.kind for r in merged) == sorted(full)  # every record of the run, once
+        for rec in merged:
             expected = full[rec.module + rec.kind]
             got = cap.array(rec)
             assert rec.shape == expected.shape and got is not None
