@@ -27,6 +27,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -381,18 +382,20 @@ class Runner:
         """more options for train.py (benchmarks/agreement_gpu.py: --device, --optim), part of a capture's key."""
         self.logs: dict[str, str] = {}
         """capture path -> the training script's output (its loss lines)."""
+        self._weights_lock = threading.Lock()
         self.failed: dict[Layout, str] = {}
         """distributed runs that failed in this run, with why (not run again for the next case that needs them)."""
 
     def weights(self, arch: Arch) -> str:
         path = os.path.join(self.out, f"w-{_key(asdict(arch))}.safetensors")
-        if not os.path.exists(path):
-            from safetensors.torch import save_file
+        with self._weights_lock:  # run_all's threads capture both sides of one model at once: written once
+            if not os.path.exists(path):
+                from safetensors.torch import save_file
 
-            from examples.pairs.models import random_state
+                from examples.pairs.models import random_state
 
-            save_file(random_state(arch), path + ".tmp")
-            os.replace(path + ".tmp", path)
+                save_file(random_state(arch), path + ".tmp")
+                os.replace(path + ".tmp", path)
         return path
 
     def capture(self, arch: Arch, side: Side) -> str:
