@@ -176,7 +176,7 @@ class DiffReport:
             vstyle = f"tensordiff.{row.verdict}"
             if is_first:
                 verdict, vstyle = "FIRST", "tensordiff.first"
-            cells: list[Any] = [str(rec.seq), Name(name)]
+            cells: list[Any] = [str(rec.seq), Name(name, indent="  ")]
             if wide:
                 b_dtype = row.pair.b.dtype if row.pair.b is not None else rec.dtype
                 cells.append(rec.dtype if b_dtype == rec.dtype else f"{rec.dtype}/{b_dtype}")

@@ -159,21 +159,26 @@ class Name:
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         width = max(options.max_width, 1)
         out = Text(style=self.text.style, end="")
-        used = 0
+        used = 0  # columns on the current line
+        held = 0  # of which text (not the indent)
+        indent = self.indent
 
         def put(piece: Text) -> None:
-            nonlocal used
+            nonlocal used, held
             if used and used + len(piece.plain.rstrip()) > width:  # a new line, its leading spaces dropped
-                out.append("\n" + self.indent)
-                used = len(self.indent)
+                out.append("\n" + indent)
+                used, held = len(indent), 0
                 piece = piece[len(piece.plain) - len(piece.plain.lstrip()):]
             out.append_text(piece)
             used += len(piece.plain)
+            held += len(piece.plain)
 
         def place(text: Text, level: int) -> None:
-            """Whole pieces of this level where they fit on a line of their own, else cut at the next level's."""
+            """Whole pieces of this level where they fit (on this line, or on a line of their own unless this line
+            would keep only a short label: 'B:'), else cut at the next level's breaks."""
             for piece in self._pieces(text, level):
-                fits = used + len(piece.plain.rstrip()) <= width or len(self.indent) + len(piece.plain.strip()) <= width
+                size = len(piece.plain.rstrip())
+                fits = used + size <= width or (len(indent) + len(piece.plain.strip()) <= width and held > 4)
                 if fits or level + 1 == len(_BREAKS):
                     put(piece)
                 else:
@@ -182,6 +187,8 @@ class Name:
         for n, line in enumerate(self.text.split("\n", allow_blank=True)):
             if n:
                 out.append("\n")
-                used = 0
+                used = held = 0
+            # a continued line starts under its own line's text, further in by ``indent``
+            indent = " " * (len(line.plain) - len(line.plain.lstrip())) + self.indent
             place(line, 0)
         yield from console.render(out, options.update(overflow="fold", no_wrap=False))

@@ -3,7 +3,8 @@
 - MindFormers logs INFO to stdout (about 70 lines of configuration and start-up for a Trainer run, more for larger
   models): its stdout shows warnings and errors, and the INFO lines of its callbacks (the loss of each step, as the
   Trainer's ``MFLossMonitor`` prints it: the run's progress); the log files under ``output/log`` keep every line.
-- megatron-core warns at import that Transformer Engine or Apex is not installed, once per module: hidden.
+- megatron-core warns at import that Transformer Engine or Apex is not installed, once per module, and about its
+  own default ``cuda_graph_scope`` on every model built: hidden.
 
 Nothing else changes: no number of the run, no other logger, no other warning. Any error here is ignored (the
 training run comes first), and the ``sitecustomize`` this one shadows (a distribution's, a virtualenv's) runs after.
@@ -65,6 +66,8 @@ def _progress_only(record) -> bool:
 
 def _quiet() -> None:
     warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex)\b.* not installed", category=UserWarning)
+    # megatron-core 0.16.1's TransformerConfig warns about its own default cuda_graph_scope on every model built
+    warnings.filterwarnings("ignore", message=r"full scope is deprecated\. Use empty cuda_graph_scope", category=UserWarning)
     sys.meta_path.insert(0, _AfterImport())
 
 
