@@ -5,7 +5,7 @@ The library only says what it is doing: ``with progress.task("comparing", total=
 t.advance()``. A bar (rich.progress) is drawn only where stderr is a terminal and ``TENSORDIFF_QUIET`` is not set
 (``tensordiff --quiet`` sets it, for the programs ``tensordiff capture`` runs too), and only once a task has run
 ``DELAY`` seconds; it is erased when the task ends, so the output is the same with or without it. A pipe, a file,
-CI and ``--json`` output never see one. ``install`` replaces the display (None: never show one).
+CI and ``--json`` output never see one.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import contextlib
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 ENV_QUIET = "TENSORDIFF_QUIET"
 #: seconds of work before a bar is drawn: shorter work shows nothing (TENSORDIFF_PROGRESS_DELAY: another delay)
@@ -38,16 +38,6 @@ class _Silent:
 
 SILENT = _Silent()
 
-Display = Callable[[str, "float | None", str], contextlib.AbstractContextManager[Task]]
-_AUTO = object()
-_display: Any = _AUTO  # the terminal's bar unless quiet(), decided at each task; None: nothing; else a Display
-
-
-def install(display: Display | None) -> None:
-    """Show every task from now on through ``display`` (None: show nothing)."""
-    global _display
-    _display = display
-
 
 def quiet() -> bool:
     """``TENSORDIFF_QUIET`` set (``--quiet``), or stderr not a terminal: no progress is shown."""
@@ -62,14 +52,11 @@ def quiet() -> bool:
 @contextlib.contextmanager
 def task(label: str, total: float | None = None, unit: str = "") -> Iterator[Task]:
     """One piece of long work: ``advance`` it as it goes (``total`` None: a spinner with the time taken)."""
-    display = _display
-    if display is _AUTO:
-        display = None if quiet() else terminal_bar
-    if display is None:
+    if quiet():
         yield SILENT
         return
     try:
-        shown = display(label, total, unit)
+        shown = _Bar(label, total, unit)
         t = shown.__enter__()
     except Exception:  # a display that cannot draw never stops the work
         yield SILENT
@@ -128,7 +115,3 @@ class _Bar:
         self._timer.join()
         if self._progress.live.is_started:
             self._progress.stop()
-
-
-def terminal_bar(label: str, total: float | None, unit: str) -> _Bar:
-    return _Bar(label, total, unit)
