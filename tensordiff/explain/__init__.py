@@ -5,6 +5,7 @@
   share of the gap it explains (one module per cause);
 * ``diagnosis``: ``diagnose(a, b, options)`` = ``diff`` + hints, the ``Diagnosis`` the report shows;
 * ``replay``: run one module of side A's code on B's captured inputs: introduced or inherited?
+* ``ranks``: why records that must be identical across ranks differ, named from the rank files alone.
 
 Framework-free except ``replay``, which calls the model through ``tensordiff.frameworks``.
 """

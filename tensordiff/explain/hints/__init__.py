@@ -11,10 +11,12 @@ reconstruction would be guesswork); one with nothing to test on at this site (no
 RoPE, no stored input, no bias) raises ``NotApplicable(reason)``, and ``run_checks`` returns a
 ``CheckStatus`` per cause: tested, or not and why. Hints are ranked by ``explained``; only those that
 explain at least half of the gap are reported. One module per cause, one page each in
-docs/hints/: ``activation``, ``norm``, ``rope``, ``dtype``, ``layout``, ``dropout``, ``loss``
-(loss normalisation), ``aux_loss`` (a router's auxiliary loss in one side's loss or gradients), ``factor``,
-``vocab`` (vocabulary padding), ``tied`` (tied embeddings on one side), ``router_norm`` (top-k router
-probabilities renormalised on one side only), ``checkpoint`` (and a norm's ``1 + w`` offset), ``update`` (the optimizer step);
+docs/hints/: ``activation``, ``norm``, ``rope``, ``attention`` (the attention scale), ``dtype``, ``layout`` (and a
+missing bias), ``dropout``, ``loss`` (loss normalisation), ``aux_loss`` (a router's auxiliary loss in one side's loss
+or gradients), ``factor``, ``vocab`` (vocabulary padding), ``tied`` (tied embeddings on one side), ``router_norm``
+(top-k router probabilities renormalised on one side only), ``checkpoint`` (and a norm's ``1 + w`` offset), ``update``
+(the optimizer step; ``adam``: Adam's update rebuilt), ``parallel`` (a tensor-parallel partial sum), ``pipeline``
+(the pipeline stages' handover and tied copies);
 ``base`` holds the site, the fit they share and ``NotApplicable``. Framework-free: numpy on
 captured arrays.
 """
