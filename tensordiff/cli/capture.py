@@ -12,7 +12,7 @@ import tempfile
 from typing import Any
 
 from .._regex import compile_user
-from ..capturing.mindformers_launch import mindformers_command
+from ..capturing.launch import mindformers_command
 from ..capturing.options import (
     AUTO_MODULE,
     ENV_DURABLE,
