@@ -13,6 +13,8 @@
 * ``auto``: capture of a PyTorch program that does not call tensordiff, training steps only;
   ``auto_main``: its entry point (``python -m tensordiff.capturing.auto_main SCRIPT``, what
   ``tensordiff capture --auto`` runs);
+* ``launch``: how ``tensordiff capture`` runs a program that does not call tensordiff: its command rewritten
+  for ``--auto``, ``--megatron`` or ``--mindformers`` (``LAUNCHERS``, one entry each);
 * ``startup``: the folder ``tensordiff capture`` puts first on the program's PYTHONPATH, whose ``sitecustomize``
   quiets the frameworks' start-up chatter (``--framework-logs`` keeps it).
 
