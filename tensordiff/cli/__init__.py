@@ -2,7 +2,9 @@
 | ls | show | ckpt``.
 
 One module per command or two (argparse, then one call into the library and one renderable; ``COMMANDS`` names the
-module of each); one error handler here. Exit codes: 0 no divergence (or success), 1 divergence found, 2 bad input
+module of each): ``capture`` (capture, noise), ``diff``, ``config``, ``map``, ``merge``, ``check``, ``replay``,
+``runs``, ``locate``, ``batch``, ``inspect`` (ls, show), ``ckpt``; ``_args``, the options and helpers they share.
+One error handler here. Exit codes: 0 no divergence (or success), 1 divergence found, 2 bad input
 or error, 3 inconclusive (``diff``: no divergence, but not everything was compared), 4 an internal error
 (a bug in tensordiff: never read as a verdict). Errors print one line, never a traceback (``--debug`` or
 ``TENSORDIFF_DEBUG=1`` shows it for a bug).
