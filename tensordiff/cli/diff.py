@@ -10,8 +10,8 @@ from rich.text import Text
 from ..diff import noise as noises
 from ..diff.result import DiffOptions
 from ..diff.tolerance import Tolerances
-from ..errors import TensordiffError
 from ..explain import diagnose
+from ..explain.config import config_bearing
 from ..mapping import RenameRules
 from ..record import PHASES
 from ..report.diff import DiffReport
@@ -88,25 +88,6 @@ def run(args: argparse.Namespace) -> int:
         doc["config_differences"] = {"bearing": [d.as_dict() for d in bearing], "others": [d.as_dict() for d in others]}
     write_json(args.json, doc)
     return result.exit_code
-
-
-def config_bearing(result: Any) -> tuple[list, list]:
-    """The differences of the captures' recorded model configs (``tensordiff config``) that bear on the first
-    divergence, and the others; both empty without a first divergence or without a config on each side."""
-    first = result.first
-    if first is None:
-        return [], []
-    from ..config.compare import compare_settings, rows_for
-    from ..config.readers import read_config
-
-    try:
-        cfg = compare_settings(read_config(result.path_a), read_config(result.path_b))
-    except TensordiffError:  # no recorded config (older captures, a rank-file glob): nothing to add
-        return [], []
-    causes = [h.cause for h in getattr(result, "hints", [])]
-    keys = set(rows_for(first.module_a, first.phase, first.step > min(result.steps, default=0), causes))
-    bearing = [d for d in cfg.differences if d.row.key in keys]
-    return bearing, [d for d in cfg.differences if d.row.key not in keys]
 
 
 def config_lines(bearing: list, others: list) -> list[Text]:
