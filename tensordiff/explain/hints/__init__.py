@@ -81,9 +81,9 @@ class Check:
     """``SITE``, ``DIFF``, ``DIFF_IF_GIVEN``, ``TP_RANKS`` or ``PP_STAGES``."""
 
 
-#: Every cause, in the order reports name them, each with its check, its rank (ties: the more specific cause first:
-#: vocabulary padding, the pipeline's handover before a factor of 0 or a layout; the specific cause, a layout, before
-#: the checkpoint) and what it needs. A new cause is a new module here, a ``Check`` in this table at its place in the
+#: Every cause, in the order reports name them, each with its check, its rank (the order they run in, most specific
+#: first: vocabulary padding and the pipeline's handover before a factor of 0 or a layout, a layout before the
+#: checkpoint) and what it needs. A new cause is a new module here, a ``Check`` in this table at its place in the
 #: report with its rank among the others, and a page in docs/hints/.
 CHECKS: tuple[Check, ...] = (
     Check("activation", check_activation, 5),
