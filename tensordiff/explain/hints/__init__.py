@@ -27,7 +27,7 @@ from functools import partial
 import numpy as np
 
 from ...diff.result import DiffResult, Row
-from ...store import CaptureFile, open_capture
+from ...store import CaptureReader, open_capture
 from .activation import check_activation
 from .attention import check_attention_scale
 from .aux_loss import check_aux_loss
@@ -86,7 +86,7 @@ def _site_problem(site: Site) -> str:
     return ""
 
 
-def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
+def run_checks(row: Row, ca: CaptureReader, cb: CaptureReader,
                result: DiffResult | None = None) -> tuple[list[Hint], list[CheckStatus]]:
     """Every check at one pair: the hints explaining at least MIN_EXPLAINED of the gap, ranked, and whether each
     cause could be tested (in CHECKED order; without ``result`` the checkpoint is not tested)."""
@@ -100,11 +100,11 @@ def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
     status: dict[str, CheckStatus] = {}
     checks: list[tuple[str, Callable[[Site], Iterator[Hint]]]] = list(CHECKS)
     causes = list(CHECKED)
-    merged_tp = [c for c in (cb, ca) if getattr(c, "tp", 1) > 1 and hasattr(c, "tp_copies")]
+    merged_tp = [c for c in (cb, ca) if c.tp > 1]
     if merged_tp:  # a side merged from tensor-parallel rank files (B; else A: the captures given the other way)
         checks.append(("partial sum", check_partial_sum if merged_tp[0] is cb else partial(mirrored, check_partial_sum)))
         causes.insert(causes.index("checkpoint"), "partial sum")
-    if any(getattr(c, "pp", 1) > 1 and hasattr(c, "received_from") for c in (cb, ca)):  # merged from PP stage files
+    if any(c.pp > 1 for c in (cb, ca)):  # merged from PP stage files
         checks.insert(0, ("pipeline stages", check_pipeline))  # ties: the handover before a factor of 0 or layout
         causes.insert(causes.index("checkpoint"), "pipeline stages")
     if result is not None:
@@ -129,13 +129,13 @@ def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
     return found, [status[c] for c in causes]
 
 
-def hints_for_row(row: Row, ca: CaptureFile, cb: CaptureFile, result: DiffResult | None = None) -> list[Hint]:
+def hints_for_row(row: Row, ca: CaptureReader, cb: CaptureReader, result: DiffResult | None = None) -> list[Hint]:
     """Every check at one pair, ranked; only hints explaining at least MIN_EXPLAINED of the gap."""
     return run_checks(row, ca, cb, result)[0]
 
 
-def find_hints(result: DiffResult, ca: CaptureFile | None = None,
-               cb: CaptureFile | None = None) -> tuple[list[Hint], str, list[CheckStatus]]:
+def find_hints(result: DiffResult, ca: CaptureReader | None = None,
+               cb: CaptureReader | None = None) -> tuple[list[Hint], str, list[CheckStatus]]:
     """Hints at the first divergence, a note when they cannot run (tensors not stored), and whether each cause
     could be tested there (empty without a first divergence)."""
     first = result.first
