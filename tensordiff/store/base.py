@@ -132,6 +132,10 @@ class ReaderBase(ABC):
     """What every reader derives from: the contract's stated defaults (see the module docstring); a reader
     implements ``records``, ``array``, ``step_attrs`` and ``nbytes``, and overrides the capabilities it has."""
 
+    path: str
+    attrs: dict[str, Any]
+    steps: list[int]
+    incomplete_steps: list[int]
     merged = False
     tp = 1
     dp = 1
@@ -141,9 +145,9 @@ class ReaderBase(ABC):
 
     def __init__(self, path: str):
         self.path = path
-        self.attrs: dict[str, Any] = {}
-        self.steps: list[int] = []
-        self.incomplete_steps: list[int] = []
+        self.attrs = {}
+        self.steps = []
+        self.incomplete_steps = []
 
     # context manager -------------------------------------------------------
     def __enter__(self: _R) -> _R:
