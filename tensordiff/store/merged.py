@@ -274,7 +274,7 @@ class MergedCapture(ReaderBase):
         """Each data-parallel rank's own tensor of a record the merge averages over DP (a local gradient, kind
         ``grad_local``), TP-joined as the merge joins it, or None (another record, tensors not stored)."""
         plan = self.plan(record) if record.kind == "grad_local" else None
-        if not isinstance(plan, MergePlan) or not plan.spec.dp_mean:
+        if plan is None or not plan.spec.dp_mean:
             return None
         rows = read_grid(plan.grid, self._read)
         return None if rows is None else [dp_row(plan.spec, row) for row in rows]

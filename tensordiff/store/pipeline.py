@@ -189,9 +189,9 @@ class PipelineCapture(ReaderBase):
         return list(self._paths)
 
     def close(self) -> None:
-        for stage in getattr(self, "_stages", []):
+        for stage in self._stages:
             stage.close()
-        for cap in getattr(self, "_opened", {}).values():  # files no stage took (an error before the stages)
+        for cap in self._opened.values():  # files no stage took (an error before the stages)
             cap.close()
         self._opened = {}
 
