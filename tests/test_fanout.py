@@ -97,13 +97,14 @@ def test_a_pair_measured_from_its_plans_in_a_worker_equals_the_merged_read(tmp_p
     from tensordiff.diff.judge import measure_pair
     from tensordiff.diff.workers import measure_batch, records_of
     from tensordiff.store import open_capture
+    from tensordiff.store.plan import MergePlan
 
     good, bad = write_dp_run(tmp_path, "good"), write_dp_run(tmp_path, "bad", swap_rank=4)
     with open_capture(good) as ca, open_capture(bad) as cb:
         pairs = [p for p in align_step(ca.records(0), cb.records(0), None, False) if p.matched]
         plans_a = {(r.step, r.seq): ca.plan(r) for p in pairs for r in records_of(p)[0]}
         plans_b = {(r.step, r.seq): cb.plan(r) for p in pairs for r in records_of(p)[1]}
-        assert all(plan[0] == "merge" and len(plan[2]) in (1, RANKS) for plan in plans_b.values())
+        assert all(isinstance(plan, MergePlan) and len(plan.grid) in (1, RANKS) for plan in plans_b.values())
         here = [measure_pair(ca, cb, p, 2) for p in pairs]
     there = measure_batch(pairs, plans_a, plans_b, 2, "test")  # what a worker process runs, after the files closed
     assert [ok for ok, _ in there] == [True] * len(pairs)

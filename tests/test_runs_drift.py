@@ -21,6 +21,7 @@ from helpers import subprocess_env
 
 from tensordiff.record import Record
 from tensordiff.runs.drift import departure, first_departure, layer_drift, layer_of
+from tensordiff.store import ReaderBase
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -186,11 +187,12 @@ def test_departure_and_layers():
     assert layer_of("") == "<model>"
 
 
-class _Cap:
-    """A capture in memory: one weight record per layer and step, with the given L2 norms."""
+class _Cap(ReaderBase):
+    """A capture in memory: one weight record per layer and step, with the given L2 norms (statistics only)."""
 
     def __init__(self, path: str, l2: dict[str, list[float]]):
-        self.path, self.attrs = path, {"framework": "torch", "model_class": "M"}
+        super().__init__(path)
+        self.attrs = {"framework": "torch", "model_class": "M"}
         self.steps = list(range(len(next(iter(l2.values())))))
         self._l2 = l2
 
@@ -204,6 +206,12 @@ class _Cap:
 
     def step_attrs(self, step: int) -> dict:
         return {}
+
+    def array(self, record: Record) -> None:
+        return None
+
+    def nbytes(self) -> int:
+        return 0
 
 
 def test_noise_from_the_baseline():

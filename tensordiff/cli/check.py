@@ -9,7 +9,6 @@ from .. import _progress as progress
 from ..errors import UsageError
 from ..explain.ranks import inconsistency_cause
 from ..store import open_capture
-from ..store.merged import MergedCapture
 from ._args import add_jobs, add_output, apply_jobs, console
 
 
@@ -31,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     apply_jobs(args)
     out = console(args)
     with open_capture(args.files) as cap:
-        if not isinstance(cap, MergedCapture):
+        if not cap.merged:
             raise UsageError(f"{args.files}: names one file; give the rank files of a run as a quoted glob, "
                              "e.g. 'run.rank*.h5'")
         layout = " x ".join(f"{k} {v}" for k, v in (("TP", cap.tp), ("DP", cap.dp), ("PP", cap.pp)) if k != "PP" or v > 1)

@@ -8,7 +8,7 @@ from typing import Any
 from .._text import times_shape
 from ..errors import UsageError
 from ..report.capture import CaptureListing, RecordTable
-from ..store import CaptureFile, open_capture
+from ..store import CaptureReader, open_capture
 from ._args import add_output, console
 
 
@@ -45,7 +45,7 @@ def run_ls(args: argparse.Namespace) -> int:
     return 0
 
 
-def _step(path: str, cap: CaptureFile, step: int | None) -> int:
+def _step(path: str, cap: CaptureReader, step: int | None) -> int:
     if not cap.steps:
         raise UsageError(f"{path}: holds no complete step")
     chosen = cap.steps[0] if step is None else step

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..store import open_capture
-from ..store.merged import MergedCapture, write_capture_copy
+from ..store.merged import write_capture_copy
 from ._args import add_jobs, apply_jobs
 
 
@@ -29,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     if os.path.exists(args.output) and not args.force:
         raise UsageError(f"{args.output}: already exists; pass --force to overwrite it, or another -o")
     with open_capture(args.files) as cap:
-        if not isinstance(cap, MergedCapture):
+        if not cap.merged:
             raise UsageError(f"{args.files}: names one file; give the rank files of a run as a quoted glob, "
                              "e.g. 'run.rank*.h5'")
         n = write_capture_copy(cap, args.output)

@@ -20,7 +20,7 @@ from .. import dtypes
 from ..errors import AlignmentError, UsageError
 from ..mapping import RenameRules
 from ..record import Record
-from ..store import CaptureFile, MergedCapture, open_capture
+from ..store import CaptureReader, open_capture
 from ..store.fanout import ENV_JOBS, executor_for
 from .accounting import account, masks_by_meaning, rope_by_meaning
 from .align import Pair, align_step
@@ -140,7 +140,7 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
             only_a_steps=sorted(set(ca.steps) - set(cb.steps)), only_b_steps=sorted(set(cb.steps) - set(ca.steps)),
             coverage=covered, mapping_note=mapping_note, swapped=swapped,  # 'drift' set since: the counts hold
             rank_inconsistencies=[f"{side}: {line}" for side, cap in (("A", ca), ("B", cb))
-                                  if isinstance(cap, MergedCapture) for step in common for line in cap.inconsistencies(step)],
+                                  for step in common for line in cap.inconsistencies(step)],
             interrupted=[f"{side} step {step}: {why}" for side, cap in (("A", ca), ("B", cb)) for step in common
                          for why in [cap.step_attrs(step).get("interrupted")] if why],
             findings=findings, exact=exact_note, routing=flips,
@@ -150,8 +150,8 @@ def diff(path_a: str, path_b: str, options: DiffOptions | None = None) -> DiffRe
         return result
 
 
-def _oriented(first: CaptureFile, second: CaptureFile, options: DiffOptions) \
-        -> tuple[CaptureFile, CaptureFile, bool, RenameRules | None, str]:
+def _oriented(first: CaptureReader, second: CaptureReader, options: DiffOptions) \
+        -> tuple[CaptureReader, CaptureReader, bool, RenameRules | None, str]:
     """(A, B, whether they are the captures given in the other order, the mapping, its note): a mapping's sides are
     matched to the captures by their content (``autoselect.orient``), on the first step both hold."""
     common = sorted(set(first.steps) & set(second.steps))
@@ -186,9 +186,9 @@ def compare_jobs(jobs: int | None = None) -> int:
     return max(1, jobs)
 
 
-def _files(cap: CaptureFile) -> int:
+def _files(cap: CaptureReader) -> int:
     """How many rank files a capture reads (1: a plain file)."""
-    return len(getattr(cap, "paths", None) or [cap.path])
+    return len(cap.paths)
 
 
 class _Measurer:
@@ -198,7 +198,7 @@ class _Measurer:
     shares that result instead of reading them again. At most ``jobs`` pairs are read at a time (threads) or one
     batch per worker: the queue holds pairs, never tensors."""
 
-    def __init__(self, ca: CaptureFile, cb: CaptureFile, ulp_k: int, jobs: int, executor: Executor | None = None):
+    def __init__(self, ca: CaptureReader, cb: CaptureReader, ulp_k: int, jobs: int, executor: Executor | None = None):
         self._ca, self._cb, self._ulp_k = ca, cb, ulp_k
         self._executor = executor
         self._pool = ThreadPoolExecutor(jobs, thread_name_prefix="tensordiff-diff") \
@@ -274,11 +274,11 @@ class _Measurer:
             self._pool.shutdown(wait=True, cancel_futures=exc[0] is not None)
 
 
-def _layout(cap: CaptureFile) -> dict:
+def _layout(cap: CaptureReader) -> dict:
     return {} if "merged_from" in cap.attrs else parallel_of(cap.attrs)
 
 
-def _check_shards(ca: CaptureFile, cb: CaptureFile) -> None:
+def _check_shards(ca: CaptureReader, cb: CaptureReader) -> None:
     """One rank file of a distributed run holds shards: against a run of another layout it cannot be compared
     alone (its tensors would be skipped for shape): say which rank files are missing."""
     la, lb = _layout(ca), _layout(cb)
@@ -302,7 +302,7 @@ def _rank_glob(path: str) -> str:
     return re.sub(r"\.rank\d+(\.[^.]+)$", r".rank*\1", path)
 
 
-def _sample(cap: CaptureFile, step: int) -> str:
+def _sample(cap: CaptureReader, step: int) -> str:
     names = []
     for rec in cap.records(step):
         if rec.phase in ("forward", "weights") and rec.module and rec.module not in names:

@@ -15,7 +15,7 @@ import numpy as np
 from .. import dtypes
 from ..errors import CaptureFileError
 from ..record import Record
-from ..store import CaptureFile
+from ..store import CaptureReader
 from ..transforms import apply_mean
 from .accounting import compare_masks, maybe_mask
 from .align import Pair
@@ -24,7 +24,7 @@ from .result import RowVerdict
 from .tolerance import Tolerances
 
 
-def compute_dtype(cap: CaptureFile, step: int) -> str:
+def compute_dtype(cap: CaptureReader, step: int) -> str:
     """The narrowest float dtype most of a run's parameters are held in (its compute precision), or ''."""
     counts: dict[str, int] = {}
     for rec in cap.records(step):
@@ -37,7 +37,7 @@ def compute_dtype(cap: CaptureFile, step: int) -> str:
 Measured = tuple[Metrics | None, Literal["", "shape", "skipped"], str]
 
 
-def compare_pair(ca: CaptureFile, cb: CaptureFile, pair: Pair, tolerances: Tolerances, ulp_k: int,
+def compare_pair(ca: CaptureReader, cb: CaptureReader, pair: Pair, tolerances: Tolerances, ulp_k: int,
                  run_dtype: str = "", measured: Measured | None = None,
                  first_step: int | None = None) -> tuple[Metrics | None, float, RowVerdict, str]:
     """(metrics or None, tolerance, verdict, note) of one matched pair; ``measured``: ``measure_pair``'s answer for it,
@@ -61,7 +61,7 @@ IDENTICAL = Metrics(rel_l2=0.0, max_abs=0.0, max_rel=0.0, cosine=1.0, ulp_share=
                     source="tensor")
 
 
-def _same_bytes(ca: CaptureFile, cb: CaptureFile, pair: Pair) -> bool:
+def _same_bytes(ca: CaptureReader, cb: CaptureReader, pair: Pair) -> bool:
     """A plain pair (no transform, join, bias or mask; no NaN or Inf) whose two tensors are stored as the same bytes:
     identical, without decoding either."""
     a, b = pair.a, pair.b
@@ -75,7 +75,7 @@ def _same_bytes(ca: CaptureFile, cb: CaptureFile, pair: Pair) -> bool:
     return ca.same_stored(a, cb, b)
 
 
-def measure_pair(ca: CaptureFile, cb: CaptureFile, pair: Pair, ulp_k: int) -> Measured:
+def measure_pair(ca: CaptureReader, cb: CaptureReader, pair: Pair, ulp_k: int) -> Measured:
     """Read both tensors (or take the statistics) and compare them: no tolerance, no verdict beyond 'shape' or
     'skipped' when nothing could be compared. Safe to call from several threads at once."""
     a, b = pair.a, pair.b

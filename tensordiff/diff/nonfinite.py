@@ -4,12 +4,11 @@ tensor is read)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..record import Record
+from ..store import CaptureReader
 
 
-def first_nonfinite(cap: Any) -> Record | None:
+def first_nonfinite(cap: CaptureReader) -> Record | None:
     """The first record of ``cap`` holding a NaN or an Inf, or None."""
     for step in cap.steps:
         for rec in cap.records(step):

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from .. import dtypes
 from ..errors import AlignmentError
-from ..store import CaptureFile, open_capture
+from ..store import CaptureReader, open_capture
 from .align import Pair, align_step
 from .metrics import Metrics, compare_arrays, compare_stats
 from .result import DiffOptions, Row
 
 
-def _reference_metrics(cap_x: CaptureFile, px: Pair, cr: CaptureFile, pr: Pair, ulp_k: int) -> Metrics | None:
+def _reference_metrics(cap_x: CaptureReader, px: Pair, cr: CaptureReader, pr: Pair, ulp_k: int) -> Metrics | None:
     """One side (``px.b``) against the reference (``pr.b``), both brought into A's layout."""
     x, r = px.b, pr.b
     assert x is not None and r is not None
@@ -32,7 +32,8 @@ def _reference_metrics(cap_x: CaptureFile, px: Pair, cr: CaptureFile, pr: Pair, 
     return compare_stats(x, r)
 
 
-def judge_against_reference(rows: list[Row], ca: CaptureFile, cb: CaptureFile, common: list[int], options: DiffOptions) -> None:
+def judge_against_reference(rows: list[Row], ca: CaptureReader, cb: CaptureReader, common: list[int],
+                            options: DiffOptions) -> None:
     """Three-way: judge B by its error against an FP32 reference R, relative to A's own error against R.
 
     A BF16 kernel on side B is then held to what side A's BF16 kernels do against the same FP32

@@ -36,6 +36,7 @@ import numpy as np
 
 from .. import dtypes
 from ..record import Record, is_inside
+from ..store import CaptureReader
 from .metrics import rel_l2
 from .result import Row
 
@@ -96,7 +97,7 @@ def _router_records(recs: list[Record], block: str, tokens: int) -> list[Record]
             and r.shape[0] == tokens and r.shape[1] > 1 and (r.module == block or is_inside(r.module, block))]
 
 
-def _routing(cap: Any, recs: list[Record], block: str, tokens: int, k: int | None, experts: int | None = None) \
+def _routing(cap: CaptureReader, recs: list[Record], block: str, tokens: int, k: int | None, experts: int | None = None) \
         -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None] | None:
     """(top-k sets as a bool [T, E], dense scores [T, E] or None, each token's top-k probability mass [T] or None) of
     one side's router inside ``block``; ``experts``: E, for a router that returns the chosen experts' indices
@@ -130,7 +131,7 @@ def _routing(cap: Any, recs: list[Record], block: str, tokens: int, k: int | Non
     return None if sets is None else (sets, scores, mass)
 
 
-def _first_input(cap: Any, rec: Record) -> np.ndarray | None:
+def _first_input(cap: CaptureReader, rec: Record) -> np.ndarray | None:
     for r in cap.records(rec.step):
         if r.phase == "forward" and r.kind == "input" and r.module == rec.module and r.call == rec.call \
                 and r.has_data and len(r.shape) == 3:
@@ -139,7 +140,7 @@ def _first_input(cap: Any, rec: Record) -> np.ndarray | None:
     return None
 
 
-def _input_difference(row: Row, ca: Any, cb: Any) -> np.ndarray | None:
+def _input_difference(row: Row, ca: CaptureReader, cb: CaptureReader) -> np.ndarray | None:
     """B's block input minus A's, per token in A's order ([T, hidden]), or None where either is not stored."""
     a, b = row.pair.a, row.pair.b
     assert a is not None and b is not None
@@ -151,7 +152,7 @@ def _input_difference(row: Row, ca: Any, cb: Any) -> np.ndarray | None:
     return (xb - xa).reshape(-1, xa.shape[-1]) if xb.shape == xa.shape else None
 
 
-def _router_weight(recs: list[Record], cap: Any, block: str, experts: int, hidden: int) -> np.ndarray | None:
+def _router_weight(recs: list[Record], cap: CaptureReader, block: str, experts: int, hidden: int) -> np.ndarray | None:
     """A router weight inside the block: the [experts, hidden] parameter there."""
     for r in recs:
         if r.phase == "weights" and r.kind == "param" and tuple(r.shape) == (experts, hidden) and r.has_data \
@@ -180,7 +181,7 @@ class Routers:
     """The same of B's, in A's order."""
 
 
-def routers(row: Row, ca: Any, cb: Any, grid: tuple[int, int]) -> Routers | None:
+def routers(row: Row, ca: CaptureReader, cb: CaptureReader, grid: tuple[int, int]) -> Routers | None:
     """The two routers recorded inside a block's output row (A's module and B's), or None where either side recorded
     no router there, or they choose among different numbers of experts."""
     a, b = row.pair.a, row.pair.b
@@ -215,7 +216,7 @@ def _experts(recs: list[Record], block: str) -> int | None:
     return max(numbers) + 1 if numbers and numbers == set(range(max(numbers) + 1)) else None
 
 
-def near_tie_flips(row: Row, ca: Any, cb: Any, xa: np.ndarray, xb: np.ndarray) -> Flip | None:
+def near_tie_flips(row: Row, ca: CaptureReader, cb: CaptureReader, xa: np.ndarray, xb: np.ndarray) -> Flip | None:
     """The near-tie flip at a block's diverged 3-D forward output (``xa``, ``xb``: its two tensors in A's layout), or
     None: no router recorded inside it on both sides, no token routed apart, one routed apart on no near tie, too many
     routed apart, or other tokens that differ too."""
@@ -262,7 +263,7 @@ def near_tie_flips(row: Row, ca: Any, cb: Any, xa: np.ndarray, xb: np.ndarray) -
 class _Side:
     """One side of the step: its capture, records, token grid, and how its tokens map onto A's grid."""
 
-    def __init__(self, cap: Any, step: int, grid: tuple[int, int], transposed: bool):
+    def __init__(self, cap: CaptureReader, step: int, grid: tuple[int, int], transposed: bool):
         self.cap = cap
         self.recs = cap.records(step)
         self.grid = grid
@@ -402,7 +403,7 @@ def _without_tokens(xa: np.ndarray, xb: np.ndarray, grid: tuple[int, int], flipp
 class _Tensors:
     """Each row's two tensors in A's layout (float64), read once."""
 
-    def __init__(self, ca: Any, cb: Any):
+    def __init__(self, ca: CaptureReader, cb: CaptureReader):
         self.ca, self.cb = ca, cb
         self._seen: dict[int, tuple[np.ndarray, np.ndarray] | None] = {}
 
@@ -417,7 +418,7 @@ class _Tensors:
         return self._seen[id(row)]
 
 
-def _batch(cap: Any, step: int) -> tuple[np.ndarray | None, tuple]:
+def _batch(cap: CaptureReader, step: int) -> tuple[np.ndarray | None, tuple]:
     """The step's token ids, the first 2-D integer forward input (``input_ids`` [B, S]) a side recorded (None where
     only its statistics were stored), and what tells two steps' batches apart: their shape and statistics (a step
     holding statistics only has no more)."""
@@ -446,7 +447,7 @@ def _sequences(grid: tuple[int, int], batch: np.ndarray | None, tokens: np.ndarr
     return np.concatenate([idx[r, :] if seq_dim == 0 else idx[:, r] for r in sorted(rows)])
 
 
-def account_routing(rows: list[Row], ca: Any, cb: Any) -> list[Flip]:
+def account_routing(rows: list[Row], ca: CaptureReader, cb: CaptureReader) -> list[Flip]:
     """Find the near-tie flips of every step whose MoE block outputs diverged, and mark the records of that step they
     account for ``routed`` (see the module's docstring). A later step on the same batch carries the tokens routed
     apart before (the update their gradients moved reaches them again). Returns the flips, for the report."""

@@ -3,7 +3,7 @@
 A diff of hundreds of rank files spends its time putting each merged tensor together (one small read per rank
 file) and comparing it. Both run where the rank files are read: the diff's process sends the matched pairs in
 batches (``BATCH_PAIRS`` pairs or ``BATCH_BYTES`` of tensors), each with its records' *plans*
-(``CaptureFile.plan``, ``merged.read_plan``: which rank file records to read and how to join them, plain data),
+(``CaptureReader.plan``, ``plan.read_plan``: which rank file records to read and how to join them, plain data),
 to the executor of ``store/fanout.py`` (a process pool on one host, a Dask cluster across hosts); a worker reads,
 merges and compares with the very functions the diff's own process uses (``judge.measure_pair``) and returns the
 metrics only. A worker keeps the rank files it opened for the rest of its diff (``session``): each file's
@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from ..record import Record
-from ..store.merged import Plan, read_plan
-from ..store.reader import CaptureFile
+from ..store import CaptureFile, CaptureReader, ReaderBase
+from ..store.plan import FilePlan, Plan, read_plan
 from .align import Pair
 from .judge import Measured, measure_pair
 
@@ -45,33 +45,43 @@ def _file(path: str, session: str) -> CaptureFile:
         return found
 
 
-class PlannedSide(CaptureFile):
+class PlannedSide(ReaderBase):
     """One side of a batch in a worker: its records' plans, followed over the rank files this worker has open.
-    Only what ``measure_pair`` reads (``array``, ``same_stored``); no HDF5 file of its own."""
+    Only what ``measure_pair`` reads (``array``, ``same_stored``, through ``plan``); no records, steps or file of
+    its own."""
 
-    def __init__(self, plans: dict[tuple[int, int], Plan], session: str):
-        self.path = "<plans>"
+    def __init__(self, plans: dict[tuple[int, int], Plan | None], session: str):
+        super().__init__("<plans>")
         self._plans, self._session = plans, session
 
-    def close(self) -> None:
-        pass
+    def records(self, step: int) -> list[Record]:
+        return []
+
+    def step_attrs(self, step: int) -> dict[str, Any]:
+        return {}
+
+    def nbytes(self) -> int:
+        return 0
 
     def _read(self, path: str, record: Record) -> np.ndarray | None:
         return _file(path, self._session).array(record)
 
+    def plan(self, record: Record) -> Plan | None:
+        return self._plans.get((record.step, record.seq))
+
     def array(self, record: Record) -> np.ndarray | None:
-        return read_plan(self._plans.get((record.step, record.seq)), self._read)
+        return read_plan(self.plan(record), self._read)
 
-    def same_stored(self, record: Record, other: CaptureFile, other_record: Record) -> bool:
-        mine = self._plans.get((record.step, record.seq))
-        theirs = other._plans.get((other_record.step, other_record.seq)) if isinstance(other, PlannedSide) else None
-        if mine is None or theirs is None or mine[0] != "file" or theirs[0] != "file":
+    def same_stored(self, record: Record, other: CaptureReader, other_record: Record) -> bool:
+        mine, theirs = self.plan(record), other.plan(other_record)
+        if not isinstance(mine, FilePlan) or not isinstance(theirs, FilePlan):
             return False  # merged tensors are read and compared
-        return _file(mine[1], self._session).same_stored(mine[2], _file(theirs[1], self._session), theirs[2])
+        return _file(mine.path, self._session).same_stored(mine.record, _file(theirs.path, self._session),
+                                                           theirs.record)
 
 
-def measure_batch(pairs: list[Pair], plans_a: dict[tuple[int, int], Plan], plans_b: dict[tuple[int, int], Plan],
-                  ulp_k: int, session: str) -> list[tuple[bool, Any]]:
+def measure_batch(pairs: list[Pair], plans_a: dict[tuple[int, int], Plan | None],
+                  plans_b: dict[tuple[int, int], Plan | None], ulp_k: int, session: str) -> list[tuple[bool, Any]]:
     """In a worker: each pair measured as the diff's process would (``measure_pair``); per pair (True, Measured),
     or (False, the error it raised), so that the diff raises the first one in row order as a serial diff does."""
     ca, cb = PlannedSide(plans_a, session), PlannedSide(plans_b, session)

@@ -12,7 +12,7 @@ from ..diff.noise import summary
 from ..diff.nonfinite import describe, first_nonfinite
 from ..explain.replay import ReplayResult
 from ..record import PHASES, Record
-from ..store import CaptureFile
+from ..store import CaptureReader
 from .theme import Name, table_width, wide
 
 #: File attributes ``ls`` lists, in this order.
@@ -23,7 +23,7 @@ LS_ATTRS = ("framework", "framework_version", "megatron_core_version", "transfor
 class CaptureListing:
     """The steps of a capture: records per phase, stored tensors, loss; its per-step scalars (``tensordiff ls``)."""
 
-    def __init__(self, cap: CaptureFile):
+    def __init__(self, cap: CaptureReader):
         self.cap = cap
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:

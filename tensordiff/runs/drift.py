@@ -50,7 +50,7 @@ from ..errors import RunsError
 from ..mapping import RenameRules
 from ..mapping.names import unwrap
 from ..record import Record
-from ..store import CaptureFile
+from ..store import CaptureReader
 
 #: The kinds of a layer's records, in the order a step produces them.
 KINDS: tuple[str, ...] = ("weights", "forward", "backward", "param_grad")
@@ -322,7 +322,7 @@ def _floor(dtype_a: str, dtype_b: str, run_dtype: str) -> float:
     return DEFAULT_RTOL.get(judged, DEFAULT_RTOL["float32"])
 
 
-def has_step_statistics(cap: CaptureFile) -> bool:
+def has_step_statistics(cap: CaptureReader) -> bool:
     """Whether ``cap`` holds statistics for at least 2 steps (what ``layer_drift`` needs)."""
     return len(cap.steps) >= 2
 
@@ -364,14 +364,7 @@ class _Aligner:
         return out
 
 
-def _forget(cap: CaptureFile, step: int) -> None:
-    """Drop the reader's cache of a step's records (a whole run's records would otherwise stay in memory)."""
-    cache = getattr(cap, "_cache", None)
-    if isinstance(cache, dict):
-        cache.pop(step, None)
-
-
-def layer_drift(ca: CaptureFile, cb: CaptureFile, baseline: int = DEFAULT_BASELINE, factor: float = DEFAULT_FACTOR,
+def layer_drift(ca: CaptureReader, cb: CaptureReader, baseline: int = DEFAULT_BASELINE, factor: float = DEFAULT_FACTOR,
                 mapping: RenameRules | None = None, auto_mapping: bool = True, order_fallback: bool = True,
                 loss: dict[int, tuple[float, float]] | None = None) -> DriftTable:
     """The drift table of two captures holding statistics for many steps (see the module docstring).
@@ -444,8 +437,8 @@ def layer_drift(ca: CaptureFile, cb: CaptureFile, baseline: int = DEFAULT_BASELI
             numel, mn, mx, mean, l2 = st_b
             s["dep"][i] = departure(_stats_a(a), (numel, mn, mx, mean, l2, p.b.nan, p.b.inf))
             s["seq"][i] = a.seq
-        _forget(ca, step)
-        _forget(cb, step)
+        ca.forget(step)  # a whole run's records would otherwise stay in memory
+        cb.forget(step)
     # layers in A's execution order: by their first forward output, then the rest as first seen
     seen_fwd = sorted((v, la) for la, v in order.items())
     table.layers = [la for _, la in seen_fwd]
@@ -495,7 +488,7 @@ def layer_drift(ca: CaptureFile, cb: CaptureFile, baseline: int = DEFAULT_BASELI
     return table
 
 
-def _capture_loss(ca: CaptureFile, cb: CaptureFile, common: Iterable[int]) -> dict[int, tuple[float, float]]:
+def _capture_loss(ca: CaptureReader, cb: CaptureReader, common: Iterable[int]) -> dict[int, tuple[float, float]]:
     out = {}
     sa, sb = ca.scalars().get("loss", {}), cb.scalars().get("loss", {})
     for step in common:

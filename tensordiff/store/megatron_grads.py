@@ -1,5 +1,5 @@
-"""Megatron-LM's parameter-gradient files read as a capture: ``MegatronGradDump(path)`` has ``CaptureFile``'s
-reading API (a reader, nothing is copied), so that ``tensordiff diff`` compares them with a capture of the same run,
+"""Megatron-LM's parameter-gradient files read as a capture: ``MegatronGradDump(path)`` is a capture reader
+(``CaptureReader``, nothing is copied), so that ``tensordiff diff`` compares them with a capture of the same run,
 or two runs' files with each other.
 
 Megatron-LM (``pretrain_gpt.py``, ``megatron/training``) writes, with ``--save DIR --save-wgrads-interval N``, every
@@ -25,7 +25,6 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,7 @@ import numpy as np
 from .. import dtypes
 from ..errors import CaptureFileError
 from ..record import Record
-from .reader import CaptureFile
+from .base import ReaderBase
 from .torch_file import TorchArchive
 
 _ITER = re.compile(r"^iter_(\d{7})$")
@@ -65,11 +64,11 @@ def is_megatron_grads(path: str) -> bool:
         return False
 
 
-class MegatronGradDump(CaptureFile):
+class MegatronGradDump(ReaderBase):
     """Megatron-LM's ``wgrads`` files read as a capture (see the module docstring)."""
 
     def __init__(self, path: str):
-        self.path = path
+        super().__init__(path)
         if not os.path.exists(path):
             raise CaptureFileError(f"{path}: no such file or folder; check the path of the Megatron-LM --save folder")
         root = _root(path)
@@ -98,23 +97,22 @@ class MegatronGradDump(CaptureFile):
         if not iterations:
             raise CaptureFileError(f"{path}: its wgrads folder holds no iter_NNNNNNN/mp_rank_00.pth")
         self.steps = [i - 1 for i in iterations]
-        self.incomplete_steps: list[int] = []
         self._archives: dict[str, TorchArchive] = {}
         self._cache: dict[int, list[Record]] = {}
         self._where: dict[tuple[int, int], tuple[str, tuple[str, ...]]] = {}
-        self.attrs: dict[str, Any] = {
+        self.attrs = {
             "framework": "torch", "tensordiff_format": 1, "source": "megatron-lm wgrads", "tensors": "all",
             "world_size": 1, "rank": 0, "not_recorded_phases": "weights,forward,loss,backward",
             "not_recorded_why": "Megatron-LM's wgrads hold gradients only",
         }
 
-    # ------------------------------------------------------------------ CaptureFile's API
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
+    # ------------------------------------------------------------------ the reader contract
     def close(self) -> None:
         self._cache.clear()
         self._archives.clear()
+
+    def forget(self, step: int) -> None:
+        self._cache.pop(step, None)
 
     def step_attrs(self, step: int) -> dict[str, Any]:
         return {"complete": 1, "records": len(self.records(step)), "iteration": step + 1}
@@ -124,10 +122,6 @@ class MegatronGradDump(CaptureFile):
 
     def nbytes(self) -> int:
         return sum(os.path.getsize(f) for f in self._files.values())
-
-    def iter_records(self) -> Iterator[Record]:
-        for step in self.steps:
-            yield from self.records(step)
 
     def records(self, step: int) -> list[Record]:
         if step not in self._cache:

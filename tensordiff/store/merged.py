@@ -1,9 +1,9 @@
 """Rank files of one distributed run read as one capture, in the logical single-device space (merge on read).
 
 ``open_capture(path)`` (``opener.py``) is what every reader calls: a plain capture file, or a glob
-(``'run.rank*.h5'``) of the rank files of one run, which ``MergedCapture`` presents with ``CaptureFile``'s API
-(``attrs``, ``steps``, ``records(step)``, ``array(record)``), so alignment, comparison, divergence and hints run
-unchanged.
+(``'run.rank*.h5'``) of the rank files of one run, which ``MergedCapture`` presents as any reader
+(``CaptureReader``, ``base.py``: ``attrs``, ``steps``, ``records(step)``, ``array(record)``), so alignment,
+comparison, divergence and hints run unchanged.
 
 How each record merges comes from the files themselves and a rule table shipped as data
 (``tensordiff/store/splits/megatron-core.yaml``), never from importing megatron:
@@ -28,7 +28,6 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -40,7 +39,9 @@ from ..errors import CaptureFileError, MappingError
 from ..mapping.names import unwrap
 from ..record import ROW_FIELDS, Record
 from ..stats import host_stats
+from .base import CaptureReader, ReaderBase
 from .format import shape_text
+from .plan import MergePlan, MergeSpec, dp_row, join_tp, read_grid, read_plan, sum_parts
 from .reader import CaptureFile
 from .writer import CaptureWriter
 
@@ -113,34 +114,17 @@ def _load_rules(name: str = "megatron-core", path: str | None = None) -> tuple[l
     return out[0], out[1]
 
 
-@dataclass(frozen=True)
-class _Spec:
-    """How one record merges: TP concatenation (dim, stride), DP concatenation (dim) and scale, or DP mean."""
+class MergedCapture(ReaderBase):
+    """The rank files of one run as one capture (no one HDF5 file behind it): the reader contract, with the
+    capabilities of merged rank files (``tp``, ``dp``, ``sp``, ``tp_copies``, ``dp_copies``, the cross-rank check)."""
 
-    tp_dim: int | None = None
-    tp_stride: int = 1
-    dp_dim: int | None = None
-    scale: float = 1.0
-    dp_mean: bool = False
-    swap01: bool = False
-    tp_sum: bool = False
-    #: a reduced gradient that each DP rank holds a part of (megatron's distributed optimizer): the parts joined,
-    #: (start, end) per DP rank and the parameter's shape on one TP rank
-    dp_shards: tuple[tuple[int, int], ...] | None = None
-    shard_shape: tuple[int, ...] = ()
-
-
-class MergedCapture(CaptureFile):
-    """The rank files of one run as one capture: ``CaptureFile``'s reading API, every method overridden (no one
-    HDF5 file behind it)."""
-
-    pp = 1  # pipeline stages: PipelineCapture (pipeline.py) joins more than one
+    merged = True
 
     def __init__(self, paths: list[str], pattern: str = "", stage: int | None = None,
                  opened: dict[str, CaptureFile] | None = None):
         """``opened``: the rank files already open (``open_capture``), taken over: this capture closes them."""
-        self.path = pattern or paths[0]
-        self.paths = list(paths)
+        super().__init__(pattern or paths[0])
+        self._paths = list(paths)
         self._stage = stage  # a pipeline stage's rank files (PipelineCapture joins the stages), or the whole run
         self._files = []
         for p in paths:
@@ -186,7 +170,7 @@ class MergedCapture(CaptureFile):
             rank = int(c.get("rank", 0))
             self._grid[int(c.get("dp_rank", rank // self.tp))][int(c.get("tp_rank", rank % self.tp))] = cap
         first = self._grid[0][0]
-        self.attrs: dict[str, Any] = dict(first.attrs)
+        self.attrs = dict(first.attrs)
         self.attrs["merged_from"] = json.dumps({"files": len(self._files), "tp": self.tp, "dp": self.dp})
         self.attrs["world_size"], self.attrs["rank"] = 1, 0
         common = set(first.steps)
@@ -202,20 +186,17 @@ class MergedCapture(CaptureFile):
         self._rules, self._sp_rules = _load_rules() if self._megatron else ([], [])
         self.sp = bool(coords[0].get("sequence_parallel", False)) and self.tp > 1
         self._records: dict[int, list[Record]] = {}
-        self._specs: dict[tuple[int, int], _Spec] = {}  # (step, seq) -> spec
+        self._specs: dict[tuple[int, int], MergeSpec] = {}  # (step, seq) -> spec
         self._shards: dict[int, list[dict[tuple, Record]]] = {}  # step -> per file (grid order) key -> record
 
-    # ------------------------------------------------------------------ CaptureFile's API
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    # ------------------------------------------------------------------ the reader contract
+    @property
+    def paths(self) -> list[str]:
+        return list(self._paths)
 
     def close(self) -> None:
         for cap in self._files:
             cap.close()
-
-    @property
-    def framework(self) -> str:
-        return str(self.attrs.get("framework", "?"))
 
     def step_attrs(self, step: int) -> dict[str, Any]:
         out = dict(self._grid[0][0].step_attrs(step))
@@ -231,10 +212,6 @@ class MergedCapture(CaptureFile):
     def nbytes(self) -> int:
         return sum(cap.nbytes() for cap in self._files)
 
-    def iter_records(self) -> Iterator[Record]:
-        for step in self.steps:
-            yield from self.records(step)
-
     def records(self, step: int) -> list[Record]:
         if step not in self._records:
             self._records[step] = self._merge_step(step)
@@ -243,7 +220,7 @@ class MergedCapture(CaptureFile):
     def array(self, record: Record) -> np.ndarray | None:
         return read_plan(self.plan(record), self._read)
 
-    def plan(self, record: Record) -> Plan | None:
+    def plan(self, record: Record) -> MergePlan | None:
         """How ``record``'s merged tensor is read, as plain data (``read_plan`` follows it here or in a worker
         process): the rank files' records to read and how to join them; None where the merge knows no such record."""
         if record.step not in self._records and record.step in self.steps:
@@ -268,7 +245,7 @@ class MergedCapture(CaptureFile):
                     return None
                 leaves.append((self._grid[d][t].path, rec))
             grid.append(tuple(leaves))
-        return ("merge", spec, tuple(grid))
+        return MergePlan(spec, tuple(grid))
 
     def _read(self, path: str, record: Record) -> np.ndarray | None:
         return self._by_path[path].array(record)
@@ -297,20 +274,16 @@ class MergedCapture(CaptureFile):
         """Each data-parallel rank's own tensor of a record the merge averages over DP (a local gradient, kind
         ``grad_local``), TP-joined as the merge joins it, or None (another record, tensors not stored)."""
         plan = self.plan(record) if record.kind == "grad_local" else None
-        if plan is None or plan[0] != "merge" or not plan[1].dp_mean:
+        if plan is None or not plan.spec.dp_mean:
             return None
-        rows = _read_grid(plan[2], self._read)
-        return None if rows is None else [_dp_row(plan[1], row) for row in rows]
-
-    def inconsistencies(self, step: int) -> list[str]:
-        """Records that must be identical on the ranks that hold them (replicated across TP, parameters and reduced
-        parameter gradients across DP) but differ, judged from their statistics: '<label>: TP ranks 0/1 differ'.
-        An unreduced gradient or a missing all-reduce shows here with no reference run at all."""
-        return [f"{rec.label}: {group} ranks {'/'.join(map(str, ranks))} differ"
-                for rec, group, ranks in self.inconsistent_records(step)]
+        rows = read_grid(plan.grid, self._read)
+        return None if rows is None else [dp_row(plan.spec, row) for row in rows]
 
     def inconsistent_records(self, step: int) -> list[tuple[Record, str, list[int]]]:
-        """``inconsistencies`` as (record, "TP" or "DP", [the group's first rank, the ranks that differ from it])."""
+        """Records that must be identical on the ranks that hold them (replicated across TP, parameters and reduced
+        parameter gradients across DP) but differ, judged from their statistics, as (record, "TP" or "DP", [the
+        group's first rank, the ranks that differ from it]); ``inconsistencies`` says them in words. An unreduced
+        gradient or a missing all-reduce shows here with no reference run at all."""
         self.records(step)
         shards = self._shards[step]
         out = []
@@ -391,7 +364,7 @@ class MergedCapture(CaptureFile):
                 out.append(table)
         return out if any(out) else []
 
-    def _shard_spec(self, rec: Record, spec: _Spec, sharded: list[dict[str, Any]]) -> _Spec:
+    def _shard_spec(self, rec: Record, spec: MergeSpec, sharded: list[dict[str, Any]]) -> MergeSpec:
         """The spec of a reduced gradient the DP ranks hold in parts: the parts must tile the parameter exactly."""
         name = f"{rec.module}.{rec.slot}" if rec.module else rec.slot
         entries: list[Any] = [table.get(name) for table in sharded]
@@ -420,9 +393,9 @@ class MergedCapture(CaptureFile):
                 raise CaptureFileError(f"{where}: step {rec.step}: the DP ranks' parts of {name}'s gradient cover "
                                        f"{edge} of its {numel} elements; pass every rank file of the run")
         owned = tuple(r if r[0] < r[1] else (numel, numel) for r in (ranges[d][0] for d in range(self.dp)))
-        return _Spec(tp_dim=spec.tp_dim, tp_stride=spec.tp_stride, dp_shards=owned, shard_shape=shape)
+        return MergeSpec(tp_dim=spec.tp_dim, tp_stride=spec.tp_stride, dp_shards=owned, shard_shape=shape)
 
-    def _local_grad(self, rec: Record, parts: list[Record], spec: _Spec) -> Record:
+    def _local_grad(self, rec: Record, parts: list[Record], spec: MergeSpec) -> Record:
         """A parameter's gradient before the data-parallel reduction (kind ``grad_local``) of the merged run: the mean
         over the DP ranks of their local gradients (each rank's loss is its local mean), TP-concatenated as ``grad``
         is, summed over TP for a sequence-parallel parameter (a partial sum on each TP rank). The statistics of a mean
@@ -444,15 +417,15 @@ class MergedCapture(CaptureFile):
                     raise CaptureFileError(f"{self._grid[d][t].path}: {rec.label} of step {rec.step} is marked stored "
                                            "but holds no tensor; re-run the capture")
                 xs.append(x)
-            pieces.append(_join_tp(xs, spec.tp_dim, spec.tp_stride) if spec.tp_dim is not None else
-                          _sum(xs) if spec.tp_sum else xs[0])
+            pieces.append(join_tp(xs, spec.tp_dim, spec.tp_stride) if spec.tp_dim is not None else
+                          sum_parts(xs) if spec.tp_sum else xs[0])
         mean = np.mean(np.stack([p.astype(np.float64) for p in pieces]), axis=0)
         mn, mx, total, l2, nan, inf = host_stats(mean)  # the one rule of tensordiff/stats.py
         return replace(rec, shape=tuple(shape), numel=int(mean.size), mean=total / mean.size if mean.size else 0.0,
                        min=mn, max=mx, l2=l2, nan=int(nan), inf=int(inf), has_data=True)
 
     def _spec(self, rec: Record, local_batch: int | None, local_tokens: frozenset[int] = frozenset(),
-              tokens: tuple[int, int] | None = None) -> _Spec:
+              tokens: tuple[int, int] | None = None) -> MergeSpec:
         """How ``rec`` is laid out across the ranks; ``tokens``: the model's token ids' shape [B, S] on one rank."""
         tp_dim: int | None = None
         stride = 1
@@ -462,11 +435,11 @@ class MergedCapture(CaptureFile):
             if split and split.get("tp") and self.tp > 1:
                 tp_dim, stride = int(split.get("dim", 0)), int(split.get("stride", 1))
             if rec.kind == "grad_local":  # before the DP reduction: the mean over DP (a TP partial sum under SP)
-                return _Spec(tp_dim=tp_dim, tp_stride=stride, dp_mean=self.dp > 1,
+                return MergeSpec(tp_dim=tp_dim, tp_stride=stride, dp_mean=self.dp > 1,
                              tp_sum=bool(split and split.get("sp") and tp_dim is None and self.tp > 1))
-            return _Spec(tp_dim=tp_dim, tp_stride=stride)
+            return MergeSpec(tp_dim=tp_dim, tp_stride=stride)
         if rec.phase == "loss":
-            return _Spec(dp_mean=self.dp > 1)
+            return MergeSpec(dp_mean=self.dp > 1)
         rule = next((r for r in self._rules if r.hits(rec)), None)
         if rule is not None:
             batch_first = rule.batch_first
@@ -500,9 +473,9 @@ class MergedCapture(CaptureFile):
                 dp_dim = fits[0] if fits else None
         if (dp_dim is None and self.dp > 1 and rec.numel == 1 and rec.phase in ("forward", "backward")
                 and rec.dtype.startswith(("float", "bfloat"))):
-            return _Spec(tp_dim=tp_dim, tp_stride=stride, dp_mean=True)  # a scalar per rank (a local mean loss)
+            return MergeSpec(tp_dim=tp_dim, tp_stride=stride, dp_mean=True)  # a scalar per rank (a local mean loss)
         scale = 1.0 / self.dp if self.dp > 1 and rec.phase == "backward" and dp_dim is not None else 1.0
-        return _Spec(tp_dim=tp_dim, tp_stride=stride, dp_dim=dp_dim, scale=scale, swap01=swap01)
+        return MergeSpec(tp_dim=tp_dim, tp_stride=stride, dp_dim=dp_dim, scale=scale, swap01=swap01)
 
 
 def _parameters_held(records: list[Record]) -> dict[int, Record]:
@@ -577,85 +550,7 @@ def _local_tokens(records: list[Record]) -> frozenset[int]:
     return frozenset(out)
 
 
-#: A record's tensor as plain data another process can follow: ("file", path, record): one stored tensor;
-#: ("merge", spec, grid): rank files' tensors (grid: rows of (path, record)) joined as ``spec`` says;
-#: ("sum", plans): the sum of other plans' tensors (a tied weight's local gradient: one share per pipeline stage)
-Plan = tuple
-
-
-def read_plan(plan: Plan | None, read: Callable[[str, Record], np.ndarray | None]) -> np.ndarray | None:
-    """The tensor ``plan`` describes, each stored tensor read by ``read(path, record)``; None where one of them is
-    not stored. The one place a merged tensor is put together (in the diff's process or in a worker)."""
-    if plan is None:
-        return None
-    if plan[0] == "file":
-        return read(plan[1], plan[2])
-    if plan[0] == "sum":
-        parts = [read_plan(p, read) for p in plan[1]]
-        if not parts or any(p is None for p in parts):
-            return None
-        return _sum([p for p in parts if p is not None])
-    _, spec, grid = plan
-    rows = _read_grid(grid, read)
-    if rows is None:
-        return None
-    if spec.dp_shards is not None:  # a reduced gradient held in parts by the DP ranks, then TP-joined
-        per_tp = [np.concatenate([x.reshape(-1) for x in row]).reshape(spec.shard_shape) for row in rows]
-        return _join_tp(per_tp, spec.tp_dim, spec.tp_stride) if spec.tp_dim is not None else per_tp[0]
-    pieces = [_dp_row(spec, row) for row in rows]
-    if spec.dp_mean:
-        mean = np.mean(np.stack([p.astype(np.float64) for p in pieces]), axis=0)
-        # the mean of narrow floats (BF16 local gradients) stays float32: rounding it back to BF16 would add
-        # the very rounding a BF16 reduction is judged by
-        wide = pieces[0].dtype if pieces[0].dtype.itemsize >= 4 or pieces[0].dtype.kind not in "fV" else np.float32
-        out = mean.astype(wide)
-    elif spec.dp_dim is not None:
-        out = np.concatenate(pieces, axis=spec.dp_dim)
-    else:
-        out = pieces[0]
-    if spec.scale != 1.0:
-        out = (out.astype(np.float64) * spec.scale).astype(out.dtype)
-    if spec.swap01 and out.ndim >= 2:
-        out = np.ascontiguousarray(np.swapaxes(out, 0, 1))
-    return out
-
-
-def _read_grid(grid: tuple, read: Callable[[str, Record], np.ndarray | None]) -> list[list[np.ndarray]] | None:
-    """The grid's tensors, row by row; None at the first one not stored (the rest are not read)."""
-    rows = []
-    for row in grid:
-        xs = []
-        for path, rec in row:
-            x = read(path, rec)
-            if x is None:
-                return None
-            xs.append(x)
-        rows.append(xs)
-    return rows
-
-
-def _dp_row(spec: _Spec, parts: list[np.ndarray]) -> np.ndarray:
-    """One data-parallel rank's tensor from its TP ranks' parts: joined, summed, or rank 0's copy."""
-    if spec.tp_dim is not None:
-        return _join_tp(parts, spec.tp_dim, spec.tp_stride)
-    return _sum(parts) if spec.tp_sum else parts[0]
-
-
-def _sum(parts: list[np.ndarray]) -> np.ndarray:
-    """The sum of partial sums (one per TP rank), in float64, in the parts' dtype."""
-    return np.sum(np.stack([p.astype(np.float64) for p in parts]), axis=0).astype(parts[0].dtype)
-
-
-def _join_tp(parts: list[np.ndarray], dim: int, stride: int) -> np.ndarray:
-    axis = dim % parts[0].ndim
-    if stride <= 1:
-        return np.concatenate(parts, axis=axis)
-    # each rank holds [block_0 of rank r; block_1 of rank r; ...]: gather block k of every rank, then the blocks
-    chunks = [np.split(p, stride, axis=axis) for p in parts]
-    return np.concatenate([np.concatenate([c[k] for c in chunks], axis=axis) for k in range(stride)], axis=axis)
-
-
-def _merged_record(rec: Record, parts: list[Record], spec: _Spec, tp: int, dp: int) -> Record:
+def _merged_record(rec: Record, parts: list[Record], spec: MergeSpec, tp: int, dp: int) -> Record:
     """``rec`` with the merged shape and statistics (exact from each shard's numel, min, max, mean and L2)."""
     if spec.dp_shards is not None:  # DP parts of one gradient (on each TP rank): every part is a piece of it
         used = [p for p in parts if p.numel > 0] if spec.tp_dim is not None else \
@@ -694,7 +589,7 @@ def _merged_record(rec: Record, parts: list[Record], spec: _Spec, tp: int, dp: i
 
 
 
-def write_capture_copy(cap: CaptureFile, out: str) -> int:
+def write_capture_copy(cap: CaptureReader, out: str) -> int:
     """Write what ``cap`` reads (a merged run, say) into one capture file at ``out``; returns the records written."""
     attrs = {k: v for k, v in cap.attrs.items() if k != "tensordiff_format"}
     writer = CaptureWriter(out, attrs, background=False)

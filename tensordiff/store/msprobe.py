@@ -1,4 +1,4 @@
-"""msprobe's dumps read as a capture: ``MsprobeDump(path)`` has ``CaptureFile``'s reading API (a reader, nothing is
+"""msprobe's dumps read as a capture: ``MsprobeDump(path)`` is a capture reader (``CaptureReader``, nothing is
 copied), so that ``tensordiff diff`` aligns, compares and explains them like any capture.
 
 msprobe (MindStudio Probe, PyPI ``mindstudio-probe``) writes, per step and rank, ``DUMP/step<N>/rank<R>/``:
@@ -46,7 +46,7 @@ import numpy as np
 from .. import dtypes
 from ..errors import CaptureFileError
 from ..record import Record
-from .reader import CaptureFile
+from .base import ReaderBase
 from .torch_file import read_tensor
 
 _STEP = re.compile(r"^step(\d+)$")
@@ -136,11 +136,11 @@ def _tensors(value: Any, prefix: str) -> Iterator[tuple[str, dict[str, Any]]]:
             yield from _tensors(item, f"{prefix}.{key}" if prefix else str(key))
 
 
-class MsprobeDump(CaptureFile):
-    """An msprobe dump read as a capture (see the module docstring); ``CaptureFile``'s reading API."""
+class MsprobeDump(ReaderBase):
+    """An msprobe dump read as a capture (see the module docstring)."""
 
     def __init__(self, path: str):
-        self.path = path
+        super().__init__(path)
         if not os.path.exists(path):
             raise CaptureFileError(f"{path}: no such file or folder; check the path of the msprobe dump")
         folder = os.path.dirname(os.path.abspath(path)) if os.path.isfile(path) else path
@@ -149,13 +149,12 @@ class MsprobeDump(CaptureFile):
             raise CaptureFileError(f"{path}: no msprobe dump here (no step<N>/rank<R>/dump.json); pass the dump_path "
                                    "msprobe wrote, a step or rank folder of it, or its dump.json")
         self.steps = sorted(self._dirs)
-        self.incomplete_steps: list[int] = []
         self._cache: dict[int, list[Record]] = {}
         self._files: dict[tuple[int, int], str] = {}
         self._skipped: dict[int, int] = {}
         first = self._load_json(self.steps[0], "dump.json")
         framework = str(first.get("framework", ""))
-        self.attrs: dict[str, Any] = {
+        self.attrs = {
             "framework": "mindspore" if framework.lower() == "mindspore" else "torch",
             "tensordiff_format": 1, "source": "msprobe",
             "msprobe_task": str(first.get("task", "")), "msprobe_level": str(first.get("level", "")),
@@ -164,12 +163,12 @@ class MsprobeDump(CaptureFile):
         }
         self._meta = {self.steps[0]: first}
 
-    # ------------------------------------------------------------------ CaptureFile's API
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
+    # ------------------------------------------------------------------ the reader contract
     def close(self) -> None:
         self._cache.clear()
+
+    def forget(self, step: int) -> None:
+        self._cache.pop(step, None)
 
     def step_attrs(self, step: int) -> dict[str, Any]:
         return {"complete": 1, "records": len(self.records(step))}
@@ -183,10 +182,6 @@ class MsprobeDump(CaptureFile):
             for dirpath, _dirs, names in os.walk(folder):
                 total += sum(os.path.getsize(os.path.join(dirpath, n)) for n in names)
         return total
-
-    def iter_records(self) -> Iterator[Record]:
-        for step in self.steps:
-            yield from self.records(step)
 
     def records(self, step: int) -> list[Record]:
         if step not in self._cache:

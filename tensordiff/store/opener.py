@@ -11,6 +11,7 @@ import glob
 import re
 
 from ..errors import CaptureFileError
+from .base import CaptureReader
 from .fanout import open_files
 from .megatron_grads import MegatronGradDump, is_megatron_grads
 from .merged import MergedCapture
@@ -21,7 +22,7 @@ from .reader import CaptureFile
 _GLOB = re.compile(r"[*?\[]")
 
 
-def open_capture(path: str) -> CaptureFile:
+def open_capture(path: str) -> CaptureReader:
     """A capture file, or the rank files a glob names merged into one (see the module docstring)."""
     if not _GLOB.search(path):
         if is_msprobe_dump(path):

@@ -47,7 +47,9 @@ import numpy as np
 from ..errors import CaptureFileError
 from ..record import PHASE_RANK, Record
 from ..stats import host_stats
-from .merged import MergedCapture, Plan, _local_batch, _same_stats
+from .base import ReaderBase
+from .merged import MergedCapture, _local_batch, _same_stats
+from .plan import Plan, SumPlan
 from .reader import CaptureFile
 
 _LAYER = re.compile(r"(^|\.)(decoder\.layers\.)(\d+)(?=\.|$)")
@@ -91,16 +93,18 @@ class _Step:
     tied: dict[int, list[tuple[int, Record]]]
 
 
-class PipelineCapture(MergedCapture):
-    """The stage files of a pipeline-parallel run as one capture (see the module docstring); ``MergedCapture``'s
-    API, every method overridden."""
+class PipelineCapture(ReaderBase):
+    """The stage files of a pipeline-parallel run as one capture (see the module docstring): its stages, each a
+    ``MergedCapture`` of the stage's rank files, joined; the reader contract, with the capabilities of merged rank
+    files and of pipeline stages (``received_from``, ``tied_copies``, ``stage_of``, ``offsets``)."""
+
+    merged = True
 
     def __init__(self, paths: list[str], pattern: str = "", opened: dict[str, CaptureFile] | None = None):
         """``opened``: the rank files already open (``open_capture``), taken over: this capture closes them."""
-        self.path = pattern or paths[0]
-        self.paths = list(paths)
+        super().__init__(pattern or paths[0])
+        self._paths = list(paths)
         self._stages: list[MergedCapture] = []
-        self._files = []
         self._opened = opened if opened is not None else {}
         try:
             self._setup_pipeline(paths)
@@ -159,9 +163,7 @@ class PipelineCapture(MergedCapture):
             raise CaptureFileError(f"{self.path}: pipeline stages of different TP x DP sizes "
                                    f"({', '.join(f'{t} x {d}' for t, d in sorted(shapes))}) are not merged")
         first = self._stages[0]
-        self._files = [f for s in self._stages for f in s._files]
         self.tp, self.dp, self.sp = first.tp, first.dp, first.sp
-        self._grid = first._grid
         self.attrs = dict(first.attrs)
         self.attrs["merged_from"] = json.dumps({"files": len(paths), "tp": self.tp, "dp": self.dp, "pp": self.pp})
         self._tied = self._tied_copies()
@@ -181,11 +183,15 @@ class PipelineCapture(MergedCapture):
         self.incomplete_steps = sorted({x for s in self._stages for x in s.steps + s.incomplete_steps} - common)
         self._merged: dict[int, _Step] = {}
 
-    # ------------------------------------------------------------------ CaptureFile's API
+    # ------------------------------------------------------------------ the reader contract
+    @property
+    def paths(self) -> list[str]:
+        return list(self._paths)
+
     def close(self) -> None:
-        for stage in getattr(self, "_stages", []):
+        for stage in self._stages:
             stage.close()
-        for cap in getattr(self, "_opened", {}).values():  # files no stage took (an error before the stages)
+        for cap in self._opened.values():  # files no stage took (an error before the stages)
             cap.close()
         self._opened = {}
 
@@ -222,7 +228,7 @@ class PipelineCapture(MergedCapture):
         summed = self._summed(record)
         if summed is not None:
             plans = [self._stages[k].plan(rec) for k, rec in summed]
-            return None if any(p is None for p in plans) else ("sum", tuple(plans))
+            return None if any(p is None for p in plans) else SumPlan(tuple(p for p in plans if p is not None))
         found = self._local(record)
         return None if found is None else self._stages[found[0]].plan(found[1])
 
@@ -284,6 +290,10 @@ class PipelineCapture(MergedCapture):
     def tied_copy_name(self, module: str, slot: str) -> str:
         """The name of the last stage's copy of tied weight ``module.slot`` (''  where it has none)."""
         return str(self.param_split(module, slot).get("tied_copy", ""))
+
+    def param_split(self, module: str, slot: str) -> dict[str, Any]:
+        """How megatron split a parameter, in global layer names (``tied_copy``: the name of a tied weight's copy)."""
+        return dict(self._param_splits.get(f"{module}.{slot}" if module else slot, {}))
 
     def stage_of(self, record: Record) -> int | None:
         """The pipeline stage whose file holds ``record`` (merged), or None."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import h5py
@@ -19,7 +19,9 @@ from .._text import first_line
 from ..errors import CaptureFileError
 from ..record import Record
 from . import codec, validate
+from .base import CaptureReader, ReaderBase
 from .format import FORMAT_ATTR, FORMAT_VERSION, META_GROUP, step_group_name
+from .plan import FilePlan
 
 #: What h5py and the codec raise on a damaged file (HDF5's own checks surface as any of these, anywhere).
 _DAMAGED: tuple[type[BaseException], ...] = (OSError, RuntimeError, KeyError, ValueError, MemoryError, *codec.ERRORS)
@@ -61,11 +63,11 @@ def _open_h5(path: str) -> h5py.File:
 SMALL_BYTES = 1 << 20
 
 
-class CaptureFile:
+class CaptureFile(ReaderBase):
     """Read access to a capture file. Tensors are read one at a time (streaming)."""
 
     def __init__(self, path: str):
-        self.path = path
+        super().__init__(path)
         if not os.path.exists(path):
             raise CaptureFileError(f"{path}: no such file; check the path (captures are written by `tensordiff capture -o FILE`)")
         if os.path.isdir(path):
@@ -90,7 +92,7 @@ class CaptureFile:
         HDF5 files costs a few milliseconds each in one process (the library walks every open object), so a
         command reading many rank files has them opened by its workers."""
         self = cls.__new__(cls)
-        self.path = path
+        ReaderBase.__init__(self, path)
         self._h5 = None
         summary = summary or {}
         self.attrs = dict(summary.get("attrs") or {})
@@ -123,9 +125,9 @@ class CaptureFile:
         if version > FORMAT_VERSION:
             raise CaptureFileError(f"{path}: capture format {version} is newer than this tensordiff reads "
                                    f"({FORMAT_VERSION}); upgrade tensordiff")
-        self.attrs: dict[str, Any] = validate.file_attrs(path, self._file.attrs, self._file.get(META_GROUP))
-        self.steps: list[int] = []
-        self.incomplete_steps: list[int] = []
+        self.attrs = validate.file_attrs(path, self._file.attrs, self._file.get(META_GROUP))
+        self.steps = []
+        self.incomplete_steps = []
         steps = self._file.get("steps")
         if steps is not None and not isinstance(steps, h5py.Group):
             raise validate.damaged(path, "'/steps'", "expected the group of steps, found a dataset")
@@ -138,22 +140,11 @@ class CaptureFile:
                 raw = 0
             (self.steps if validate.complete_flag(path, name, raw) else self.incomplete_steps).append(step)
 
-    # context manager -------------------------------------------------------
-    def __enter__(self) -> CaptureFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def close(self) -> None:
         if self._h5 is not None:
             self._h5.close()
 
     # reading ---------------------------------------------------------------
-    @property
-    def framework(self) -> str:
-        return str(self.attrs.get("framework", "?"))
-
     def step_attrs(self, step: int) -> dict[str, Any]:
         known = self._step_attrs.get(step)
         if known is None:  # a file read is never written meanwhile (a capture in progress holds its lock)
@@ -190,10 +181,6 @@ class CaptureFile:
         self._cache[step] = out
         return out
 
-    def iter_records(self) -> Iterable[Record]:
-        for step in self.steps:
-            yield from self.records(step)
-
     def array(self, record: Record) -> np.ndarray | None:
         """The stored tensor of ``record`` in its own dtype, or None (statistics only)."""
         seq = record.seq
@@ -216,10 +203,12 @@ class CaptureFile:
                                    f"({first_line(err, 160, default=type(err).__name__)}); re-run the capture") from None
         return dtypes.from_storage(np.asarray(raw), record.dtype).reshape(record.shape)
 
-    def plan(self, record: Record) -> tuple | None:
-        """How ``record``'s tensor is read, as plain data a worker process can follow (``merged.read_plan``); None
-        for a reader of another format (a worker reads capture files only)."""
-        return ("file", self.path, record) if type(self) is CaptureFile else None
+    def forget(self, step: int) -> None:
+        self._cache.pop(step, None)
+
+    def plan(self, record: Record) -> FilePlan:
+        """How ``record``'s tensor is read, as plain data a worker process can follow (``plan.read_plan``)."""
+        return FilePlan(self.path, record)
 
     def _small(self, record: Record, seq: int) -> np.ndarray | None:
         """A tensor of at most ``SMALL_BYTES`` read through h5py's low-level API (~4x less time than the dataset
@@ -243,12 +232,12 @@ class CaptureFile:
     def nbytes(self) -> int:
         return os.path.getsize(self.path)
 
-    def same_stored(self, record: Record, other: CaptureFile, other_record: Record) -> bool:
+    def same_stored(self, record: Record, other: CaptureReader, other_record: Record) -> bool:
         """Whether ``record``'s tensor here and ``other_record``'s in ``other`` are stored as the same bytes: the same
         dtype, shape, chunks and filters, and every stored chunk byte for byte the same (compressed chunks are compared
         as they are, never decoded: a pair written by the same program twice compares at the speed of the disk).
         False when they differ or when it cannot tell cheaply (then the tensors are read and compared)."""
-        if not (record.has_data and other_record.has_data and type(other) is CaptureFile and type(self) is CaptureFile):
+        if not (record.has_data and other_record.has_data and isinstance(other, CaptureFile)):
             return False
         try:
             ds_a = self._dataset(record)

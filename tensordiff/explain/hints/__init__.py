@@ -31,7 +31,7 @@ from functools import partial
 import numpy as np
 
 from ...diff.result import DiffResult, Row
-from ...store import CaptureFile, open_capture
+from ...store import CaptureReader, open_capture
 from .activation import check_activation
 from .attention import check_attention_scale
 from .aux_loss import check_aux_loss
@@ -112,14 +112,14 @@ CHECKS: tuple[Check, ...] = (
 CHECKED = tuple(c.cause for c in CHECKS if c.needs not in (TP_RANKS, PP_STAGES))
 
 
-def _tp_merged(capture: CaptureFile) -> bool:
+def _tp_merged(capture: CaptureReader) -> bool:
     """``capture`` is merged from tensor-parallel rank files."""
-    return getattr(capture, "tp", 1) > 1 and hasattr(capture, "tp_copies")
+    return capture.tp > 1
 
 
-def _pp_merged(capture: CaptureFile) -> bool:
+def _pp_merged(capture: CaptureReader) -> bool:
     """``capture`` is merged from pipeline stage files."""
-    return getattr(capture, "pp", 1) > 1 and hasattr(capture, "received_from")
+    return capture.pp > 1
 
 
 def _none_ran(reason: str) -> list[CheckStatus]:
@@ -139,7 +139,7 @@ def _site_problem(site: Site) -> str:
     return ""
 
 
-def _bound(check: Check, ca: CaptureFile, cb: CaptureFile,
+def _bound(check: Check, ca: CaptureReader, cb: CaptureReader,
            result: DiffResult | None) -> Callable[[Site], Iterator[Hint]] | str | None:
     """``check`` as a function of the site alone; the reason it is not tested; or None where it does not apply
     (no merged side: it is not named)."""
@@ -161,7 +161,7 @@ def _with_result(fn: Callable[..., Iterator[Hint]], result: DiffResult | None, s
     return fn(site, result)
 
 
-def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
+def run_checks(row: Row, ca: CaptureReader, cb: CaptureReader,
                result: DiffResult | None = None) -> tuple[list[Hint], list[CheckStatus]]:
     """Every check at one pair: the hints explaining at least MIN_EXPLAINED of the gap, ranked, and whether each
     cause could be tested (in CHECKS order; without ``result`` those needing the whole diff are not tested)."""
@@ -194,13 +194,13 @@ def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
     return found, [status[c.cause] for c in CHECKS if c.cause in status]
 
 
-def hints_for_row(row: Row, ca: CaptureFile, cb: CaptureFile, result: DiffResult | None = None) -> list[Hint]:
+def hints_for_row(row: Row, ca: CaptureReader, cb: CaptureReader, result: DiffResult | None = None) -> list[Hint]:
     """Every check at one pair, ranked; only hints explaining at least MIN_EXPLAINED of the gap."""
     return run_checks(row, ca, cb, result)[0]
 
 
-def find_hints(result: DiffResult, ca: CaptureFile | None = None,
-               cb: CaptureFile | None = None) -> tuple[list[Hint], str, list[CheckStatus]]:
+def find_hints(result: DiffResult, ca: CaptureReader | None = None,
+               cb: CaptureReader | None = None) -> tuple[list[Hint], str, list[CheckStatus]]:
     """Hints at the first divergence, a note when they cannot run (tensors not stored), and whether each cause
     could be tested there (empty without a first divergence)."""
     first = result.first

@@ -24,7 +24,7 @@ from ... import dtypes
 from ...diff.metrics import rel_l2
 from ...diff.result import Row
 from ...record import Record, is_inside
-from ...store import CaptureFile
+from ...store import CaptureReader
 
 #: A hint must explain at least this share of the gap to be reported.
 MIN_EXPLAINED = 0.5
@@ -96,7 +96,7 @@ REBUILD_ROUNDINGS = 4
 class Site:
     """The diverged pair and what side A captured around it."""
 
-    def __init__(self, row: Row, ca: CaptureFile, cb: CaptureFile):
+    def __init__(self, row: Row, ca: CaptureReader, cb: CaptureReader):
         self.row = row
         self.a: Record = row.pair.a  # type: ignore[assignment]
         self.b: Record = row.pair.b  # type: ignore[assignment]

@@ -13,6 +13,7 @@ import numpy as np
 
 from ... import dtypes
 from ...record import Record
+from ...store import CaptureReader
 from .base import MIN_EXPLAINED, Hint, Site, explained_share, make_hint, rel_l2
 
 
@@ -47,7 +48,7 @@ def _reduced_in(copies: list[np.ndarray], dt: Any) -> np.ndarray:
     return acc / len(copies)
 
 
-def _reduction_info(cap: Any, step: int) -> dict[str, Any]:
+def _reduction_info(cap: CaptureReader, step: int) -> dict[str, Any]:
     """What the capture knows of a step's data-parallel reduction (its ``grad_reduction`` attribute), or {}."""
     try:
         info = json.loads(str(cap.step_attrs(step).get("grad_reduction", "") or "{}"))
@@ -83,7 +84,7 @@ def check_reduction_dtype(site: Site, narrow: list[tuple[str, Any, float]]) -> I
             share, share_local = _representable_nonzero(reduced, dt), _representable_nonzero(xl, dt)
             if share <= 0.95 or share_local >= 0.5:
                 continue
-            copies = getattr(cap, "dp_copies", lambda r: None)(local) if not site.row.pair.ops else None
+            copies = cap.dp_copies(local) if not site.row.pair.ops else None
             info = _reduction_info(cap, local.step)
             evidence = (f"{share:.1%} of {side}'s reduced gradient values are exact {name} numbers, {share_local:.1%} "
                         f"of its local ones (before the data-parallel reduction, {local.dtype}); relative error "

@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 
+from ...store import CaptureReader
 from .base import MIN_EXPLAINED, Hint, NotApplicable, Site, explained_share, make_hint, rel_l2
 
 
-def _data_parallel(cap: Any) -> int:
+def _data_parallel(cap: CaptureReader) -> int:
     """The data-parallel size of a run: merged rank files know it, a rank file says it in its ``parallel`` attribute."""
-    dp = getattr(cap, "dp", None)
-    if isinstance(dp, int):
-        return dp
+    if cap.merged:
+        return cap.dp
     try:
         coords = json.loads(str(cap.attrs.get("parallel", "") or "{}"))
         return int(coords.get("dp") or coords.get("world_size") or 1) if isinstance(coords, dict) else 1

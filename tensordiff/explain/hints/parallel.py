@@ -15,12 +15,11 @@ def check_partial_sum(site: Site) -> Iterator[Hint]:
     """B was merged from tensor-parallel rank files and holds a record that must be replicated (a norm weight's
     gradient under sequence parallelism): if the sum of the ranks' copies reproduces A, each rank holds a partial
     sum and the all-reduce over the TP group is missing."""
-    copies_of = getattr(site.cb, "tp_copies", None)
-    if copies_of is None:
+    if not site.cb.merged:
         raise NotApplicable("B is not merged from tensor-parallel rank files")
     if site.row.pair.join is not None:
         raise NotApplicable("B's record is joined from several of B's records")
-    copies = copies_of(site.b)
+    copies = site.cb.tp_copies(site.b)
     if not copies:
         raise NotApplicable("B's record is split across tensor-parallel ranks, or held by one rank")
     def as_a(x: np.ndarray) -> np.ndarray:

@@ -49,8 +49,8 @@ _LAYER = re.compile(r"(^|\.)decoder\.layers\.(\d+)(?=\.|$)")
 
 def check_pipeline(site: Site) -> Iterator[Hint]:
     """The pipeline causes: a step-0 weight of a later stage (its layer numbers), else the handover."""
-    if getattr(site.cb, "received_from", None) is None:
-        if getattr(site.ca, "received_from", None) is None:
+    if site.cb.pp < 2:
+        if site.ca.pp < 2:
             raise NotApplicable("neither side is merged from pipeline stage files")
         # the captures given the other way: A is the stage files
         yield from check_pp_tied(site, mirrored=True) if site.a.phase == "param_grad" else \
@@ -72,8 +72,7 @@ def check_pp_tied(site: Site, mirrored: bool = False) -> Iterator[Hint]:
     exchanged."""
     cap, rec, other = (site.ca, site.a, "B") if mirrored else (site.cb, site.b, "A")
     own = "A" if mirrored else "B"
-    copies_of = getattr(cap, "tied_copies", None)
-    copies = copies_of(rec) if copies_of is not None and rec.kind == "grad" else None
+    copies = cap.tied_copies(rec) if rec.kind == "grad" else None
     if not copies:
         raise NotApplicable("not the gradient of a weight tied across pipeline stages")
     if site.row.pair.join is not None:
@@ -94,7 +93,7 @@ def check_pp_tied(site: Site, mirrored: bool = False) -> Iterator[Hint]:
     after = rel_l2(target, total)
     if explained_share(site.before, after) < MIN_EXPLAINED:
         return
-    name = getattr(cap, "tied_copy_name", lambda m, s: "")(rec.module, rec.slot) or "its copy"
+    name = cap.tied_copy_name(rec.module, rec.slot) or "its copy"
     stages = [k for k, _ in copies]
     yield make_hint("pp-tied", f"{own}'s gradient of the tied {rec.module}.{rec.slot} is pipeline stage "
                     f"{stages[0]}'s share only: the sum with stage {stages[-1]}'s copy ({name}) reproduces {other} "
@@ -109,8 +108,7 @@ def check_pp_tied(site: Site, mirrored: bool = False) -> Iterator[Hint]:
 def check_pp_layer_offset(site: Site) -> Iterator[Hint]:
     """B's weight of global layer i on pipeline stage k (first layer: offset o) is A's weight of layer i - o: the
     stage loaded the checkpoint by its stage-local layer numbers (the offset was not applied)."""
-    stage_of, offsets = getattr(site.cb, "stage_of", None), getattr(site.cb, "offsets", None)
-    stage = stage_of(site.b) if stage_of is not None else None
+    stage, offsets = site.cb.stage_of(site.b), site.cb.offsets
     m = _LAYER.search(site.b.module)
     if stage is None or not offsets or m is None or site.a.step != 0:
         raise NotApplicable("not a layer's weight before the first step")
@@ -138,12 +136,11 @@ def check_pp_boundary(site: Site) -> Iterator[Hint]:
     """B was merged from pipeline-parallel stage files and the diverged record is the tensor a stage received (its
     first layer's input): if what the previous stage sent (its last layer's output) agrees with A, the difference
     arises in the handover between the stages; which mistake reproduces what arrived is named when one does."""
-    received_from = getattr(site.cb, "received_from", None)
-    if received_from is None:
+    if site.cb.pp < 2:
         raise NotApplicable("B is not merged from pipeline stage files")
     if site.row.pair.join is not None or site.row.pair.ops:
         raise NotApplicable("B's record is transformed or joined by the mapping")
-    found = received_from(site.b)
+    found = site.cb.received_from(site.b)
     if found is None:
         raise NotApplicable("not a tensor a pipeline stage received")
     sent_rec, sender, receiver = found

@@ -28,6 +28,7 @@ import numpy as np
 
 from ...diff.metrics import rel_l2
 from ...diff.result import DiffResult, Row
+from ...store import CaptureReader
 from .adam import AdamSetting, adam_update, bias_correction_factor, describe, fit_adam
 from .base import Hint, NotApplicable, Site, explained_share
 
@@ -95,7 +96,7 @@ class UpdateFit:
                 "parameters": self.parameters, "one_factor": self.one_factor}
 
 
-def fit_updates(result: DiffResult, ca: Any, cb: Any) -> list[UpdateFit]:
+def fit_updates(result: DiffResult, ca: CaptureReader, cb: CaptureReader) -> list[UpdateFit]:
     """``ΔB = r · ΔA`` fitted for every pair of consecutive captured steps holding weights on both sides."""
     sides = SimpleNamespace(ca=ca, cb=cb)
     out = []
