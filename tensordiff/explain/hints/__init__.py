@@ -18,8 +18,8 @@ or gradients), ``factor``, ``vocab`` (vocabulary padding), ``tied`` (tied embedd
 (top-k router probabilities renormalised on one side only), ``checkpoint`` (and a norm's ``1 + w`` offset), ``update``
 (the optimizer step; ``adam``: Adam's update rebuilt), ``parallel`` (a tensor-parallel partial sum), ``pipeline``
 (the pipeline stages' handover and tied copies);
-``base`` holds the site, the fit they share and ``NotApplicable``. Framework-free: numpy on
-captured arrays.
+``base`` holds the site, the fit they share and ``NotApplicable``. Framework-free: numpy on captured arrays.
+README.md here says how to add a cause.
 """
 
 from __future__ import annotations
