@@ -19,6 +19,12 @@ from ..errors import UsageError
 from ..report.theme import make_console
 
 
+def given(**options: Any) -> dict[str, Any]:
+    """The options given on the command line: an option left unset is None there, and the library's own default
+    (written once, beside the function that uses it) applies."""
+    return {name: value for name, value in options.items() if value is not None}
+
+
 def parse_vars(items: list[str], example: str = "heads=12") -> dict[str, str]:
     """``--var NAME=VALUE`` items as a dict; a malformed one is a UsageError."""
     out = {}

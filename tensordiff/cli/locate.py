@@ -25,9 +25,10 @@ from ..explain.hints.update import fit_updates
 from ..mapping import RenameRules
 from ..report.locate import LocateReport
 from ..report.runs import RunsReport
+from ..runs.compare import DEFAULT_THRESHOLD, DEFAULT_WARMUP
 from ..runs.locate import MODES, LocatePlan, NothingToLocate, plan_locate
 from ..store import open_capture
-from ._args import add_output, add_var, console, parse_vars, write_json
+from ._args import add_output, add_var, console, given, parse_vars, write_json
 
 EXAMPLE = ("example: tensordiff locate a.log b.log --ckpt-a ckpt_a --ckpt-b ckpt_b --cmd-a 'torchrun ... "
            "pretrain_gpt.py ...' --cmd-b 'python run_mindformer.py --config b.yaml' --run")
@@ -50,8 +51,8 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--mode", choices=MODES, default="own",
                    help="own: each run resumes from its own checkpoint (default); shared: B resumes from A's state")
     p.add_argument("--step", type=int, metavar="K", help="look at iteration K (default: where the curves part)")
-    p.add_argument("--threshold", type=float, default=0.01, help="relative loss error where the curves part (0.01)")
-    p.add_argument("--warmup", type=int, default=0, help="steps not judged at the start (default 0)")
+    p.add_argument("--threshold", type=float, help=f"relative loss error where the curves part ({DEFAULT_THRESHOLD})")
+    p.add_argument("--warmup", type=int, help=f"steps not judged at the start (default {DEFAULT_WARMUP})")
     p.add_argument("--out", default="locate", metavar="DIR", help="folder for the captures, logs and YAML copies "
                                                                   "(default ./locate)")
     p.add_argument("--tensors", choices=("all", "first", "none"), default="all",
@@ -121,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         plan: LocatePlan = plan_locate(args.a, args.b, args.ckpt_a, args.ckpt_b, _split(args.cmd_a, "--cmd-a"),
                                        _split(args.cmd_b, "--cmd-b"), args.out, mode=args.mode,
-                                       threshold=args.threshold, warmup=args.warmup, step=args.step, tensors=args.tensors,
+                                       **given(threshold=args.threshold, warmup=args.warmup), step=args.step,
+                                       tensors=args.tensors,
                                        mapping=args.mapping, variables=parse_vars(args.var),
                                        steps_per_epoch=args.steps_per_epoch)
     except NothingToLocate as nothing:

@@ -7,10 +7,11 @@ from typing import Any
 
 from .. import _progress as progress
 from ..errors import UsageError
-from ..report.runs import DriftReport, RunsReport
+from ..report.runs import DEFAULT_TOP, DriftReport, RunsReport
 from ..runs import compare_runs, read_run
+from ..runs.compare import DEFAULT_THRESHOLD, DEFAULT_WARMUP
 from ..runs.drift import DEFAULT_BASELINE, DEFAULT_FACTOR, DriftTable
-from ._args import add_output, add_var, console, parse_vars, write_json
+from ._args import add_output, add_var, console, given, parse_vars, write_json
 
 
 def add_parsers(sub: Any) -> None:
@@ -22,8 +23,9 @@ def add_parsers(sub: Any) -> None:
                               "--plot runs.png")
     u.add_argument("a", help="run A: a training log or a capture")
     u.add_argument("b", help="run B")
-    u.add_argument("--threshold", type=float, default=0.01, help="largest relative loss error allowed (default 0.01 = 1%%)")
-    u.add_argument("--warmup", type=int, default=0, help="steps not judged at the start (default 0)")
+    u.add_argument("--threshold", type=float, help=f"largest relative loss error allowed (default {DEFAULT_THRESHOLD} = "
+                   f"{DEFAULT_THRESHOLD * 100:g}%%)")
+    u.add_argument("--warmup", type=int, help=f"steps not judged at the start (default {DEFAULT_WARMUP})")
     u.add_argument("--window", metavar="LO:HI", help="judge only steps LO..HI (both included; either may be left out)")
     u.add_argument("--ppl-threshold", type=float, metavar="REL",
                    help="also fail when the final or validation perplexities differ by more than REL (e.g. 0.02)")
@@ -39,7 +41,8 @@ def add_parsers(sub: Any) -> None:
     u.add_argument("--drift-factor", type=float, default=DEFAULT_FACTOR, metavar="F",
                    help=f"a record departs when over F x its baseline noise (default {DEFAULT_FACTOR:g}; never below "
                         "the dtype's floor)")
-    u.add_argument("--drift-top", type=int, default=10, metavar="N", help="earliest-drifting layers shown (default 10)")
+    u.add_argument("--drift-top", type=int, default=DEFAULT_TOP, metavar="N",
+                   help=f"earliest-drifting layers shown (default {DEFAULT_TOP})")
     u.add_argument("--no-drift", action="store_true", help="captures: leave out the layer drift table")
     u.add_argument("--fail-on-drift", action="store_true", help="exit 1 when a layer drifts, even if the loss passes")
     u.add_argument("--mapping", help="captures of two frameworks: the rename rules of `tensordiff diff` (default: the "
@@ -107,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
         run_a = read_run(args.a)
         shown.describe(f"reading {args.b}")
         run_b = read_run(args.b)
-    res = compare_runs(run_a, run_b, threshold=args.threshold, warmup=args.warmup, window=_window(args.window),
+    res = compare_runs(run_a, run_b, **given(threshold=args.threshold, warmup=args.warmup), window=_window(args.window),
                        ppl_threshold=args.ppl_threshold, grad_norm_threshold=args.grad_norm_threshold)
     with progress.task("the layer drift table"):
         drift, why = _drift(args, res)

@@ -12,6 +12,9 @@ from ..runs.compare import Comparison
 from ..runs.drift import DriftTable
 from .theme import Name, wide
 
+#: The earliest-drifting layers shown (``--drift-top``), in the table and the HTML page.
+DEFAULT_TOP = 10
+
 
 class RunsReport:
     """A runs comparison that renders itself (``console.print(RunsReport(comparison))``)."""
@@ -60,7 +63,7 @@ class DriftReport:
     """The layer drift table of ``tensordiff runs`` on two captures: the earliest-drifting layers, the verdict, and
     what was not compared."""
 
-    def __init__(self, table: DriftTable, top: int = 10):
+    def __init__(self, table: DriftTable, top: int = DEFAULT_TOP):
         self.table, self.top = table, top
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:

@@ -18,6 +18,7 @@ from ..errors import UsageError
 from ..runs.compare import Comparison
 from ..runs.drift import DriftTable
 from ..runs.run import Run
+from .runs import DEFAULT_TOP
 
 A_COLOR, B_COLOR, BAD_COLOR = "#1f77b4", "#d62728", "#b00020"
 
@@ -211,7 +212,7 @@ blue within the noise of the first steps, red beyond it; a marker at each layer'
 
 
 def write_html(res: Comparison, path: str, png: bytes | None = None, drift: DriftTable | None = None,
-               top: int = 10) -> None:
+               top: int = DEFAULT_TOP) -> None:
     """One file, nothing to fetch: the verdict, the measures, the plot (inline PNG), the layer drift table of two
     captures, and the per-step losses."""
     e = html.escape

@@ -13,6 +13,11 @@ from typing import Any
 from ..errors import RunsError
 from .run import Run
 
+#: The largest relative loss error two runs may show (``--threshold``: 0.01 is 1%), and the steps not judged at
+#: the start (``--warmup``): ``runs`` and ``locate`` alike.
+DEFAULT_THRESHOLD = 0.01
+DEFAULT_WARMUP = 0
+
 
 @dataclass
 class Comparison:
@@ -131,7 +136,8 @@ def _order(x: float) -> float:
     return math.inf if math.isnan(x) else x
 
 
-def compare_runs(a: Run, b: Run, threshold: float = 0.01, warmup: int = 0, window: tuple[int, int] | None = None,
+def compare_runs(a: Run, b: Run, threshold: float = DEFAULT_THRESHOLD, warmup: int = DEFAULT_WARMUP,
+                 window: tuple[int, int] | None = None,
                  ppl_threshold: float | None = None, grad_norm_threshold: float | None = None) -> Comparison:
     """Align by step (only steps both logged) and judge the relative loss error after ``warmup`` steps
     (and inside ``window``, both ends included). Optional thresholds: the relative difference of the

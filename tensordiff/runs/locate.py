@@ -34,7 +34,7 @@ import yaml
 from .._yaml import load_yaml
 from ..ckpt.dirs import saved_steps
 from ..errors import RunsError, UsageError
-from .compare import Comparison, compare_runs
+from .compare import DEFAULT_THRESHOLD, DEFAULT_WARMUP, Comparison, compare_runs
 from .readers import read_run
 
 MODES = ("own", "shared")
@@ -243,7 +243,8 @@ def _latest(saved: dict[int, str], before: int) -> int:
 
 
 def plan_locate(run_a: str, run_b: str, ckpt_a: str, ckpt_b: str | None, cmd_a: list[str], cmd_b: list[str],
-                out: str, mode: str = "own", threshold: float = 0.01, warmup: int = 0, step: int | None = None,
+                out: str, mode: str = "own", threshold: float = DEFAULT_THRESHOLD, warmup: int = DEFAULT_WARMUP,
+                step: int | None = None,
                 tensors: str = "all", mapping: str | None = None, variables: dict[str, str] | None = None,
                 steps_per_epoch: int = 1) -> LocatePlan:
     """The plan: K (where the curves part, or ``step``), J (the checkpoint to resume from), both commands.
