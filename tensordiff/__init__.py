@@ -94,15 +94,15 @@ def capture(model: Any, path: str | None = None, steps: int | None = None, *, op
         return NullCapture()
     try:
         if _is_torch_module(model):
-            from .capturing.torch import TorchCapture
+            from .capturing.torch.adapter import TorchCapture
 
             return TorchCapture(model, options, optimizer=optimizer, meta=meta)
         if _is_mindspore_cell(model):
-            from .capturing.mindspore_graph import MindSporeGraphCapture, graph_mode_wanted
+            from .capturing.mindspore.graph import MindSporeGraphCapture, graph_mode_wanted
 
             if graph_mode_wanted(graph):
                 return MindSporeGraphCapture(model, options, optimizer=optimizer, meta=meta, cells=cells)
-            from .capturing.mindspore import MindSporeCapture
+            from .capturing.mindspore.adapter import MindSporeCapture
 
             return MindSporeCapture(model, options, optimizer=optimizer, meta=meta)
         from .errors import UsageError

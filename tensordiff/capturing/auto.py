@@ -35,7 +35,7 @@ from .._warn import warn as _warn_line
 from ..record import flatten
 from .options import CaptureOptions, options_from_env, report_status
 from .recorder import open_recorders
-from .torch import TorchCapture
+from .torch.adapter import TorchCapture
 
 __all__ = ["AutoCapture", "ProgramCapture", "TrainingCapture", "training_call"]
 

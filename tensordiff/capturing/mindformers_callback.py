@@ -152,8 +152,8 @@ class TensordiffCapture(Callback):
     def _start(self, cb: Any) -> None:
         """``tensordiff.capture``'s MindSpore branch (this stage may not import the package root): options merged with
         ``tensordiff capture``'s environment, graph probes in GRAPH_MODE, hooks in PyNative."""
-        from .mindspore import MindSporeCapture
-        from .mindspore_graph import MindSporeGraphCapture, graph_mode_wanted
+        from .mindspore.adapter import MindSporeCapture
+        from .mindspore.graph import MindSporeGraphCapture, graph_mode_wanted
         from .options import ENV_DISABLE, ENV_OUTPUT, options_from_env
 
         options = options_from_env(self.output, self.steps, self.tensors, tensors_max_mb=self.tensors_max_mb,

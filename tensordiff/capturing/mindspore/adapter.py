@@ -15,7 +15,7 @@ What is hooked, and why:
   gradients are recorded before clipping, as megatron-core's are).
   Without an optimizer, pass the gradients from ``value_and_grad`` to ``step(grads=...)``.
 
-Graph mode runs no Python hooks: ``tensordiff.capture`` takes ``mindspore_graph.py``'s probes
+Graph mode runs no Python hooks: ``tensordiff.capture`` takes ``graph.py``'s probes
 there, and this class refuses it. Everything is removed after the last captured step or on exit.
 """
 
@@ -28,14 +28,14 @@ from typing import Any
 import mindspore as ms
 import numpy as np
 
-from ..errors import UsageError
-from ..frameworks.mindspore import check_pynative, dtype_name, host_view, to_numpy
-from ..stats import host_stats
-from .backend import TensorBackend
-from .mindspore_parallel import layout as parallel_layout
-from .model_config import model_config_attr
-from .options import CaptureOptions, base_attrs, rank_path
-from .recorder import Recorder
+from ...errors import UsageError
+from ...frameworks.mindspore import check_pynative, dtype_name, host_view, to_numpy
+from ...stats import host_stats
+from ..backend import TensorBackend
+from ..model_config import model_config_attr
+from ..options import CaptureOptions, base_attrs, rank_path
+from ..recorder import Recorder
+from .parallel import layout as parallel_layout
 
 _GRAD_DTYPES = (ms.float32, ms.float16, ms.bfloat16, ms.float64)
 

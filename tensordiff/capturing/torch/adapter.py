@@ -28,22 +28,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._warn import warn as _warn
-from ..frameworks.torch import dtype_name, to_numpy
-from ..frameworks.torch_copies import HostCopier, HostCopy
-from ..frameworks.torch_stats import StatsCollector
-from . import torch_parallel as parallel
-from .backend import TensorBackend
-from .model_config import model_config_attr
-from .options import CaptureOptions, base_attrs, rank_path
-from .recorder import Recorder, optimizer_scalars
-from .torch_dp import LocalGrads, data_parallel_size
+from ..._warn import warn as _warn
+from ...frameworks.torch import dtype_name, to_numpy
+from ..backend import TensorBackend
+from ..model_config import model_config_attr
+from ..options import CaptureOptions, base_attrs, rank_path
+from ..recorder import Recorder, optimizer_scalars
+from . import parallel
+from .copies import HostCopier, HostCopy
+from .dp import LocalGrads, data_parallel_size
+from .stats import StatsCollector
 
 
 class TorchTensors(TensorBackend):
     """Reads torch tensors for the recorder: fused statistics on the tensor's device, brought to the host once per
-    step (``frameworks/torch_stats.py``); full tensors staged on the device and moved to the host by a background
-    thread (``frameworks/torch_copies.py``)."""
+    step (``stats.py``); full tensors staged on the device and moved to the host by a background
+    thread (``copies.py``)."""
 
     def __init__(self) -> None:
         self._stats = StatsCollector()
@@ -172,7 +172,7 @@ class TorchCapture(Recorder):
 
     def _install_local_grads(self) -> None:
         dp = data_parallel_size(self.model)
-        if dp > 1:  # the gradients before the data-parallel reduction: kind grad_local (torch_dp.py)
+        if dp > 1:  # the gradients before the data-parallel reduction: kind grad_local (dp.py)
             try:
                 self._local = LocalGrads(self.model, self._params, dp, lambda: self.active and self._in_step,
                                          self._fail)

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from ..frameworks.torch import dtype_name
-from . import torch_parallel as parallel
+from ...frameworks.torch import dtype_name
+from . import parallel
 
 _MISSING = object()
 

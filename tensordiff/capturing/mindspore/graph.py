@@ -44,9 +44,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-from ..errors import UsageError
-from ..stats import host_stats
-from .mindspore import MindSporeCapture, MindSporeTensors
+from ...errors import UsageError
+from ...stats import host_stats
+from .adapter import MindSporeCapture, MindSporeTensors
 
 _NO_GRAD = (ms.bool_,)  # outputs never passed through the gradient probe
 _GRAD_FLOATS = (ms.float32, ms.float16, ms.bfloat16, ms.float64)
