@@ -136,8 +136,7 @@ class TensordiffCapture(Callback):
             cb = run_context.original_args()
             loss, scalars = step_outputs(cb.net_outputs)
             step = int(cb.cur_step_num)
-            cap._iteration = step - 1  # the scalars of Trainer step N land where MindFormers' log says N
-            cap.iteration = step
+            cap.set_iteration(step)  # the scalars of Trainer step N land where MindFormers' log says N
             cap.step(None if loss is None else _loss_tensor(loss), **scalars)
         except Exception as err:
             self._give_up(err)
@@ -197,7 +196,7 @@ class TensordiffCapture(Callback):
                     report_status(f"capture {what}: {type(err).__name__}: {err}")  # tensordiff capture says why
                     self._warn(f"capture {what} ({type(err).__name__}: {err})")
                 return
-            cap._fail(err)
+            cap.fail(err)
             cap.close()
 
     @staticmethod
