@@ -14,8 +14,14 @@ Then ``tensordiff diff a.h5 b.h5 --first-divergence``.
 Pipeline, one sub-package per stage: ``capturing`` (hooks record each step) → ``store`` (the
 HDF5 file) → ``diff`` (align, compare, judge, the first divergence) → ``explain`` (likely causes,
 replay) → ``report`` (tables, JSON). Beside it: ``ckpt`` (one checkpoint for both frameworks),
-``runs`` (whole training runs), ``cli`` (the commands); ``_progress``, the progress of long work (a bar on a
-terminal). torch and MindSpore are imported only in ``frameworks``, the capture adapters and ``compat``.
+``runs`` (whole training runs), ``config`` (two runs' settings), ``batch`` (one batch file for both frameworks),
+``cli`` (the commands; ``__main__``: ``python -m tensordiff``). torch and MindSpore are imported only in
+``frameworks`` (tensors as numpy, files read without unpickling), the capture adapters and ``compat`` (CPU shims).
+
+Leaves every stage may use: ``errors`` (one error class per kind of input), ``record`` (one captured tensor),
+``dtypes`` (dtype names, narrow floats, ULPs), ``stats`` (a record's statistics), ``transforms`` (tensor layouts),
+``mapping`` (pair files), ``_progress`` (the progress of long work: a bar on a terminal), ``_text``, ``_yaml``,
+``_regex``, ``_warn``, ``_watchdog``, ``_version``.
 """
 
 from __future__ import annotations

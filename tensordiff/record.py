@@ -1,4 +1,4 @@
-"""One captured tensor: where it was seen and what it held.
+"""One captured tensor: where it was seen and what it held, and its row in a capture file's index.
 
 A capture is a sequence of steps; each step a list of records in the order they
 were produced. ``seq`` is that order within the step (weights first, then the
@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from operator import attrgetter
 from typing import Any
+
+import numpy as np
 
 #: Phases of a step, in the order they happen.
 PHASES: tuple[str, ...] = ("weights", "forward", "loss", "backward", "param_grad")
@@ -88,6 +90,42 @@ class Record:
 
 #: A record's field values in the order ``Record(...)`` takes them (its pickled form).
 _field_values = attrgetter(*(f.name for f in fields(Record)))
+
+#: Text of any length, stored as UTF-8 (what ``h5py.string_dtype()`` is).
+_TEXT = np.dtype("O", metadata={"vlen": str})
+#: A record's row in a capture file's index (docs/format.md): its fields in their order, but ``step`` (the step's group
+#: holds the rows), with ``shape`` as text ('4,8'; '' for a scalar) and ``has_data`` as 0 or 1.
+INDEX_DTYPE = np.dtype(
+    [
+        ("seq", np.int64),
+        ("phase", _TEXT),
+        ("module", _TEXT),
+        ("call", np.int32),
+        ("kind", _TEXT),
+        ("slot", _TEXT),
+        ("module_class", _TEXT),
+        ("dtype", _TEXT),
+        ("shape", _TEXT),
+        ("min", np.float64),
+        ("max", np.float64),
+        ("mean", np.float64),
+        ("l2", np.float64),
+        ("nan", np.int64),
+        ("inf", np.int64),
+        ("numel", np.int64),
+        ("has_data", np.int8),
+        ("same_as", np.int64),
+        ("grad_of", np.int64),
+        ("enter", np.int64),
+        ("parent", _TEXT),
+    ]
+)
+#: The index's columns, in order.
+ROW_FIELDS: tuple[str, ...] = INDEX_DTYPE.names or ()
+#: The columns holding integers, numbers and text: what a reader checks each column holds.
+INT_COLUMNS = tuple(name for name in ROW_FIELDS if INDEX_DTYPE[name].kind == "i")
+FLOAT_COLUMNS = tuple(name for name in ROW_FIELDS if INDEX_DTYPE[name].kind == "f")
+TEXT_COLUMNS = tuple(name for name in ROW_FIELDS if INDEX_DTYPE[name].kind == "O")
 
 
 def module_label(name: str) -> str:

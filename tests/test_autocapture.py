@@ -14,8 +14,8 @@ import torch.optim.optimizer as torch_optimizer
 
 from tensordiff.capturing import auto_main
 from tensordiff.capturing.auto import AutoCapture
+from tensordiff.capturing.launch import auto_command
 from tensordiff.cli import main
-from tensordiff.cli.capture import auto_command
 from tensordiff.errors import UsageError
 from tensordiff.store import CaptureFile
 

@@ -219,7 +219,7 @@ def test_auto_and_megatron_together_are_refused(tmp_path):
 
 
 def test_the_command_is_rewritten_for_every_worker():
-    from tensordiff.cli.capture import megatron_command
+    from tensordiff.capturing.launch import megatron_command
 
     assert megatron_command(["torchrun", "--nproc-per-node", "2", "--master-port=1234", "pretrain_gpt.py", "--bf16"]) \
         == ["torchrun", "--nproc-per-node", "2", "--master-port=1234", "-m", "tensordiff.capturing.megatron_main",

@@ -22,7 +22,8 @@
   ``megatron_main``: its entry point (what ``tensordiff capture --megatron`` runs);
 * ``mindformers_callback``: ``TensordiffCapture``, the MindSpore callback a MindFormers Trainer's YAML names;
   ``mindformers_register``: the folder MindFormers' ``auto_register`` imports it from;
-  ``mindformers_launch``: ``tensordiff capture --mindformers``'s rewriting of the Trainer's command and YAML;
+* ``launch``: how ``tensordiff capture`` runs a program that does not call tensordiff: its command rewritten
+  for ``--auto``, ``--megatron`` or ``--mindformers`` (``LAUNCHERS``, one entry each);
 * ``startup``: the folder ``tensordiff capture`` puts first on the program's PYTHONPATH, whose ``sitecustomize``
   quiets the frameworks' start-up chatter (``--framework-logs`` keeps it).
 

@@ -32,10 +32,6 @@ BIG_MODEL_MAX_MB = 64.0
 
 TENSOR_MODES = ("first", "all", "none")
 
-#: The entry point ``tensordiff capture --auto`` runs a PyTorch program through (``capturing/auto_main.py``).
-AUTO_MODULE = "tensordiff.capturing.auto_main"
-MEGATRON_MODULE = "tensordiff.capturing.megatron_main"
-
 
 @dataclass
 class CaptureOptions:

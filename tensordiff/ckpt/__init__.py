@@ -6,7 +6,14 @@
   bit-exact);
 * ``plan``: what a conversion would do, every key and shape checked first, all problems in one error;
 * ``compare``: ``diff_checkpoints(a, b)``, tensor by tensor after bringing B to A's names;
-* ``files``: ``load`` / ``save`` by suffix (.safetensors, .pt, .ckpt; frameworks imported only there).
+* ``convert``: ``convert_file(src, dst, mapping)``: read, convert with a table, write;
+* ``files``: ``load`` / ``save`` by suffix (.safetensors, .pt, .ckpt; frameworks imported only there);
+  ``safetensors_io``: safetensors files as numpy arrays, BF16 and FP8 with their bits;
+* ``dirs``: the checkpoint folders the frameworks write, and which iterations they hold;
+  ``megatron_dir``: a Megatron-LM ``--save`` folder read as one full model with its optimizer state;
+  ``mindformers_dir``: the folder a MindFormers 1.9 Trainer writes, optimizer state included;
+* ``state``: a whole training state carried across (Megatron-LM's ``--save`` at iteration J written as the folder a
+  MindFormers Trainer resumes from).
 
 Layout transforms and splits (QKV groups, gate/up chunks) come from ``tensordiff.transforms``.
 """

@@ -1,7 +1,10 @@
-"""The command line: ``tensordiff capture | diff | config | replay | runs | locate | noise | batch | ls | show | ckpt``.
+"""The command line: ``tensordiff capture | noise | diff | config | map | merge | check | replay | runs | locate | batch
+| ls | show | ckpt``.
 
-One module per command (argparse, then one call into the library and one renderable); one
-error handler here. Exit codes: 0 no divergence (or success), 1 divergence found, 2 bad input
+One module per command or two (argparse, then one call into the library and one renderable; ``COMMANDS`` names the
+module of each): ``capture`` (capture, noise), ``diff``, ``config``, ``map``, ``merge``, ``check``, ``replay``,
+``runs``, ``locate``, ``batch``, ``inspect`` (ls, show), ``ckpt``; ``_args``, the options and helpers they share.
+One error handler here. Exit codes: 0 no divergence (or success), 1 divergence found, 2 bad input
 or error, 3 inconclusive (``diff``: no divergence, but not everything was compared), 4 an internal error
 (a bug in tensordiff: never read as a verdict). Errors print one line, never a traceback (``--debug`` or
 ``TENSORDIFF_DEBUG=1`` shows it for a bug).
@@ -27,8 +30,10 @@ EXAMPLE = "example: tensordiff capture -o a.h5 --steps 2 -- python train.py; ten
 EXIT_INTERNAL = 4
 QUIET = ("no progress bars (shown on a terminal only, on stderr, for work of a second or more; also "
          "TENSORDIFF_QUIET=1; a capture's program inherits it)")
-#: The commands, in the order ``--help`` lists them.
-COMMANDS = (capture, diff, config, map, merge, check, replay, runs, locate, batch, inspect, ckpt)
+#: The commands, in the order ``--help`` lists them, and the module that adds each one's parser (``add_parsers``).
+COMMANDS = {"capture": capture, "noise": capture, "diff": diff, "config": config, "map": map, "merge": merge,
+            "check": check, "replay": replay, "runs": runs, "locate": locate, "batch": batch, "ls": inspect,
+            "show": inspect, "ckpt": ckpt}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -38,8 +43,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--debug", action="store_true", help="print the traceback of an internal error (exit code 4)")
     p.add_argument("-q", "--quiet", action="store_true", help=QUIET)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for command in COMMANDS:
-        command.add_parsers(sub)
+    for module in dict.fromkeys(COMMANDS.values()):
+        module.add_parsers(sub)
     _add_quiet(sub)
     return p
 

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import shlex
-import subprocess
 import sys
 import tempfile
 from typing import Any
 
 from .._regex import compile_user
-from ..capturing.mindformers_launch import mindformers_command
+from ..capturing.launch import LAUNCHERS, launch_command, quiet_startup
 from ..capturing.options import (
-    AUTO_MODULE,
     ENV_DURABLE,
     ENV_EVERY,
     ENV_OUTPUT,
@@ -24,12 +20,9 @@ from ..capturing.options import (
     ENV_TENSORS,
     ENV_TENSORS_MATCH,
     ENV_TENSORS_MAX_MB,
-    MEGATRON_MODULE,
     TENSOR_MODES,
     rank_files,
 )
-from ..capturing.startup import ENV_FRAMEWORK_LOGS
-from ..capturing.startup import FOLDER as STARTUP_FOLDER
 from ..diff import noise as noises
 from ..errors import MappingError, UsageError
 from ..report.capture import NoiseSummary
@@ -45,16 +38,8 @@ def add_parsers(sub: Any) -> None:
                        epilog="examples: tensordiff capture -o run.h5 --steps 2 -- python train.py --lr 1e-4; "
                               "tensordiff capture --auto -o run.h5 --steps 2 -- python plain_train.py --lr 1e-4")
     c.add_argument("-o", "--output", required=True, help="HDF5 file to write ('{rank}' is replaced by the rank)")
-    c.add_argument("--auto", action="store_true",
-                   help="PyTorch script that does not call tensordiff: run `python SCRIPT ...` / `python -m MODULE ...` "
-                        "through tensordiff's entry point; training steps only (evaluation is skipped)")
-    c.add_argument("--megatron", action="store_true",
-                   help="a megatron-core training program that does not call tensordiff (Megatron-LM's "
-                        "pretrain_gpt.py, or any loop on megatron-core's schedule and optimizer): `torchrun [OPTIONS] "
-                        "SCRIPT ...` or `python SCRIPT ...`, every rank captured (docs/megatron-lm.md)")
-    c.add_argument("--mindformers", action="store_true",
-                   help="a MindFormers Trainer command with --config x.yaml (run_mindformer.py, under python or msrun): "
-                        "run on a copy of the YAML with the TensordiffCapture callback added (docs/mindformers-trainer.md)")
+    for launcher in LAUNCHERS.values():
+        c.add_argument(f"--{launcher.name}", action="store_true", help=launcher.help)
     c.add_argument("--steps", default="1",
                    help="training steps to capture (default 1); 'all': every step until the run ends (statistics "
                         "always on, with --tensors none)")
@@ -118,18 +103,12 @@ def run_capture(args: argparse.Namespace) -> int:
     if args.auto and args.megatron:
         raise UsageError("--auto and --megatron: choose one (--megatron for a megatron-core program, --auto for any "
                          "other PyTorch script)")
-    extra_env: dict[str, str] = {}
     if args.mindformers and (args.auto or args.megatron):
         raise UsageError("--mindformers runs a MindFormers Trainer command: use it alone, without --auto or --megatron")
-    if args.mindformers:
-        cmd, extra_env = mindformers_command(cmd, os.path.abspath(args.output) + ".mindformers.yaml")
-    elif args.megatron:
-        cmd = megatron_command(cmd)
-        if _PYTHON.fullmatch(os.path.basename(cmd[0])):
-            _check_auto_importable(cmd[0], MEGATRON_MODULE, "--megatron")
-    elif args.auto:
-        cmd = auto_command(cmd)
-        _check_auto_importable(cmd[0])
+    extra_env: dict[str, str] = {}
+    launcher = next((name for name in LAUNCHERS if getattr(args, name)), None)
+    if launcher is not None:
+        cmd, extra_env = launch_command(launcher, cmd, os.path.abspath(args.output))
     out = os.path.abspath(args.output)
     if os.path.exists(out):
         os.remove(out)
@@ -154,9 +133,7 @@ def run_capture(args: argparse.Namespace) -> int:
         env[ENV_TENSORS_MATCH] = args.tensors_match
     if args.durable:
         env[ENV_DURABLE] = "1"
-    if not (args.framework_logs or os.environ.get(ENV_FRAMEWORK_LOGS)):  # the frameworks' start-up chatter, quieted
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [STARTUP_FOLDER, env.get("PYTHONPATH")]))
-        env.setdefault("MEGATRON_LOGGING_LEVEL", "30")  # Megatron-LM's root logger at WARNING (its default: INFO)
+    quiet_startup(env, keep=args.framework_logs)
     for path in rank_files(out):  # a rank file left by an earlier run would pass for this run's
         os.remove(path)
     code = run_program(cmd, env)
@@ -187,103 +164,6 @@ def run_capture(args: argparse.Namespace) -> int:
         print(f"tensordiff: {len(ranks)} rank file(s); diff them as one run, merged on read: tensordiff diff REF.h5 "
               f"'{pattern}' (docs/distributed.md)")
     return 0
-
-
-_PYTHON = re.compile(r"python[0-9.]*(\.exe)?")
-
-
-#: torchrun's options that take no value (torch.distributed.run); every other option takes one
-_TORCHRUN_FLAGS = {"--standalone", "-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path",
-                   "--virtual-local-rank", "--virtual_local_rank"}
-_LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch")
-
-
-def megatron_command(cmd: list[str]) -> list[str]:
-    """``torchrun [OPTIONS] SCRIPT ARGS`` (or ``python -m torch.distributed.run ...``) with every worker run through
-    the packaged entry point (``torchrun [OPTIONS] -m tensordiff.capturing.megatron_main SCRIPT ARGS``), or
-    ``python SCRIPT ARGS`` as ``auto_command`` does; anything else is a UsageError."""
-    launcher = 1 if cmd and os.path.basename(cmd[0]) == "torchrun" else 0
-    if not launcher and len(cmd) > 2 and _PYTHON.fullmatch(os.path.basename(cmd[0])) and cmd[1] == "-m" \
-            and cmd[2] in _LAUNCHERS:
-        launcher = 3
-    if not launcher:
-        return auto_command(cmd, MEGATRON_MODULE, "--megatron", launchers=True)
-    i = launcher
-    module = False
-    while i < len(cmd) and cmd[i].startswith("-") and cmd[i] != "--":
-        flag = cmd[i].split("=", 1)[0]
-        if flag in ("--no-python", "--no_python"):
-            raise UsageError("--megatron: torchrun --no-python runs a program that is not Python; run the Python "
-                             "training script under torchrun (`torchrun [OPTIONS] pretrain_gpt.py ARGS`)")
-        module = module or flag in ("-m", "--module")
-        i += 1 if "=" in cmd[i] or flag in _TORCHRUN_FLAGS else 2
-    if cmd[i:i + 1] == ["--"]:
-        i += 1
-    if i >= len(cmd):
-        raise UsageError(f"--megatron: `{shlex.join(cmd)}` names no training script; write the command as "
-                         "`torchrun --nproc-per-node N pretrain_gpt.py ARGS`")
-    options = [a for a in cmd[launcher:i] if a.split("=", 1)[0] not in ("-m", "--module")]
-    script = ["-m", cmd[i]] if module else [cmd[i]]
-    return [*cmd[:launcher], *options, "-m", MEGATRON_MODULE, *script, *cmd[i + 1:]]
-
-
-def auto_command(cmd: list[str], module: str = AUTO_MODULE, flag: str = "--auto",
-                 launchers: bool = False) -> list[str]:
-    """``python [OPTIONS] SCRIPT ARGS`` or ``python [OPTIONS] -m MODULE ARGS``, run through the packaged entry point
-    (``python [OPTIONS] -m tensordiff.capturing.auto_main SCRIPT ARGS``); anything else is a UsageError."""
-    if not cmd or not _PYTHON.fullmatch(os.path.basename(cmd[0])):
-        also = " or `torchrun [OPTIONS] train.py ARGS`" if launchers else ""
-        raise UsageError(f"{flag}: {shlex.join(cmd[:1]) or 'nothing'} is not a python command; write the command as "
-                         f"`python train.py ARGS` or `python -m package.module ARGS`{also}")
-    i = 1
-    while i < len(cmd):
-        arg = cmd[i]
-        if arg == "-" or not arg.startswith("-"):
-            break
-        if arg.startswith("--"):
-            if arg != "--check-hash-based-pycs":
-                raise UsageError(f"{flag}: `{shlex.join(cmd[:i + 1])}` runs no script; write the command as "
-                                 "`python train.py ARGS` or `python -m package.module ARGS`")
-            i += 2
-            continue
-        for j, short in enumerate(arg[1:], 2):  # short options, possibly combined (-u, -uB, -Wignore, -mpkg.mod)
-            if short not in "mcWX":
-                continue
-            value, used = (arg[j:], 1) if arg[j:] else (cmd[i + 1] if i + 1 < len(cmd) else "", 2)
-            if short == "c":
-                raise UsageError(f"{flag}: `python -c CODE` has no script to run through the capture; save the code in a "
-                                 "file and run `python FILE`")
-            if short == "m":
-                if not value:
-                    raise UsageError(f"{flag}: `python -m` names no module; write `python -m package.module ARGS`")
-                if value in _LAUNCHERS:  # the launcher's process has no model: the workers it starts do
-                    raise UsageError(f"{flag}: `python -m {value}` starts worker processes that {flag} would not "
-                                     "capture; for a megatron-core program use `tensordiff capture --megatron -- "
-                                     f"python -m {value} ... train.py ARGS`, else capture one worker: "
-                                     "`python train.py ARGS`")
-                options = cmd[1:i] + ([arg[:j - 1]] if j > 2 else [])
-                return [cmd[0], *options, "-m", module, "-m", value, *cmd[i + used:]]
-            i += used - 1
-            break
-        i += 1
-    if i >= len(cmd) or cmd[i] == "-":
-        raise UsageError(f"{flag}: `{shlex.join(cmd)}` names no script; write the command as `python train.py ARGS` or "
-                         "`python -m package.module ARGS`")
-    return [cmd[0], *cmd[1:i], "-m", module, *cmd[i:]]
-
-
-def _check_auto_importable(python: str, module: str = AUTO_MODULE, flag: str = "--auto") -> None:
-    """The program's python must import tensordiff (it runs the entry point): one line if it cannot."""
-    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
-    try:
-        code = subprocess.call([python, "-c", probe], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    except FileNotFoundError:
-        raise UsageError(f"cannot run {python!r}: no such program; check the command after '--'") from None
-    except OSError as err:
-        raise UsageError(f"cannot run {python!r}: {err.strerror}; check the command after '--'") from None
-    if code != 0:
-        raise UsageError(f"{flag}: {python} cannot import {module}; install this tensordiff into that python's "
-                         f"environment, or start the command with {sys.executable}")
 
 
 def _noise_files(args: argparse.Namespace) -> list[str]:

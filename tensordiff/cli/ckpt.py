@@ -60,7 +60,7 @@ def add_parsers(sub: Any) -> None:
                                                             "e.g. mcore,mindformers")
     d.add_argument("--rtol", type=float, help="one relative-L2 tolerance for every float pair (default: identical bits "
                                               "for the same dtype, by dtype otherwise)")
-    d.add_argument("--max-rows", type=int, default=40, help="rows before identical rows collapse (0: all)")
+    d.add_argument("--max-rows", type=int, default=None, help="rows before identical rows collapse (0: all)")
     d.add_argument("--json", metavar="FILE", help="also write a machine-readable report")
     add_output(d)
 

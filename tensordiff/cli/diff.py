@@ -8,10 +8,10 @@ from typing import Any
 from rich.text import Text
 
 from ..diff import noise as noises
-from ..diff.result import DiffOptions
-from ..diff.tolerance import Tolerances
-from ..errors import TensordiffError
+from ..diff.result import DEFAULT_JUMP, DEFAULT_REFERENCE_FACTOR, DiffOptions, with_defaults
+from ..diff.tolerance import DEFAULT_NOISE_FACTOR, Tolerances
 from ..explain import diagnose
+from ..explain.config import config_bearing
 from ..mapping import RenameRules
 from ..record import PHASES
 from ..report.diff import DiffReport
@@ -40,11 +40,14 @@ def add_parsers(sub: Any) -> None:
     d.add_argument("--reference", metavar="R", help="three-way: an FP32 capture of the same model, checkpoint and batch; "
                                                     "B is judged by its error against R next to A's own")
     d.add_argument("--reference-mapping", metavar="FILE", help="rename rules from R's names to A's (default: by name)")
-    d.add_argument("--reference-factor", type=float, default=3.0,
-                   help="three-way: B is off when its error against R exceeds this many times A's (default 3)")
+    d.add_argument("--reference-factor", type=float, default=None,
+                   help="three-way: B is off when its error against R exceeds this many times A's "
+                        f"(default {DEFAULT_REFERENCE_FACTOR:g})")
     d.add_argument("--noise-file", metavar="FILE", help="per-tensor noise written by tensordiff noise")
-    d.add_argument("--noise-factor", type=float, default=3.0, help="allowed multiple of the measured noise (default 3)")
-    d.add_argument("--jump", type=float, default=3.0, help="error growth that counts as introduced (default 3x)")
+    d.add_argument("--noise-factor", type=float, default=None,
+                   help=f"allowed multiple of the measured noise (default {DEFAULT_NOISE_FACTOR:g})")
+    d.add_argument("--jump", type=float, default=None,
+                   help=f"error growth that counts as introduced (default {DEFAULT_JUMP:g}x)")
     d.add_argument("--no-order", action="store_true", help="do not match leftovers by execution order and shape")
     d.add_argument("--no-exact", action="store_true",
                    help="judge same-stack pairs by tolerance only (default: on one bitwise reproducible stack, a "
@@ -52,7 +55,7 @@ def add_parsers(sub: Any) -> None:
     d.add_argument("--no-hints", action="store_true", help="do not test likely causes at the first divergence")
     d.add_argument("--phase", action="append", choices=PHASES, help="show only this phase (repeatable)")
     d.add_argument("--step", type=int, action="append", help="compare only this step (repeatable)")
-    d.add_argument("--max-rows", type=int, default=40, help="rows per table before ok rows collapse (0: all)")
+    d.add_argument("--max-rows", type=int, default=None, help="rows per table before ok rows collapse (0: all)")
     d.add_argument("--json", metavar="FILE", help="also write a machine-readable report")
     add_output(d)
     add_jobs(d, help="threads comparing tensor pairs, and worker processes reading rank files' indexes (default: the "
@@ -66,16 +69,16 @@ def run(args: argparse.Namespace) -> int:
     apply_jobs(args)
     variables = parse_vars(args.var)
     mapping = RenameRules.load(args.mapping, variables) if args.mapping else None
-    tolerances = Tolerances(override=args.rtol, noise_factor=args.noise_factor)
+    tolerances = with_defaults(Tolerances, override=args.rtol, noise_factor=args.noise_factor)
     if args.noise:
         tolerances.noise = noises.measure_noise(args.noise[0], args.noise[1], mapping=None)
     if args.noise_file:
         tolerances.noise = {**noises.load(args.noise_file), **tolerances.noise}
     reference_mapping = RenameRules.load(args.reference_mapping, variables) if args.reference_mapping else None
-    options = DiffOptions(mapping=mapping, tolerances=tolerances, order_fallback=not args.no_order, jump=args.jump,
-                          steps=args.step, reference=args.reference, reference_mapping=reference_mapping,
-                          reference_factor=args.reference_factor,
-                          auto_mapping=not args.no_auto_mapping, jobs=args.jobs, exact=not args.no_exact)
+    options = with_defaults(DiffOptions, mapping=mapping, tolerances=tolerances, order_fallback=not args.no_order,
+                            jump=args.jump, steps=args.step, reference=args.reference,
+                            reference_mapping=reference_mapping, reference_factor=args.reference_factor,
+                            auto_mapping=not args.no_auto_mapping, jobs=args.jobs, exact=not args.no_exact)
     result = diagnose(args.a, args.b, options, hints=not args.no_hints)
     report = DiffReport(result, max_rows=args.max_rows, phases=args.phase, first_only=args.first_divergence)
     out = console(args)
@@ -88,25 +91,6 @@ def run(args: argparse.Namespace) -> int:
         doc["config_differences"] = {"bearing": [d.as_dict() for d in bearing], "others": [d.as_dict() for d in others]}
     write_json(args.json, doc)
     return result.exit_code
-
-
-def config_bearing(result: Any) -> tuple[list, list]:
-    """The differences of the captures' recorded model configs (``tensordiff config``) that bear on the first
-    divergence, and the others; both empty without a first divergence or without a config on each side."""
-    first = result.first
-    if first is None:
-        return [], []
-    from ..config.compare import compare_settings, rows_for
-    from ..config.readers import read_config
-
-    try:
-        cfg = compare_settings(read_config(result.path_a), read_config(result.path_b))
-    except TensordiffError:  # no recorded config (older captures, a rank-file glob): nothing to add
-        return [], []
-    causes = [h.cause for h in getattr(result, "hints", [])]
-    keys = set(rows_for(first.module_a, first.phase, first.step > min(result.steps, default=0), causes))
-    bearing = [d for d in cfg.differences if d.row.key in keys]
-    return bearing, [d for d in cfg.differences if d.row.key not in keys]
 
 
 def config_lines(bearing: list, others: list) -> list[Text]:

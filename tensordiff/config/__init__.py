@@ -1,8 +1,13 @@
 """Two runs' configurations side by side, before any tensor (``tensordiff config A B``).
 
-``read_config`` sniffs what holds a run's settings (a Megatron-LM log or flags, a checkpoint folder, a MindFormers
-YAML, a config.json, a capture) and gives one ``Settings`` in the canonical keys of ``table.TABLE``;
-``compare_settings`` names what differs in effect. Framework-free: text, YAML, JSON.
+* ``readers``: ``read_config`` sniffs what holds a run's settings (a Megatron-LM log or flags, a checkpoint folder, a
+  MindFormers YAML, a config.json, a capture);
+* ``normalize``: each framework's settings as the canonical keys of ``table.TABLE`` (defaults filled in, derived rows);
+* ``settings``: ``Settings``, one run's configuration (key -> value, with where each came from);
+* ``table``: the equivalence table, one row per setting that changes what a run computes;
+* ``compare``: ``compare_settings`` names what differs in effect.
+
+Framework-free: text, YAML, JSON.
 """
 
 from __future__ import annotations

@@ -14,7 +14,16 @@ Pipeline, one module per step:
    ``coverage``: what was compared per phase, pairs that are only guesses, and whether no divergence
    is agreement (exit 0) or inconclusive (exit 3);
 5. ``engine``: ``diff(path_a, path_b, options)`` runs 1-4 step by step and returns a ``DiffResult``
-   (``result``: the plain data every later stage reads).
+   (``result``: the plain data every later stage reads); ``workers``: the pairs of a distributed run merged and
+   compared in worker processes, where its rank files are read.
+
+Beside them, what no pair of names says:
+
+* ``accounting``: records with no counterpart that carry nothing the diff has not compared (by structure and value);
+* ``routing``: MoE tokens routed apart by a near tie of router scores (the ``routing`` rule);
+* ``exactness``: same-stack exactness (one framework, version, device, dtype: any difference is the code's);
+* ``nonfinite``: the first NaN or Inf of a run, in execution order, from the index alone;
+* ``autoselect``: which built-in mapping fits two captures; ``propose``: a mapping file proposed where none fits.
 
 Needs numpy, h5py and pyyaml (ml_dtypes to read BF16/FP8 tensors); imports neither torch nor MindSpore.
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 from ..errors import UsageError
 from ..mapping import RenameRules
@@ -29,6 +29,20 @@ Outcome = Literal["agree", "diverged", "inconclusive"]
 EXIT_CODES: dict[str, int] = {"agree": 0, "diverged": 1, "inconclusive": 3}
 
 
+#: An error counts as introduced when it is this many times what came in (``--jump``).
+DEFAULT_JUMP = 3.0
+#: Three-way: B is off when its error against R exceeds this many times A's (``--reference-factor``).
+DEFAULT_REFERENCE_FACTOR = 3.0
+
+_Options = TypeVar("_Options")
+
+
+def with_defaults(cls: type[_Options], **given: Any) -> _Options:
+    """``cls(**given)``, a None standing for a value not given: the field's own default (a command line leaves its
+    options None when unset, so that each default is written once, on its dataclass)."""
+    return cls(**{name: value for name, value in given.items() if value is not None})
+
+
 @dataclass
 class DiffOptions:
     """How to line up and judge two captures."""
@@ -39,7 +53,7 @@ class DiffOptions:
     """Per-dtype limits, an override, or a measured noise floor."""
     order_fallback: bool = True
     """Match leftovers by execution order and shape (``--no-order`` turns it off)."""
-    jump: float = 3.0
+    jump: float = DEFAULT_JUMP
     """An error counts as introduced when it is this many times what came in."""
     ulp_k: int = 4
     """The ULP column counts elements within this many units in the last place."""
@@ -49,7 +63,7 @@ class DiffOptions:
     """Three-way mode: an FP32 capture R of the same model, checkpoint and batch (``--reference R.h5``)."""
     reference_mapping: RenameRules | None = None
     """Rename rules from R's names to A's (default: R is lined up with A by name)."""
-    reference_factor: float = 3.0
+    reference_factor: float = DEFAULT_REFERENCE_FACTOR
     """Three-way: B is off when its error against R exceeds this many times A's own error against R."""
     exact: bool = True
     """Same-stack exactness (``diff.exactness``): on one bitwise reproducible stack, a difference of any size where a

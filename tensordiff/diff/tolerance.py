@@ -30,6 +30,8 @@ BOTH_NARROW = 2 ** 0.5
 LOADED_ROUNDINGS = 1.0
 #: Integer and boolean tensors (token ids, masks) must match exactly.
 EXACT = 0.0
+#: A pair is allowed this many times its measured noise (``--noise-factor``).
+DEFAULT_NOISE_FACTOR = 3.0
 
 
 @dataclass
@@ -42,7 +44,7 @@ class Tolerances:
     """One limit for every floating pair (``--rtol``)."""
     noise: dict[tuple, float] = field(default_factory=dict)
     """Measured noise per record key (phase, module, call, kind, slot) from two reference runs."""
-    noise_factor: float = 3.0
+    noise_factor: float = DEFAULT_NOISE_FACTOR
     """A pair is allowed ``noise_factor`` times its measured noise."""
 
     def limit(self, dtype_a: str, dtype_b: str, key: tuple | None = None, run_dtype: str = "",

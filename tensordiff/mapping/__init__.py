@@ -6,9 +6,12 @@
   splits and per-direction transforms;
 * ``sides``, ``vars`` (``--var NAME=VALUE``), ``description``, ``example``: shared by both.
 
-Both commands take the same NAME (``pairs/*.yaml`` here, or a path); ``tensordiff map`` writes this format. What is
-true of every pair (masks, pass-throughs, q/k/v inputs that are one tensor, ...) is not written in a pair file: the
-diff accounts for it by structure and value (``tensordiff.diff.accounting``). See docs/mapping.md.
+Modules: ``pairfile``, the one loader (read, check, bind the variables); ``modules``, the ``modules:`` section;
+``names``, names and the wrappers around a model; ``derive``, a megatron-core <-> Hugging Face mapping derived from
+the two recorded configs. Both commands take the same NAME (``pairs/*.yaml`` here, or a path); ``tensordiff map``
+writes this format. What is true of every pair (masks, pass-throughs, q/k/v inputs that are one tensor, ...) is not
+written in a pair file: the diff accounts for it by structure and value (``tensordiff.diff.accounting``). See
+docs/mapping.md; README.md here says how to add a pair.
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@
 * ``diff``: ``DiffReport`` (tables per step and phase, the first divergence, the hints; the JSON report);
 * ``ckpt``: ``CkptDiffReport``, ``ConvertSummary``;
 * ``runs``: ``RunsReport``; ``runs_plot``: the PNG plot and the self-contained HTML page (matplotlib);
-* ``capture``: ``CaptureListing`` (``ls``), ``RecordTable`` (``show``), ``ReplaySummary``, ``NoiseSummary``.
+* ``capture``: ``CaptureListing`` (``ls``), ``RecordTable`` (``show``), ``ReplaySummary``, ``NoiseSummary``;
+* ``config``: ``tensordiff config``'s tables (what differs in effect, what was compared);
+* ``locate``: ``tensordiff locate``'s plan and, after ``--run``, the resumed iterations and the first divergence.
 
 The library never prints: the CLI hands these to a console.
 """

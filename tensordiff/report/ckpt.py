@@ -13,15 +13,15 @@ from .._text import listing, plural, times_shape
 from ..ckpt.compare import CheckpointDiff, CkptVerdict, DiffRow
 from ..ckpt.convert import ConvertedFile
 from ..ckpt.files import describe_skipped
-from .theme import Name, collapse, fmt, table_width, wide
+from .theme import MAX_ROWS, Name, collapse, fmt, table_width, wide
 
 
 class CkptDiffReport:
     """A checkpoint diff that renders itself (``console.print(CkptDiffReport(diff))``)."""
 
-    def __init__(self, diff: CheckpointDiff, max_rows: int = 40):
+    def __init__(self, diff: CheckpointDiff, max_rows: int | None = None):
         self.diff = diff
-        self.max_rows = max_rows
+        self.max_rows = MAX_ROWS if max_rows is None else max_rows
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         yield Text.assemble(("A ", "tensordiff.title"), self.diff.path_a)

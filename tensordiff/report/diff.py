@@ -18,7 +18,7 @@ from ..diff.result import DiffResult, Row, RowVerdict, phase_rows
 from ..explain.diagnosis import Diagnosis
 from ..explain.hints import CHECKED, CheckStatus
 from ..record import module_label
-from .theme import Name, collapse, fmt, fmt_cos, table_width, wide
+from .theme import MAX_ROWS, Name, collapse, fmt, fmt_cos, table_width, wide
 
 VERDICT_TEXT: dict[RowVerdict, str] = {"ok": "ok", "diverged": "DIVERGED", "unmatched": "unmatched", "shape": "SHAPE",
                                       "drift": "drift", "skipped": "skipped", "uncertain": "UNCERTAIN",
@@ -30,10 +30,10 @@ _STEP = re.compile(r"\b([Ss])tep (\d+)\b")
 class DiffReport:
     """A diff result (and, for a ``Diagnosis``, its likely causes) that renders itself: ``console.print(report)``."""
 
-    def __init__(self, result: DiffResult, max_rows: int = 40, phases: Iterable[str] | None = None, first_only: bool = False,
-                 iteration_of: Callable[[int], int] | None = None):
+    def __init__(self, result: DiffResult, max_rows: int | None = None, phases: Iterable[str] | None = None,
+                 first_only: bool = False, iteration_of: Callable[[int], int] | None = None):
         self.result = result
-        self.max_rows = max_rows
+        self.max_rows = MAX_ROWS if max_rows is None else max_rows
         self.phases = set(phases) if phases else None
         self.first_only = first_only
         #: a capture step's training iteration (``tensordiff locate``: the resumed run's numbering), said instead

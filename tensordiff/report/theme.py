@@ -27,6 +27,8 @@ from rich.theme import Theme
 READING = 100
 #: the width tables may take where the output has no width of its own (wide enough for any name)
 UNBOUNDED = 10_000
+#: the rows a table of pairs shows before its passing rows collapse (``--max-rows``; 0: all)
+MAX_ROWS = 40
 
 THEME = Theme(
     {

@@ -5,7 +5,8 @@
 * ``run``: ``Run``, per-step scalars;
 * ``compare``: ``compare_runs(a, b, threshold, warmup, ...)`` -> ``Comparison`` with its verdict;
 * ``drift``: ``layer_drift(capture_a, capture_b, baseline, ...)`` -> ``DriftTable``: for each layer, the step at which
-  its statistics first depart beyond their noise (captures with statistics for many steps).
+  its statistics first depart beyond their noise (captures with statistics for many steps);
+* ``locate``: from the curve to the layer: where two long runs part, the checkpoint to resume both from, the commands.
 
 Framework-free. The table is ``tensordiff.report.runs``; the plot and HTML page ``tensordiff.report.runs_plot``.
 """

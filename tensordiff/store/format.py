@@ -1,4 +1,5 @@
-"""The capture file format: names, the index row type, and how values are stored.
+"""The capture file format: names, the scalar row type, and how values are stored (a record's index row:
+``record.INDEX_DTYPE``).
 
 See docs/format.md. Shared by the writer (capture side) and the reader (diff side)."""
 
@@ -8,39 +9,11 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-import h5py
 import numpy as np
 
 FORMAT_VERSION = 1
 FORMAT_ATTR = "tensordiff_format"
 
-_STR = h5py.string_dtype("utf-8")
-INDEX_DTYPE = np.dtype(
-    [
-        ("seq", np.int64),
-        ("phase", _STR),
-        ("module", _STR),
-        ("call", np.int32),
-        ("kind", _STR),
-        ("slot", _STR),
-        ("module_class", _STR),
-        ("dtype", _STR),
-        ("shape", _STR),
-        ("min", np.float64),
-        ("max", np.float64),
-        ("mean", np.float64),
-        ("l2", np.float64),
-        ("nan", np.int64),
-        ("inf", np.int64),
-        ("numel", np.int64),
-        ("has_data", np.int8),
-        ("same_as", np.int64),
-        ("grad_of", np.int64),
-        ("enter", np.int64),
-        ("parent", _STR),
-    ]
-)
-ROW_FIELDS = INDEX_DTYPE.names
 SCALAR_NAME_LEN = 48
 SCALAR_DTYPE = np.dtype([("step", "<i8"), ("name", f"S{SCALAR_NAME_LEN}"), ("value", "<f8")])
 

@@ -38,9 +38,9 @@ from .. import _progress as progress
 from .._yaml import load_yaml
 from ..errors import CaptureFileError, MappingError
 from ..mapping.names import unwrap
-from ..record import Record
+from ..record import ROW_FIELDS, Record
 from ..stats import host_stats
-from .format import ROW_FIELDS, shape_text
+from .format import shape_text
 from .reader import CaptureFile
 from .writer import CaptureWriter
 
@@ -704,7 +704,7 @@ def write_capture_copy(cap: CaptureFile, out: str) -> int:
             for step in cap.steps:
                 rows, data = [], {}
                 for rec in cap.records(step):
-                    row = {name: getattr(rec, name) for name in ROW_FIELDS or () if name != "shape"}
+                    row = {name: getattr(rec, name) for name in ROW_FIELDS if name != "shape"}
                     row["shape"] = shape_text(rec.shape)
                     x = cap.array(rec) if rec.has_data and rec.same_as < 0 else None
                     if x is not None:

@@ -16,11 +16,8 @@ import numpy as np
 
 from .. import dtypes
 from ..errors import CaptureFileError
-from ..record import PHASES, Record
+from ..record import FLOAT_COLUMNS, INT_COLUMNS, PHASES, TEXT_COLUMNS, Record
 
-_INT_FIELDS = ("seq", "call", "nan", "inf", "numel", "has_data", "same_as", "grad_of", "enter")
-_FLOAT_FIELDS = ("min", "max", "mean", "l2")
-_TEXT_FIELDS = ("phase", "module", "kind", "slot", "module_class", "dtype", "shape", "parent")
 #: File attributes holding JSON (written by ``format.attr_value``): each must parse to an object.
 JSON_ATTRS = ("model_config", "parallel", "param_splits")
 #: Largest dimension count and element count a record may declare (a lie beyond these is damage, not a tensor).
@@ -110,11 +107,11 @@ def index_rows(path: str, step: int, index: Any) -> np.ndarray:
         raise damaged(path, where, f"expected a one-dimensional table of records, found {index.dtype} of shape "
                                    f"{index.shape}")
     names = set(index.dtype.names)
-    missing = [name for name in (*_INT_FIELDS, *_FLOAT_FIELDS, *_TEXT_FIELDS) if name not in names]
+    missing = [name for name in (*INT_COLUMNS, *FLOAT_COLUMNS, *TEXT_COLUMNS) if name not in names]
     if missing:
         raise damaged(path, where, f"column(s) {', '.join(missing)} missing")
-    for group, kinds, what in ((_INT_FIELDS, "iub", "integers"), (_FLOAT_FIELDS, "fiu", "numbers"),
-                               (_TEXT_FIELDS, "SOU", "text")):
+    for group, kinds, what in ((INT_COLUMNS, "iub", "integers"), (FLOAT_COLUMNS, "fiu", "numbers"),
+                               (TEXT_COLUMNS, "SOU", "text")):
         for name in group:
             kind = index.dtype[name].kind
             if kind not in kinds:
@@ -134,7 +131,7 @@ def _sound_records(step: int, rows: np.ndarray, stored: set[str] | None) -> list
     first sign of damage, so that ``_checked_records`` names it."""
     n = len(rows)
     try:
-        i64 = {name: rows[name].astype(np.int64) for name in _INT_FIELDS}
+        i64 = {name: rows[name].astype(np.int64) for name in INT_COLUMNS}
         l2 = rows["l2"].astype(np.float64)
     except (TypeError, ValueError, OverflowError):
         return None
@@ -147,7 +144,7 @@ def _sound_records(step: int, rows: np.ndarray, stored: set[str] | None) -> list
     if not sound.all():
         return None
     texts = []
-    for name in _TEXT_FIELDS:
+    for name in TEXT_COLUMNS:
         col = rows[name]
         try:
             if col.dtype.kind == "S":  # fixed-length bytes (this writer's): each decoded
@@ -163,7 +160,7 @@ def _sound_records(step: int, rows: np.ndarray, stored: set[str] | None) -> list
             return None
     phase, module, kind, slot, module_class, dtype, shape_col, parent = texts
     ints = {name: col.tolist() for name, col in i64.items()}
-    mins, maxs, means, l2s = (rows[name].astype(np.float64).tolist() for name in _FLOAT_FIELDS)
+    mins, maxs, means, l2s = (rows[name].astype(np.float64).tolist() for name in FLOAT_COLUMNS)
     shapes: dict[str, tuple[int, ...] | None] = {}
     known: dict[str, bool] = {}
     out: list[Record] = []
@@ -204,12 +201,12 @@ def _checked_records(path: str, step: int, rows: np.ndarray, stored: set[str] | 
     out: list[Record] = []
     n = len(rows)
     # whole columns to Python values at once (a structured row's fields cost ~0.5 µs each to reach)
-    text_cols = [rows[name].tolist() for name in _TEXT_FIELDS]
-    int_cols = [[int(v) for v in rows[name].tolist()] for name in _INT_FIELDS]
-    num_cols = [rows[name].astype(np.float64).tolist() for name in _FLOAT_FIELDS]
+    text_cols = [rows[name].tolist() for name in TEXT_COLUMNS]
+    int_cols = [[int(v) for v in rows[name].tolist()] for name in INT_COLUMNS]
+    num_cols = [rows[name].astype(np.float64).tolist() for name in FLOAT_COLUMNS]
     for i in range(n):
         fields = {}
-        for name, col in zip(_TEXT_FIELDS, text_cols):
+        for name, col in zip(TEXT_COLUMNS, text_cols):
             value = col[i]
             if isinstance(value, bytes):
                 try:
@@ -220,8 +217,8 @@ def _checked_records(path: str, step: int, rows: np.ndarray, stored: set[str] | 
                 value = text(path, f"step {step} record {i} column {name!r}", value)
             fields[name] = value
         where = f"step {step} record {i} ({fields['module'] or '<model>'} {fields['kind']} {fields['slot']})"
-        ints = {name: col[i] for name, col in zip(_INT_FIELDS, int_cols)}
-        nums = {name: col[i] for name, col in zip(_FLOAT_FIELDS, num_cols)}
+        ints = {name: col[i] for name, col in zip(INT_COLUMNS, int_cols)}
+        nums = {name: col[i] for name, col in zip(FLOAT_COLUMNS, num_cols)}
         if ints["seq"] != i:
             raise damaged(path, where, f"seq is {ints['seq']}, the row number is {i}")
         if fields["phase"] not in PHASES:

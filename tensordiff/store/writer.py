@@ -29,15 +29,14 @@ from .. import _progress as progress
 from .. import dtypes
 from .._text import first_line
 from .._warn import warn as _warn
+from ..record import INDEX_DTYPE, ROW_FIELDS
 from . import codec
 from .format import (
     CHUNK_MIN_BYTES,
     FORMAT_ATTR,
     FORMAT_VERSION,
-    INDEX_DTYPE,
     LARGE_ATTR,
     META_GROUP,
-    ROW_FIELDS,
     SCALAR_DTYPE,
     SCALAR_NAME_LEN,
     attr_value,
@@ -397,7 +396,7 @@ class CaptureWriter:
         grp = self._file.create_group(step_group_name(step))
         index = np.zeros(len(rows), dtype=INDEX_DTYPE)
         for i, row in enumerate(rows):
-            index[i] = tuple(row[name] for name in ROW_FIELDS or ())
+            index[i] = tuple(row[name] for name in ROW_FIELDS)
         grp.create_dataset("index", data=index)
         dgrp = grp.create_group("data")
         chunked: list[tuple[str, np.ndarray]] = []

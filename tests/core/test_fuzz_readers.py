@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from tensordiff import cli  # noqa: E402
-from tensordiff.store.format import INDEX_DTYPE  # noqa: E402
+from tensordiff.record import INDEX_DTYPE  # noqa: E402
 
 #: The longest one command may take on one fuzzed input (a clean file takes well under a second).
 TIME_BOUND = 15

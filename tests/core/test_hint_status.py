@@ -8,7 +8,7 @@ import pytest
 from helpers import T, render, write_capture
 
 from tensordiff.explain import diagnose
-from tensordiff.explain.hints import CHECKED
+from tensordiff.explain.hints import CHECKED, CHECKS, DIFF, DIFF_IF_GIVEN, PP_STAGES, SITE, TP_RANKS
 from tensordiff.report.diff import DiffReport
 
 
@@ -34,6 +34,19 @@ def test_no_check_can_run_on_nan(tmp_path):
     assert "No known cause" not in text
     report = DiffReport(res).to_dict()
     assert report["checks"][0] == {"cause": "activation", "ran": False, "reason": "NaN or Inf in A or B"}
+
+
+def test_the_table_of_checks_names_each_cause_once_with_its_own_rank():
+    """``CHECKS``: the order reports name the causes in; its ranks, the order they run in (a tie in the share
+    explained goes to the earlier: the more specific cause)."""
+    causes = [c.cause for c in CHECKS]
+    assert len(set(causes)) == len(causes) and sorted(c.rank for c in CHECKS) == list(range(len(CHECKS)))
+    assert {c.needs for c in CHECKS} <= {SITE, DIFF, DIFF_IF_GIVEN, TP_RANKS, PP_STAGES}
+    assert [c.cause for c in sorted(CHECKS, key=lambda c: c.rank)] == [
+        "vocabulary padding", "pipeline stages", "dropout", "RoPE", "attention scale", "activation", "norm epsilon",
+        "dtype", "layout", "bias", "loss normalisation", "aux loss", "tied embeddings", "router normalisation",
+        "constant factor", "partial sum", "checkpoint", "optimizer step"]
+    assert "partial sum" not in CHECKED and "pipeline stages" not in CHECKED  # named only with a merged side
 
 
 def test_no_first_divergence_no_checks(tmp_path):

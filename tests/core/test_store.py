@@ -4,6 +4,7 @@ CaptureFileError naming it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import warnings
@@ -15,6 +16,7 @@ from helpers import T, ml_dtypes, needs_ml_dtypes, rows_of
 
 from tensordiff import dtypes
 from tensordiff.errors import CaptureFileError, TensordiffError
+from tensordiff.record import FLOAT_COLUMNS, INDEX_DTYPE, INT_COLUMNS, ROW_FIELDS, TEXT_COLUMNS, Record
 from tensordiff.store import FORMAT_VERSION, CaptureFile, CaptureWriter
 from tensordiff.store.format import FORMAT_ATTR
 
@@ -52,6 +54,14 @@ def write(path: str, steps: dict[int, list[T]], background: bool, attrs: dict | 
         writer.submit(step, rows, data, {"wall_time": 0.5, "loss": 2.0 + step})
     writer.close()
     return writer
+
+
+def test_the_index_row_holds_every_field_of_a_record_but_its_step():
+    """A record's fields and its columns on disk are declared together (``record.py``): one column per field, in the
+    fields' order, each an integer, a number or text."""
+    assert ROW_FIELDS == INDEX_DTYPE.names == tuple(f.name for f in dataclasses.fields(Record) if f.name != "step")
+    assert sorted((*INT_COLUMNS, *FLOAT_COLUMNS, *TEXT_COLUMNS)) == sorted(ROW_FIELDS)
+    assert h5py.check_string_dtype(INDEX_DTYPE["module"]).encoding == "utf-8"
 
 
 @pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])

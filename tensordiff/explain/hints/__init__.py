@@ -10,11 +10,14 @@ A check that cannot first reproduce A itself from the same inputs says nothing (
 reconstruction would be guesswork); one with nothing to test on at this site (no 4-D q/k for
 RoPE, no stored input, no bias) raises ``NotApplicable(reason)``, and ``run_checks`` returns a
 ``CheckStatus`` per cause: tested, or not and why. Hints are ranked by ``explained``; only those that
-explain at least half of the gap are reported. One module per cause, one page each in
-docs/hints/: ``activation``, ``norm``, ``rope``, ``dtype``, ``layout``, ``dropout``, ``loss``
-(loss normalisation), ``aux_loss`` (a router's auxiliary loss in one side's loss or gradients), ``factor``,
-``vocab`` (vocabulary padding), ``tied`` (tied embeddings on one side), ``router_norm`` (top-k router
-probabilities renormalised on one side only), ``checkpoint`` (and a norm's ``1 + w`` offset), ``update`` (the optimizer step);
+explain at least half of the gap are reported. ``CHECKS`` is the one table of causes: each with its
+check, its rank among the others (ties) and what it needs. One module per cause, one page each in
+docs/hints/: ``activation``, ``norm``, ``rope``, ``attention`` (the attention scale), ``dtype``, ``layout`` (and a
+missing bias), ``dropout``, ``loss`` (loss normalisation), ``aux_loss`` (a router's auxiliary loss in one side's loss
+or gradients), ``factor``, ``vocab`` (vocabulary padding), ``tied`` (tied embeddings on one side), ``router_norm``
+(top-k router probabilities renormalised on one side only), ``checkpoint`` (and a norm's ``1 + w`` offset), ``update``
+(the optimizer step; ``adam``: Adam's update rebuilt), ``parallel`` (a tensor-parallel partial sum), ``pipeline``
+(the pipeline stages' handover and tied copies);
 ``base`` holds the site, the fit they share and ``NotApplicable``. Framework-free: numpy on
 captured arrays.
 """
@@ -22,6 +25,7 @@ captured arrays.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -47,26 +51,75 @@ from .tied import check_tied
 from .update import check_update
 from .vocab import check_vocab_padding
 
-__all__ = ["CHECKED", "CHECKS", "MIN_EXPLAINED", "CheckStatus", "Hint", "NotApplicable", "find_hints",
+__all__ = ["CHECKED", "CHECKS", "MIN_EXPLAINED", "Check", "CheckStatus", "Hint", "NotApplicable", "find_hints",
            "hints_for_row", "run_checks"]
 
+#: What a check needs (``Check.needs``).
+SITE = "the site"
+"""A's and B's tensors at the pair: always tested; called ``fn(site)``."""
+DIFF = "the whole diff"
+"""The diff result too (other rows, other steps): called ``fn(site, result)``; without one, not tested ("needs the
+whole diff")."""
+DIFF_IF_GIVEN = "the whole diff, when given"
+"""The diff result where there is one: called ``fn(site, result)``, ``result`` None without it; always tested."""
+TP_RANKS = "a side merged from tensor-parallel rank files"
+"""Tested only then; written for B merged, mirrored (``base.mirrored``) when A is (the captures given the other
+way)."""
+PP_STAGES = "a side merged from pipeline stage files"
+"""Tested only then."""
 
-#: The checks run at a diverged pair, most specific first (a tie in ``explained`` keeps this order), each with
-#: the cause it tests in words. A check raises ``NotApplicable(reason)`` when it has nothing to test on here.
-#: A new cause is a new module here, an entry in CHECKS and CHECKED, and a page in docs/hints/.
-CHECKS: tuple[tuple[str, Callable[[Site], Iterator[Hint]]], ...] = (
-    ("dropout", check_dropout), ("RoPE", check_rope), ("attention scale", check_attention_scale),
-    ("activation", check_activation),
-    ("norm epsilon", check_norm_epsilon),
-    ("dtype", check_dtype), ("layout", check_layout), ("bias", check_missing_bias),
-    ("loss normalisation", check_loss_normalisation), ("aux loss", check_aux_loss), ("tied embeddings", check_tied),
-    ("router normalisation", check_router_norm), ("constant factor", check_factor),
+
+@dataclass(frozen=True)
+class Check:
+    """One cause tested at a diverged pair: its name in words (as the report names it), the check, and what it
+    needs."""
+
+    cause: str
+    fn: Callable[..., Iterator[Hint]]
+    """Yields the hints of this cause; raises ``NotApplicable(reason)`` when it has nothing to test on here."""
+    rank: int
+    """Its place in the run: a tie in ``explained`` goes to the lower rank, the more specific cause."""
+    needs: str = SITE
+    """``SITE``, ``DIFF``, ``DIFF_IF_GIVEN``, ``TP_RANKS`` or ``PP_STAGES``."""
+
+
+#: Every cause, in the order reports name them, each with its check, its rank (the order they run in, most specific
+#: first: vocabulary padding and the pipeline's handover before a factor of 0 or a layout, a layout before the
+#: checkpoint) and what it needs. A new cause is a new module here, a ``Check`` in this table at its place in the
+#: report with its rank among the others, and a page in docs/hints/.
+CHECKS: tuple[Check, ...] = (
+    Check("activation", check_activation, 5),
+    Check("norm epsilon", check_norm_epsilon, 6),
+    Check("RoPE", check_rope, 3),
+    Check("attention scale", check_attention_scale, 4),
+    Check("dtype", check_dtype, 7),
+    Check("layout", check_layout, 8),
+    Check("bias", check_missing_bias, 9),
+    Check("dropout", check_dropout, 2),
+    Check("loss normalisation", check_loss_normalisation, 10),
+    Check("aux loss", check_aux_loss, 11, needs=DIFF_IF_GIVEN),
+    Check("tied embeddings", check_tied, 12),
+    Check("router normalisation", check_router_norm, 13),
+    Check("constant factor", check_factor, 14),
+    Check("vocabulary padding", check_vocab_padding, 0, needs=DIFF),
+    Check("partial sum", check_partial_sum, 15, needs=TP_RANKS),
+    Check("pipeline stages", check_pipeline, 1, needs=PP_STAGES),
+    Check("checkpoint", check_checkpoint, 16, needs=DIFF),
+    Check("optimizer step", check_update, 17, needs=DIFF),
 )
-#: Every cause tested, in words, in the order reports name them; ``check_checkpoint`` (it needs the whole diff
-#: result) runs first.
-CHECKED = ("activation", "norm epsilon", "RoPE", "attention scale", "dtype", "layout", "bias", "dropout",
-           "loss normalisation", "aux loss", "tied embeddings", "router normalisation", "constant factor",
-           "vocabulary padding", "checkpoint", "optimizer step")
+#: The causes tested at every pair, in words, in the order reports name them (those needing a merged side are
+#: tested only where there is one).
+CHECKED = tuple(c.cause for c in CHECKS if c.needs not in (TP_RANKS, PP_STAGES))
+
+
+def _tp_merged(capture: CaptureFile) -> bool:
+    """``capture`` is merged from tensor-parallel rank files."""
+    return getattr(capture, "tp", 1) > 1 and hasattr(capture, "tp_copies")
+
+
+def _pp_merged(capture: CaptureFile) -> bool:
+    """``capture`` is merged from pipeline stage files."""
+    return getattr(capture, "pp", 1) > 1 and hasattr(capture, "received_from")
 
 
 def _none_ran(reason: str) -> list[CheckStatus]:
@@ -86,10 +139,32 @@ def _site_problem(site: Site) -> str:
     return ""
 
 
+def _bound(check: Check, ca: CaptureFile, cb: CaptureFile,
+           result: DiffResult | None) -> Callable[[Site], Iterator[Hint]] | str | None:
+    """``check`` as a function of the site alone; the reason it is not tested; or None where it does not apply
+    (no merged side: it is not named)."""
+    if check.needs == TP_RANKS:
+        merged = [c for c in (cb, ca) if _tp_merged(c)]
+        if not merged:
+            return None
+        return check.fn if merged[0] is cb else partial(mirrored, check.fn)
+    if check.needs == PP_STAGES:
+        return check.fn if any(_pp_merged(c) for c in (cb, ca)) else None
+    if check.needs == DIFF and result is None:
+        return "needs the whole diff"
+    if check.needs in (DIFF, DIFF_IF_GIVEN):
+        return partial(_with_result, check.fn, result)
+    return check.fn
+
+
+def _with_result(fn: Callable[..., Iterator[Hint]], result: DiffResult | None, site: Site) -> Iterator[Hint]:
+    return fn(site, result)
+
+
 def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
                result: DiffResult | None = None) -> tuple[list[Hint], list[CheckStatus]]:
     """Every check at one pair: the hints explaining at least MIN_EXPLAINED of the gap, ranked, and whether each
-    cause could be tested (in CHECKED order; without ``result`` the checkpoint is not tested)."""
+    cause could be tested (in CHECKS order; without ``result`` those needing the whole diff are not tested)."""
     if row.pair.a is None or row.pair.b is None:
         return [], _none_ran("only one side has this tensor")
     site = Site(row, ca, cb)
@@ -98,35 +173,25 @@ def run_checks(row: Row, ca: CaptureFile, cb: CaptureFile,
         return [], _none_ran(problem)
     found: list[Hint] = []
     status: dict[str, CheckStatus] = {}
-    checks: list[tuple[str, Callable[[Site], Iterator[Hint]]]] = list(CHECKS)
-    causes = list(CHECKED)
-    merged_tp = [c for c in (cb, ca) if getattr(c, "tp", 1) > 1 and hasattr(c, "tp_copies")]
-    if merged_tp:  # a side merged from tensor-parallel rank files (B; else A: the captures given the other way)
-        checks.append(("partial sum", check_partial_sum if merged_tp[0] is cb else partial(mirrored, check_partial_sum)))
-        causes.insert(causes.index("checkpoint"), "partial sum")
-    if any(getattr(c, "pp", 1) > 1 and hasattr(c, "received_from") for c in (cb, ca)):  # merged from PP stage files
-        checks.insert(0, ("pipeline stages", check_pipeline))  # ties: the handover before a factor of 0 or layout
-        causes.insert(causes.index("checkpoint"), "pipeline stages")
-    if result is not None:
-        checks = [(c, (lambda s: check_aux_loss(s, result)) if c == "aux loss" else f) for c, f in checks]
-        checks.insert(0, ("vocabulary padding", lambda s: check_vocab_padding(s, result)))
-        checks.append(("checkpoint", lambda s: check_checkpoint(s, result)))  # ties: the specific cause (layout) first
-        checks.append(("optimizer step", lambda s: check_update(s, result)))
-    else:
-        for cause in ("vocabulary padding", "checkpoint", "optimizer step"):
-            status[cause] = CheckStatus(cause, False, "needs the whole diff")
-    for cause, check in checks:
+    runs: list[tuple[Check, Callable[[Site], Iterator[Hint]]]] = []
+    for check in CHECKS:
+        fn = _bound(check, ca, cb, result)
+        if isinstance(fn, str):
+            status[check.cause] = CheckStatus(check.cause, False, fn)
+        elif fn is not None:
+            runs.append((check, fn))
+    for check, fn in sorted(runs, key=lambda run: run[0].rank):
         try:
-            found.extend(h for h in list(check(site)) if h.explained >= MIN_EXPLAINED)
-            status[cause] = CheckStatus(cause, True)
+            found.extend(h for h in list(fn(site)) if h.explained >= MIN_EXPLAINED)
+            status[check.cause] = CheckStatus(check.cause, True)
         except NotApplicable as why:
-            status[cause] = CheckStatus(cause, False, why.reason)
+            status[check.cause] = CheckStatus(check.cause, False, why.reason)
         except (ValueError, FloatingPointError, MemoryError) as err:  # a check that fails here says nothing
-            status[cause] = CheckStatus(cause, False, f"it failed here ({type(err).__name__})")
-    found.sort(key=lambda h: -round(h.explained, 3))  # ties: the more specific check (CHECKS order) first
+            status[check.cause] = CheckStatus(check.cause, False, f"it failed here ({type(err).__name__})")
+    found.sort(key=lambda h: -round(h.explained, 3))  # ties: the more specific check (the lower rank) first
     if found:  # a hint far behind the best one is a side effect of the same cause
         found = [h for h in found if h.explained >= found[0].explained - 0.2]
-    return found, [status[c] for c in causes]
+    return found, [status[c.cause] for c in CHECKS if c.cause in status]
 
 
 def hints_for_row(row: Row, ca: CaptureFile, cb: CaptureFile, result: DiffResult | None = None) -> list[Hint]:
