@@ -1,6 +1,8 @@
 """The recorder's boundary at run time: every adapter overrides only ``Recorder.HOOKS``, ``capture()`` returns a
 ``CaptureHandle`` either way, and ``state`` walks through a step as ``StepState`` says."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -21,12 +23,10 @@ def _subclasses(cls):
 def _load_adapters():
     import tensordiff.capturing.auto
     import tensordiff.capturing.megatron
-    import tensordiff.capturing.torch.adapter  # noqa: F401
+    import tensordiff.capturing.torch.adapter
 
-    try:
+    with contextlib.suppress(ImportError):  # no MindSpore here: its adapters are checked where it is
         import tensordiff.capturing.mindspore.graph  # noqa: F401
-    except ImportError:  # no MindSpore here: its adapters are checked where it is
-        pass
 
 
 def test_adapters_override_only_the_hooks():
