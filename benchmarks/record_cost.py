@@ -40,7 +40,7 @@ def main() -> int:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     if args.no_reductions:
-        from tensordiff.capturing import torch as adapter
+        from tensordiff.capturing.torch import adapter
 
         adapter.TorchTensors.stats = lambda self, t: (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)  # type: ignore[method-assign]
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8), torch.nn.GELU(),

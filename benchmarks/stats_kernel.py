@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from tensordiff.frameworks.torch_stats import StatsCollector, triton_available
+from tensordiff.capturing.torch.stats import StatsCollector, triton_available
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -36,7 +36,7 @@ def main() -> int:
         handles = [collector.add(x) for _ in range(5)]
         collector.collect(handles)
         if n == 4096:
-            from tensordiff.frameworks.torch_cuda_stats import fast_stats_why
+            from tensordiff.capturing.torch.cuda_stats import fast_stats_why
 
             used = "nvrtc" if collector._fast not in (None, False) else ("triton" if triton_available() else "eager")
             print(f"kernel: {used} {fast_stats_why()}")

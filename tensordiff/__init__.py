@@ -26,10 +26,13 @@ Leaves every stage may use: ``errors`` (one error class per kind of input), ``re
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
 from ._warn import warn as _warn
+
+if TYPE_CHECKING:
+    from .capturing.recorder import CaptureHandle
 
 __all__ = ["__version__", "capture"]
 
@@ -63,16 +66,16 @@ def capture(model: Any, path: str | None = None, steps: int | None = None, *, op
             tensors: str | None = None, inputs: bool = True, grads: bool = True, background: bool = True,
             tensors_max_mb: float | None = None, tensors_match: str | None = None, writer: str | None = None,
             meta: dict | None = None, graph: bool | None = None, cells: str | None = None, durable: bool = False,
-            every: int = 1) -> Any:
+            every: int = 1) -> CaptureHandle:
     """Record the first ``steps`` training steps of ``model`` into the HDF5 file ``path``.
 
     ``model`` is a ``torch.nn.Module`` or a ``mindspore.nn.Cell``. MindSpore in GRAPH_MODE (or ``graph=True``, for
     a ``mindspore.jit`` step run from PyNative) is captured through probes compiled into the graph (CPU backend):
     cell outputs and their gradients, weights, parameter gradients (through ``optimizer``), the loss; ``cells``,
     a regex on cell names, narrows the probed cells (default: every cell).
-    Returns a context manager with ``step(loss=None)``, ``loss(value)`` and ``close()``
-    (MindSpore: also ``grads(grads)`` and ``step(loss, grads=...)`` for the gradients
-    ``value_and_grad`` returns, unless ``optimizer`` is given).
+    Returns a ``CaptureHandle`` (``tensordiff.capturing.recorder``): a context manager with ``step(loss=None)``,
+    ``loss(value)``, ``log(**scalars)`` and ``close()`` (MindSpore: also ``grads(grads)`` and ``step(loss, grads=...)``
+    for the gradients ``value_and_grad`` returns, unless ``optimizer`` is given).
     ``tensors_max_mb`` and ``tensors_match`` (a regex on module names) narrow which records of a full-tensor step are
     stored in full; the rest keep their statistics. Models of 1B parameters or more default to 64 MiB per record.
     ``writer='process'`` (the default) writes the file from a child process: HDF5 never holds the training process's
@@ -100,15 +103,15 @@ def capture(model: Any, path: str | None = None, steps: int | None = None, *, op
         return NullCapture()
     try:
         if _is_torch_module(model):
-            from .capturing.torch import TorchCapture
+            from .capturing.torch.adapter import TorchCapture
 
             return TorchCapture(model, options, optimizer=optimizer, meta=meta)
         if _is_mindspore_cell(model):
-            from .capturing.mindspore_graph import MindSporeGraphCapture, graph_mode_wanted
+            from .capturing.mindspore.graph import MindSporeGraphCapture, graph_mode_wanted
 
             if graph_mode_wanted(graph):
                 return MindSporeGraphCapture(model, options, optimizer=optimizer, meta=meta, cells=cells)
-            from .capturing.mindspore import MindSporeCapture
+            from .capturing.mindspore.adapter import MindSporeCapture
 
             return MindSporeCapture(model, options, optimizer=optimizer, meta=meta)
         from .errors import UsageError

@@ -121,8 +121,8 @@ def test_cell_called_twice_gets_call_indices(tmp_path):
 
 
 def test_hook_capture_refuses_graph_mode_and_capture_takes_the_graph_route(tmp_path):
-    from tensordiff.capturing.mindspore import MindSporeCapture
-    from tensordiff.capturing.mindspore_graph import MindSporeGraphCapture
+    from tensordiff.capturing.mindspore.adapter import MindSporeCapture
+    from tensordiff.capturing.mindspore.graph import MindSporeGraphCapture
     from tensordiff.capturing.options import CaptureOptions
     from tensordiff.errors import UsageError
 

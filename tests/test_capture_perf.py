@@ -11,9 +11,9 @@ import torch
 import tensordiff
 from examples.gpt.models import GPTSpec, build_mcore_gpt, make_batch, mcore_loss
 from tensordiff.capturing.options import CaptureOptions
-from tensordiff.capturing.torch import TorchCapture
-from tensordiff.frameworks.torch_copies import HostCopier
-from tensordiff.frameworks.torch_stats import StatsCollector, reduce_stats_eager, triton_available
+from tensordiff.capturing.torch.adapter import TorchCapture
+from tensordiff.capturing.torch.copies import HostCopier
+from tensordiff.capturing.torch.stats import StatsCollector, reduce_stats_eager, triton_available
 from tensordiff.store import CaptureFile
 
 CUDA = torch.cuda.is_available()
@@ -93,7 +93,7 @@ def test_each_gpu_statistics_kernel_matches_a_float64_reduction(monkeypatch, ker
     """The NVRTC kernel launched through ctypes (the default), the Triton kernel and the eager reductions give the
     same rows, to the documented precision, on aligned, misaligned (odd offsets: no vector loads), multi-block and
     NaN/Inf tensors of the three float dtypes."""
-    from tensordiff.frameworks import torch_cuda_stats
+    from tensordiff.capturing.torch import cuda_stats as torch_cuda_stats
 
     monkeypatch.setenv("TENSORDIFF_STATS_KERNEL", kernel)
     if kernel == "triton" and not triton_available():

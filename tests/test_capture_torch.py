@@ -101,7 +101,7 @@ def test_bf16_and_fp16_are_stored_losslessly_in_their_width(tmp_path):
         arr = c.array(out)
         assert arr.dtype == np.dtype(ml_dtypes.bfloat16)
         assert np.array_equal(arr.view(np.uint16), y.detach().view(torch.int16).numpy().view(np.uint16))
-        # FP32 accumulation: within the documented 1e-6 of a float64 reduction (frameworks/torch_stats.py)
+        # FP32 accumulation: within the documented 1e-6 of a float64 reduction (capturing/torch/stats.py)
         assert out.l2 == pytest.approx(float(torch.linalg.vector_norm(y.detach().double())), rel=1e-6)
     with h5py.File(str(tmp_path / "bf.h5")) as f:
         stored = f["steps/000000/data"][str(out.seq)]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tensordiff.frameworks.torch_stats import StatsCollector, reduce_stats_eager
+from tensordiff.capturing.torch.stats import StatsCollector, reduce_stats_eager
 from tensordiff.stats import host_stats
 
 VALUES = [
@@ -29,7 +29,7 @@ def _torch_row(x: np.ndarray) -> list[float]:
 
 def _mindspore_row(x: np.ndarray) -> list[float]:
     ms = pytest.importorskip("mindspore")
-    from tensordiff.capturing.mindspore import MindSporeTensors
+    from tensordiff.capturing.mindspore.adapter import MindSporeTensors
 
     backend = MindSporeTensors()
     t = ms.Tensor(x.copy())

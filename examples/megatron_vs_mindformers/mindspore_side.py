@@ -9,7 +9,7 @@ MindFormers ``parallel_core`` ``GPTModel``; ``qwen3`` -> MindFormers ``TrainingQ
 ``llama-legacy`` -> the legacy MindFormers ``LlamaForCausalLM``.
 MindFormers runs on the CPU through ``tensordiff.compat.mindformers_cpu``. ``--fault`` injects one
 of the mistakes listed in FAULTS. ``--graph`` runs MindSpore in GRAPH_MODE: capture then records through probes
-compiled into the graph (tensordiff/capturing/mindspore_graph.py). ``--jit`` stays in PyNative and wraps the whole
+compiled into the graph (tensordiff/capturing/mindspore/graph.py). ``--jit`` stays in PyNative and wraps the whole
 train step (``value_and_grad`` and the update) in ``mindspore.jit``, captured with ``graph=True``.
 """
 

@@ -35,7 +35,7 @@ from .._warn import warn as _warn_line
 from ..record import flatten
 from .options import CaptureOptions, options_from_env, report_status
 from .recorder import open_recorders
-from .torch import TorchCapture
+from .torch.adapter import TorchCapture
 
 __all__ = ["AutoCapture", "ProgramCapture", "TrainingCapture", "training_call"]
 
@@ -97,12 +97,12 @@ class TrainingCapture(TorchCapture):
             if self._skip_depth:
                 self._skip_depth += 1
                 return
-            if not self._stack and not training_call(module):
+            if not self.call_depth and not training_call(module):
                 self._skip_depth = 1
                 self.skipped += 1
                 return
         except Exception as err:
-            self._fail(err)
+            self.fail(err)
             return
         super()._pre_hook(name, module, args, kwargs)
 
@@ -111,14 +111,19 @@ class TrainingCapture(TorchCapture):
             self._skip_depth -= 1
             return
         super()._post_hook(name, module, args, output)
-        if name == "" and not self._stack and self.active and self._in_step and self._loss is None:
+        if name == "" and not self.call_depth and self.state.recording and self.step_loss is None:
             try:
                 loss = _scalar_loss(output)
             except Exception as err:
-                self._fail(err)
+                self.fail(err)
                 return
             if loss is not None:
                 self.loss(loss)  # the step's first forward, under gradient accumulation
+
+    def first_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        """The model's call in flight when the capture starts: recorded as from its start (its own pre-hooks were
+        collected before the capture's were added)."""
+        self._pre_hook("", module, args, kwargs)
 
 
 class ProgramCapture:
@@ -149,7 +154,7 @@ class ProgramCapture:
         self._gave_up = True
         with contextlib.suppress(Exception):
             if self.capture is not None:
-                self.capture._fail(err)
+                self.capture.fail(err)
             else:
                 report_status(f"{self.label} stopped: {type(err).__name__}: {err}")
                 self._warn(f"{self.label} stopped ({type(err).__name__}: {err}); {self.removed}")
@@ -195,7 +200,7 @@ class AutoCapture(ProgramCapture):
     @property
     def steps(self) -> int:
         """Steps recorded so far."""
-        return self.capture._step if self.capture is not None else 0
+        return self.capture.state.step if self.capture is not None else 0
 
     # hooks --------------------------------------------------------------------
     def _module_pre(self, module: torch.nn.Module, args: tuple) -> None:
@@ -235,20 +240,19 @@ class AutoCapture(ProgramCapture):
             return
         kwargs = _call_kwargs(module)
         self.capture = TrainingCapture(module, self.options)
-        # this call's own pre-hooks were collected before ours were added: run ours by hand
-        self.capture._pre_hook("", module, args, kwargs)
+        self.capture.first_call(module, args, kwargs)
 
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.capture is not None:
-            self.capture._optimizer_pre_hook(optimizer, args, kwargs)
+            self.capture.optimizer_step_begin(optimizer)
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         cap = self.capture
         if cap is None:
             return
         try:
-            cap._optimizer_post_hook(optimizer, args, kwargs)
-            if cap._step_ready or cap._resting:  # a step every=N skips is counted as well
+            cap.optimizer_step_end()
+            if cap.state.step_ready or cap.state.resting:  # a step every=N skips is counted as well
                 cap.step()  # the step ends with its optimizer step: what follows (evaluation, logging) is not in it
             if cap.finished:
                 self.close()
@@ -278,12 +282,12 @@ class AutoCapture(ProgramCapture):
             else:
                 report_status("autocapture saw no training step: no torch.nn.Module with trainable parameters ran")
             return
-        failed = cap._failed
+        failed = cap.state.failed
         cap.close()
         if not failed:
             skipped = self.skipped + cap.skipped
             with contextlib.suppress(Exception):
-                sys.stderr.write(f"tensordiff: autocapture recorded {cap._step} training step(s) of "
+                sys.stderr.write(f"tensordiff: autocapture recorded {cap.state.step} training step(s) of "
                                  f"{type(cap.model).__name__} to {cap.path}; {skipped} evaluation call(s) skipped; "
                                  "hooks removed\n")
 

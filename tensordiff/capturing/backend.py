@@ -1,6 +1,6 @@
 """The adapter contract: what the framework-free ``Recorder`` needs to know about a framework's tensors.
 
-One subclass per framework (``capturing/torch.py``, ``capturing/mindspore.py``). The recorder
+One subclass per framework (``capturing/torch/adapter.py``, ``capturing/mindspore/adapter.py``). The recorder
 calls these from inside the model's hooks, so each must be cheap, must not synchronise the
 device where it can avoid it, and must never change the tensor it is given.
 """

@@ -76,14 +76,6 @@ class MegatronStepCapture(TrainingCapture):
         super()._install()
         self._install_local_grads()  # DP > 1: the gradients before the reduction too (the distributed optimizer's)
 
-    def restart_step(self) -> None:
-        """Forget the step in flight (a re-run pass of the same iteration follows)."""
-        for handle in self._tensor_handles:
-            handle.remove()
-        self._tensor_handles.clear()
-        self._in_step = False
-        self._reset_step()
-
 
 class MegatronCapture(ProgramCapture):
     """Wraps megatron-core's schedule and optimizer (and Megatron-LM's ``train_step``) while the program runs."""
@@ -209,8 +201,8 @@ class MegatronCapture(ProgramCapture):
         assert cap is not None
         self._loss = reported_loss(result)
         self._pass_done = True
-        if cap.active and cap._in_step and not cap._grads_taken:
-            cap._take_param_grads()  # final: the schedule has reduced them (finalize_model_grads)
+        if cap.state.wants_grads:
+            cap.take_param_grads()  # final: the schedule has reduced them (finalize_model_grads)
 
     def _optimizer_step(self, optimizer: Any, step: Any, *args: Any, **kwargs: Any) -> Any:
         out = step(*args, **kwargs)
@@ -255,10 +247,8 @@ class MegatronCapture(ProgramCapture):
         if grad_norm is not None:
             scalars["grad_norm"] = grad_norm
         scalars.update(optimizer_scalars(optimizer))
-        if iteration is not None:
-            cap._iteration = iteration - 1  # the per-step scalars of iteration N land where the log's N is
-        cap.iteration = cap._iteration + 1  # counted from 1, as Megatron-LM's log does
-        if cap._loss is not None and loss is not None:  # the model returned the loss itself: recorded already
+        cap.set_iteration(iteration)  # counted from 1, as Megatron-LM's log does: its scalars land where the log's N is
+        if cap.step_loss is not None and loss is not None:  # the model returned the loss itself: recorded already
             scalars = {"loss": loss, **scalars}
             loss = None
         cap.step(loss, **scalars)
@@ -290,11 +280,11 @@ class MegatronCapture(ProgramCapture):
         if self._pass_done and not self._gave_up:  # a loop whose optimizer step tensordiff did not see
             with contextlib.suppress(Exception):
                 self._end_step()
-        failed = cap._failed
+        failed = cap.state.failed
         cap.close()
         if not failed and not self._gave_up:
             with contextlib.suppress(Exception):
-                sys.stderr.write(f"tensordiff: --megatron recorded {cap._step} training step(s) of "
+                sys.stderr.write(f"tensordiff: --megatron recorded {cap.state.step} training step(s) of "
                                  f"{type(cap.model).__name__} to {cap.path}; wrappers removed\n")
 
 

@@ -136,8 +136,7 @@ class TensordiffCapture(Callback):
             cb = run_context.original_args()
             loss, scalars = step_outputs(cb.net_outputs)
             step = int(cb.cur_step_num)
-            cap._iteration = step - 1  # the scalars of Trainer step N land where MindFormers' log says N
-            cap.iteration = step
+            cap.set_iteration(step)  # the scalars of Trainer step N land where MindFormers' log says N
             cap.step(None if loss is None else _loss_tensor(loss), **scalars)
         except Exception as err:
             self._give_up(err)
@@ -152,8 +151,8 @@ class TensordiffCapture(Callback):
     def _start(self, cb: Any) -> None:
         """``tensordiff.capture``'s MindSpore branch (this stage may not import the package root): options merged with
         ``tensordiff capture``'s environment, graph probes in GRAPH_MODE, hooks in PyNative."""
-        from .mindspore import MindSporeCapture
-        from .mindspore_graph import MindSporeGraphCapture, graph_mode_wanted
+        from .mindspore.adapter import MindSporeCapture
+        from .mindspore.graph import MindSporeGraphCapture, graph_mode_wanted
         from .options import ENV_DISABLE, ENV_OUTPUT, options_from_env
 
         options = options_from_env(self.output, self.steps, self.tensors, tensors_max_mb=self.tensors_max_mb,
@@ -197,7 +196,7 @@ class TensordiffCapture(Callback):
                     report_status(f"capture {what}: {type(err).__name__}: {err}")  # tensordiff capture says why
                     self._warn(f"capture {what} ({type(err).__name__}: {err})")
                 return
-            cap._fail(err)
+            cap.fail(err)
             cap.close()
 
     @staticmethod

@@ -1,22 +1,25 @@
 """Step bookkeeping shared by the framework adapters (no framework imported here).
 
-An adapter (``torch.py``, ``mindspore.py``) installs the hooks and hands over a
+An adapter (``torch/adapter.py``, ``mindspore/adapter.py``) installs the hooks and hands over a
 ``TensorBackend`` that says how to read a tensor: its dtype name, shape, statistics, a host
 copy, a backward hook. This class turns hook calls into records: call indices, module
 nesting, links for tensors seen before, one step group per training step, handed to the
-background writer. ``NullCapture`` stands in when capture is off.
+background writer. ``StepState`` holds where it stands; ``NullCapture`` stands in when capture is off;
+``CaptureHandle`` is what either is to the training program.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import threading
 import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -37,17 +40,134 @@ _LINKED = STAT_KEYS + ("has_data",)
 
 def open_recorders() -> list[Recorder]:
     """The recorders of this process still recording (``--auto`` steps aside when the program has its own)."""
-    return [r for r in list(_OPEN) if not r._closed and not r.finished]
+    return [r for r in list(_OPEN) if not r.state.closed and not r.finished]
+
+
+@runtime_checkable
+class CaptureHandle(Protocol):
+    """What ``tensordiff.capture()`` returns: a ``Recorder`` (its framework's adapter) while capture is on, else a
+    ``NullCapture``. Like a hook's ``RemovableHandle``, the one object that undoes what was installed: ``close()``
+    (or leaving the ``with`` block) removes every hook and closes the file. MindSpore's adds ``grads(grads)``."""
+
+    @property
+    def path(self) -> str | None:
+        """The capture file (this rank's), or None when capture is off."""
+
+    @property
+    def active(self) -> bool:
+        """Recording the step in flight."""
+
+    def step(self, loss: Any = None, **scalars: Any) -> None:
+        """End the step in flight (recording ``loss`` first, if given); keyword scalars are logged with it."""
+
+    def loss(self, value: Any) -> None:
+        """Record the loss of the step in flight."""
+
+    def log(self, step: int | None = None, **values: Any) -> None:
+        """Append per-step scalars."""
+
+    def close(self) -> None:
+        """Finish the step in flight, remove every hook, close the file."""
+
+    def __enter__(self) -> CaptureHandle: ...
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None: ...
+
+
+@dataclass
+class StepState:
+    """Where a recorder stands: every flag and counter of its steps, in one place (``Recorder.state``; only the
+    recorder changes it).
+
+    A step is *open* (``in_step``) from its first record (a module's call, ``loss()``, an adapter reading the
+    weights) until it is handed to the writer (``step_written``); its optimizer step marks it *ready*
+    (``step_ready``: the next top-level call or ``step()`` ends it). After a written step the recorder is *done*
+    (every step asked for is written), *resting* (``every=N``: the steps in between, counted by ``step()``) or
+    waiting for the next step to open. *failed*: a hook raised, every hook is removed; *closed*: the file is."""
+
+    step: int = 0  # captured steps handed to the writer
+    step_id: int = 0  # the open step's serial: a gradient hook of an earlier step does nothing
+    iteration: int = 0  # step() calls: the training step in flight, where its scalars land
+    step_iteration: int = 0  # the training step the open step is (every=N: its number in the file)
+    in_step: bool = False
+    step_ready: bool = False
+    grads_taken: bool = False  # the open step's parameter gradients are recorded
+    resting: bool = False  # every=N: a step between the captured ones (every hook does nothing)
+    done: bool = False
+    failed: bool = False
+    closed: bool = False
+    interrupted: str = ""  # the exception that ended the run inside the capture block, if one did
+
+    @property
+    def active(self) -> bool:
+        """Hooks record: not done, failed, or resting."""
+        return not (self.done or self.failed or self.resting)
+
+    @property
+    def finished(self) -> bool:
+        """Every step asked for is written, or the capture stopped."""
+        return self.done or self.failed
+
+    @property
+    def recording(self) -> bool:
+        """A step is open and hooks record into it."""
+        return self.in_step and self.active
+
+    @property
+    def wants_grads(self) -> bool:
+        """The open step records and has no parameter gradients yet."""
+        return self.recording and not self.grads_taken
+
+    def open_step(self) -> None:
+        """A captured step starts."""
+        self.in_step = True
+        self.step_id += 1
+        self.step_iteration = self.iteration
+
+    def clear_step(self) -> None:
+        """The flags of a step that has not started."""
+        self.grads_taken = False
+        self.step_ready = False
+
+    def step_written(self) -> None:
+        """The open step is in the writer's hands."""
+        self.step += 1
+        self.in_step = False
+
+    def stop(self) -> None:
+        """The capture failed: nothing more is recorded."""
+        self.failed = True
+        self.in_step = False
 
 
 class Recorder:
-    """Records the first ``options.steps`` training steps. Subclasses install hooks that call
-    ``_on_call`` / ``_on_return`` / ``_grad_hook`` / ``_param_grads`` and read tensors through ``backend``."""
+    """Records the first ``options.steps`` training steps, whatever the framework. Its boundary, in three parts:
+
+    * what a controller does (an adapter's hooks, ``--auto``, ``--megatron``, the MindFormers callback), the public
+      methods: ``on_call`` / ``on_return`` (a module starts, returns), ``optimizer_step_begin`` /
+      ``optimizer_step_end``, ``take_param_grads``, ``restart_step``, ``set_iteration``, ``loss``, ``step``, ``log``,
+      ``fail``, ``close``; and ``state`` (a ``StepState``, read only) for where it stands. Each checks the state
+      first, and none raises into the model (``take_param_grads`` excepted: its caller stops the capture);
+    * what a subclass (an adapter) overrides: the hooks named in ``HOOKS``, nothing else;
+    * what a subclass uses besides the public methods: the names in ``FOR_ADAPTERS``.
+    """
+
+    #: the methods a subclass overrides (each documented where the base class defines it)
+    HOOKS = ("reset_step_impl", "param_grads_impl", "take_param_grads_impl", "step_attrs_impl", "end_step_impl",
+             "remove_hooks_impl", "sync_impl", "before_step_impl", "after_step_impl")
+    #: what a subclass may use of the recorder's own: the model's parameters (module, attribute, parameter) and
+    #: module classes, the hook handles to remove at the end, the lock its step() and close() hold, recording
+    #: (``_record``, ``_ensure_step``, ``_param_grads``) and the open step's records (``_rows``, indexed by seq;
+    #: ``_seq``, the next; ``_data``, the full tensors by seq)
+    FOR_ADAPTERS = ("_params", "_classes", "_handles", "_lock", "_record", "_ensure_step", "_param_grads", "_rows",
+                    "_seq", "_data")
 
     framework = ""
 
     def __init__(self, backend: TensorBackend, options: CaptureOptions, path: str, attrs: dict[str, Any],
                  params: Sequence[tuple[str, str, Any]], classes: dict[str, str]):
+        self._state = StepState()
+        self._lock = threading.RLock()
         self._t = backend
         self.options = options
         self.path = path
@@ -64,18 +184,7 @@ class Recorder:
         self._classes = classes
         self._handles: list[Any] = []
         self._tensor_handles: list[Any] = []
-        self._step = 0
-        self._step_id = 0
-        self._in_step = False
-        self._step_ready = False
-        self._done = False
-        self._failed = False
-        self._iteration = 0  # step() calls: the training step in flight, for scalars
         self._optimizer_scalars: dict[str, float] = {}  # the optimizer's settings of the step in flight
-        self._resting = False  # every=N: a step between the captured ones (every hook does nothing)
-        self._step_iteration = 0  # the training step the captured step in flight is
-        self._closed = False
-        self._interrupted = ""  # the exception that ended the run inside the capture block, if one did
         self._loss: float | None = None
         self._default_size_limit()
         self._reset_step()
@@ -96,38 +205,81 @@ class Recorder:
                               f"{BIG_MODEL_MAX_MB:g} MiB a record, statistics for larger ones; "
                               "set tensors_max_mb=0 (--tensors-max-mb 0) to store all")
 
-    # subclasses ---------------------------------------------------------------
-    def _remove_framework_hooks(self) -> None:
+    # hooks: what a subclass overrides (HOOKS) -----------------------------------
+    def reset_step_impl(self) -> None:
+        """Forget the subclass's records of a step (called after the recorder forgot its own, from ``__init__`` on)."""
+
+    def param_grads_impl(self, grads: Sequence[tuple[str, str, Any]]) -> None:
+        """Record the step's parameter gradients, (module, attribute, gradient): each as kind ``grad``."""
+        for mod, pname, grad in grads:
+            if grad is not None:
+                self._record("param_grad", "grad", mod, 0, pname, self._classes.get(mod, ""), grad, track=False)
+
+    def take_param_grads_impl(self) -> None:
+        """Find the step's parameter gradients, final now, and hand them to ``_param_grads`` (an adapter that can)."""
+
+    def step_attrs_impl(self) -> dict[str, Any]:
+        """Attributes of the step being written, beyond its wall time and loss (subclasses that have more)."""
+        return {} if self.iteration is None else {"iteration": self.iteration}
+
+    def end_step_impl(self) -> bool:
+        """The open step is about to be written: finish its records. False: it is no step of the run (dropped)."""
+        return True
+
+    def remove_hooks_impl(self) -> None:
         """Undo anything beyond the handles (subclasses that need it)."""
+
+    def sync_impl(self) -> None:
+        """Before ``step()`` and ``close()``: wait for the framework's work in flight whose hooks may still record."""
+
+    def before_step_impl(self, grads: Any, scalars: dict[str, Any]) -> None:
+        """``step()`` begins (the lock held), given ``grads``: record them, in an adapter that takes the step's
+        parameter gradients there (MindSpore's ``value_and_grad`` ones). Elsewhere they are a scalar like the others."""
+        if grads is not None:
+            scalars["grads"] = grads
+
+    def after_step_impl(self) -> None:
+        """``step()`` has ended the step (the lock held)."""
 
     #: the training loop's own number of the step in flight (Megatron's iteration, a Trainer's step), if it has one
     iteration: int | None = None
 
-    def _step_attrs(self) -> dict[str, Any]:
-        """Attributes of the step being written, beyond its wall time and loss (subclasses that have more)."""
-        return {} if self.iteration is None else {"iteration": self.iteration}
-
     # public API ---------------------------------------------------------------
+    @property
+    def state(self) -> StepState:
+        """Where the recorder stands (read only: the recorder's methods change it)."""
+        return self._state
+
     @property
     def active(self) -> bool:
         """Recording the step in flight (not finished, and not a step ``every`` skips)."""
-        return not (self._done or self._failed or self._resting)
+        return self._state.active
 
     @property
     def finished(self) -> bool:
         """Every step asked for is recorded, or the capture stopped."""
-        return self._done or self._failed
+        return self._state.finished
+
+    @property
+    def step_loss(self) -> float | None:
+        """The loss recorded for the step in flight, if one was."""
+        return self._loss
+
+    @property
+    def call_depth(self) -> int:
+        """Module calls of the step in flight entered and not returned (0: between top-level calls)."""
+        return len(self._stack)
 
     def _due(self) -> bool:
         """Whether the training step ``step()`` is about to start is one ``every`` records."""
-        return self._iteration % self.options.every == 0
+        return self._state.iteration % self.options.every == 0
 
     def __enter__(self) -> Recorder:
         return self
 
     def __exit__(self, exc_type: Any = None, exc: Any = None, tb: Any = None) -> None:
         if exc_type is not None:  # the step in flight is written, marked as cut short: a diff never passes it
-            self._interrupted = f"{getattr(exc_type, '__name__', exc_type)}: {exc}"[:300]
+            self._state.interrupted = f"{getattr(exc_type, '__name__', exc_type)}: {exc}"[:300]
         self.close()
 
     def loss(self, value: Any) -> None:
@@ -140,32 +292,40 @@ class Recorder:
             self._loss = self._t.scalar(t)
             self._record("loss", "loss", "loss", 0, "value", "Loss", t, full=True, track=False)
         except Exception as err:
-            self._fail(err)
+            self.fail(err)
 
-    def step(self, loss: Any = None, **scalars: Any) -> None:
-        """End the step in flight (recording ``loss`` first, if given).
+    def step(self, loss: Any = None, grads: Any = None, **scalars: Any) -> None:
+        """End the step in flight (recording ``loss``, and ``grads`` where the adapter takes them, first, if given).
 
         ``loss`` and any keyword scalars (``grad_norm=``, ``lr=``, ``val_loss=`` ...) are also
         appended to the file's per-step scalars, for every step of the run, including those
         after the captured ones: ``tensordiff runs`` reads them. The optimizer's settings seen at its step
         (``optimizer_scalars``: lr, betas, epsilon, weight decay) come with them."""
+        self.sync_impl()
+        with self._lock:
+            self.before_step_impl(grads, scalars)
+            self._end_training_step(loss, scalars)
+            self.after_step_impl()
+
+    def _end_training_step(self, loss: Any, scalars: dict[str, Any]) -> None:
+        state = self._state
         scalars = {**self._optimizer_scalars, **scalars}
         self._optimizer_scalars = {}
         if loss is not None:
             self.loss(loss)
             scalars = {"loss": self._loss if self._loss is not None else loss, **scalars}
         if scalars:
-            self.log(self._iteration, **scalars)
-        self._iteration += 1
-        if self._resting:  # every=N: count the step, wake up for the next one due
-            self._resting = not self._due()
+            self.log(state.iteration, **scalars)
+        state.iteration += 1
+        if state.resting:  # every=N: count the step, wake up for the next one due
+            state.resting = not self._due()
             return
         if not self.active:
             return
         try:
             self._end_step()
         except Exception as err:
-            self._fail(err)
+            self.fail(err)
 
     def log(self, step: int | None = None, **values: Any) -> None:
         """Append per-step scalars (numbers or one-element tensors), e.g. ``cap.log(val_loss=v)``.
@@ -173,10 +333,10 @@ class Recorder:
         ``step`` defaults to the step that ``step()`` ended last (0 before the first): validation
         logged after ``cap.step(loss)`` lands on that step, as Megatron-LM's "validation loss at
         iteration N" does. Cheap and kept for the whole run, after the captured steps too; never raises."""
-        if self._closed or not values:
+        if self._state.closed or not values:
             return
         try:
-            at = max(self._iteration - 1, 0) if step is None else int(step)
+            at = max(self._state.iteration - 1, 0) if step is None else int(step)
             out = {name: float(v) if isinstance(v, (int, float)) else self._t.scalar(self._t.loss_tensor(v))
                    for name, v in values.items() if v is not None}
             self._writer.submit_scalars(at, out)
@@ -184,28 +344,95 @@ class Recorder:
             _warn(f"tensordiff: scalars {sorted(values)} not recorded ({type(err).__name__}: {err}); "
                           "training goes on")
 
+    def set_iteration(self, iteration: int | None = None) -> None:
+        """Number the step in flight as the training loop does, from 1 (Megatron-LM's iteration, a Trainer's step):
+        the step attribute ``iteration``; given, the step's scalars land at ``iteration - 1``. None: the number is
+        ``step()``'s own count."""
+        if iteration is not None:
+            self._state.iteration = iteration - 1
+        self.iteration = self._state.iteration + 1
+
+    def on_call(self, name: str, args: Any, kwargs: dict) -> None:
+        """A module/cell starts (a framework pre-hook): never raises into the model (a failure stops the capture)."""
+        if self.active:
+            try:
+                self._begin_call(name, args, kwargs)
+            except Exception as err:
+                self.fail(err)
+
+    def on_return(self, name: str, output: Any) -> None:
+        """A module/cell returns (a framework post-hook): never raises into the model."""
+        if self.active:
+            try:
+                self._end_call(name, output)
+            except Exception as err:
+                self.fail(err)
+
+    def optimizer_step_begin(self, optimizer: Any = None) -> None:
+        """The optimizer is about to update the parameters: its settings (``optimizer_scalars``) go with the step's
+        scalars, and the step's parameter gradients, final now, are recorded unless they are already."""
+        if not self._state.recording:
+            return
+        self._optimizer_scalars = optimizer_scalars(optimizer)  # the settings this step runs with
+        if not self._state.grads_taken:
+            try:
+                self.take_param_grads()
+            except Exception as err:
+                self.fail(err)
+
+    def optimizer_step_end(self) -> None:
+        """The optimizer has updated the parameters: the step ends at the next top-level call, or ``step()``."""
+        if self._state.recording:
+            self._state.step_ready = True
+
+    def take_param_grads(self) -> None:
+        """The step's parameter gradients are final: record them (``take_param_grads_impl``). Raises what reading
+        them raises: a controller that calls it stops the capture on a failure."""
+        self._state.grads_taken = True
+        self.take_param_grads_impl()
+
+    def restart_step(self) -> None:
+        """Forget the step in flight, its records and gradient hooks (a pass of the same step follows)."""
+        for handle in self._tensor_handles:
+            handle.remove()
+        self._tensor_handles.clear()
+        self._state.in_step = False
+        self._reset_step()
+
+    def fail(self, err: BaseException) -> None:
+        """Stop capturing for good: one warning, every hook removed; the steps written stay (training goes on)."""
+        if not self._state.failed:
+            text = first_line(err, limit=10_000, default="")
+            report_status(f"capture stopped: {type(err).__name__}: {text}")
+            _warn(f"tensordiff: capture stopped ({type(err).__name__}: {text}); hooks removed, training goes on; "
+                  f"completed steps are in {self.path}")
+        self._state.stop()
+        self._remove_hooks()
+
     def _finish_on_signal(self, timeout: float) -> None:
         """SIGTERM / SIGHUP: the steps handed to the writer are written and the file closed within ``timeout``; the
         step in flight is left out (it is not whole); every hook is removed."""
-        if self._closed:
+        if self._state.closed:
             return
         self._remove_hooks()
-        self._closed = True
+        self._state.closed = True
         self._writer.close(timeout)
 
     def close(self) -> None:
         """Finish the step in flight, remove every hook, close the file."""
-        self._signals.remove()
-        if self._in_step and not self._failed:
-            try:
-                self._end_step()
-            except Exception as err:
-                self._fail(err)
-        self._remove_hooks()
-        self._closed = True
-        self._writer.close()
-        with contextlib.suppress(Exception):
-            self._t.close()
+        self.sync_impl()
+        with self._lock:
+            self._signals.remove()
+            if self._state.in_step and not self._state.failed:
+                try:
+                    self._end_step()
+                except Exception as err:
+                    self.fail(err)
+            self._remove_hooks()
+            self._state.closed = True
+            self._writer.close()
+            with contextlib.suppress(Exception):
+                self._t.close()
 
     # bookkeeping --------------------------------------------------------------
     def _remove_hooks(self) -> None:
@@ -214,17 +441,7 @@ class Recorder:
                 handle.remove()
         self._handles.clear()
         self._tensor_handles.clear()
-        self._remove_framework_hooks()
-
-    def _fail(self, err: BaseException) -> None:
-        if not self._failed:
-            text = first_line(err, limit=10_000, default="")
-            report_status(f"capture stopped: {type(err).__name__}: {text}")
-            _warn(f"tensordiff: capture stopped ({type(err).__name__}: {text}); hooks removed, training goes on; "
-                  f"completed steps are in {self.path}")
-        self._failed = True
-        self._in_step = False
-        self._remove_hooks()
+        self.remove_hooks_impl()
 
     def _reset_step(self) -> None:
         self._seq = 0
@@ -241,19 +458,19 @@ class Recorder:
         self._watched: dict[int, list[tuple[Any, int, Any]]] = {}
         self._calls: dict[str, int] = defaultdict(int)
         self._loss = None
-        self._grads_taken = False
-        self._step_ready = False
+        self._state.clear_step()
         self._t0 = time.perf_counter()
+        self.reset_step_impl()
 
     def _ensure_step(self) -> None:
-        if self._in_step:
+        """Open a step unless one is open: its weights are recorded first."""
+        if self._state.in_step:
             return
         self._reset_step()
-        self._in_step = True
-        self._step_id += 1
-        self._step_iteration = self._iteration
-        self._full = self.options.full_tensors_at(self._step)
-        if self._step == 0 and self.options.perturb is not None:
+        self._state.open_step()
+        step = self._state.step
+        self._full = self.options.full_tensors_at(step)
+        if step == 0 and self.options.perturb is not None:
             # asked for on purpose: tensordiff noise's second run
             self._t.perturb([p for _, _, p in self._params], self.options.perturb)
         for mod, pname, p in self._params:
@@ -290,25 +507,9 @@ class Recorder:
         p = entry[0]()
         return entry[2] if p is not None and self._t.version(p) == entry[1] else -1
 
-    def _on_call(self, name: str, args: Any, kwargs: dict) -> None:
-        """A framework pre-hook: never raises into the model (a failure stops the capture)."""
-        if self.active:
-            try:
-                self._begin_call(name, args, kwargs)
-            except Exception as err:
-                self._fail(err)
-
-    def _on_return(self, name: str, output: Any) -> None:
-        """A framework post-hook: never raises into the model."""
-        if self.active:
-            try:
-                self._end_call(name, output)
-            except Exception as err:
-                self._fail(err)
-
     def _begin_call(self, name: str, args: Any, kwargs: dict) -> None:
         """A module/cell starts: new call index, nesting, inputs."""
-        if not self._stack and name == "" and self._step_ready:
+        if not self._stack and name == "" and self._state.step_ready:
             self._end_step()
             if not self.active:
                 return
@@ -327,7 +528,7 @@ class Recorder:
 
     def _end_call(self, name: str, output: Any) -> None:
         """A module/cell returns: its outputs."""
-        if not self._in_step:
+        if not self._state.in_step:
             return
         while self._stack and self._stack[-1][0] != name:
             self._stack.pop()  # a child raised; drop its frame
@@ -353,25 +554,19 @@ class Recorder:
                 self._tensor_handles.append(handle)
 
     def _grad_hook(self, step_id: int, fwd: dict, grad: Any) -> None:
-        if not self.active or step_id != self._step_id or grad is None or fwd.get("done"):
+        if not self.active or step_id != self._state.step_id or grad is None or fwd.get("done"):
             return
         fwd["done"] = True
         try:
             self._record("backward", fwd["grad_kind"], fwd["module"], fwd["call"], fwd["slot"], fwd["module_class"],
                          grad, enter=fwd["enter"], parent=fwd["parent"], grad_of=fwd["seq"], track=False)
         except Exception as err:
-            self._fail(err)
+            self.fail(err)
 
     def _param_grads(self, grads: Sequence[tuple[str, str, Any]]) -> None:
-        """Record the parameter gradients of the step: (module, attribute, gradient)."""
-        self._grads_taken = True
-        for mod, pname, grad in grads:
-            if grad is not None:
-                self._record("param_grad", "grad", mod, 0, pname, self._classes.get(mod, ""), grad, track=False)
-
-    def _take_param_grads(self) -> None:
-        """Subclasses: find the parameter gradients when the step ends without them."""
-        self._grads_taken = True
+        """Record the parameter gradients of the step, (module, attribute, gradient) (``param_grads_impl``)."""
+        self._state.grads_taken = True
+        self.param_grads_impl(grads)
 
     def _record(self, phase: str, kind: str, module: str, call: int, slot: str, module_class: str, t: Any, *,
                 enter: int = -1, parent: str = "", grad_of: int = -1, grad_kind: str = "", track: bool = True,
@@ -408,7 +603,7 @@ class Recorder:
             if self.options.grads and grad_kind:
                 fwd = {"seq": seq, "module": module, "call": call, "slot": slot, "module_class": module_class,
                        "enter": enter, "parent": parent, "grad_kind": grad_kind}
-                step_id = self._step_id
+                step_id = self._state.step_id
 
                 def hook(grad: Any, step_id: int = step_id, fwd: dict = fwd) -> None:
                     self._grad_hook(step_id, fwd, grad)
@@ -422,10 +617,14 @@ class Recorder:
         return seq
 
     def _end_step(self) -> None:
-        if not self._in_step:
+        state = self._state
+        if not state.in_step:
             return
-        if not self._grads_taken:
-            self._take_param_grads()
+        if not self.end_step_impl():
+            self.restart_step()
+            return
+        if not state.grads_taken:
+            self.take_param_grads()
         for handle in self._tensor_handles:
             handle.remove()
         self._tensor_handles.clear()
@@ -454,30 +653,29 @@ class Recorder:
         attrs: dict[str, Any] = {"wall_time": time.perf_counter() - self._t0}
         if self._loss is not None:
             attrs["loss"] = self._loss
-        if self._interrupted:
-            attrs["interrupted"] = self._interrupted
-        attrs.update(self._step_attrs())
+        if state.interrupted:
+            attrs["interrupted"] = state.interrupted
+        attrs.update(self.step_attrs_impl())
         # step() returns once the writer holds the step (its process, or its thread's flushed write): a SIGKILL after
         # it loses nothing (docs/reliability.md). The writer process takes a GPU model's full tensors still on their
         # way to the host after the step: training never waits for them; a SIGKILL before they arrive loses those
         # tensors (the step keeps their statistics and says so: tensors_lost)
         every = self.options.every
         # every=N: stored under its training step number (0, N, 2N, ...), so that runs and diff line steps up
-        self._writer.submit(self._step if every == 1 else self._step_iteration, rows, data, attrs)
-        self._step += 1
-        self._in_step = False
+        self._writer.submit(state.step if every == 1 else state.step_iteration, rows, data, attrs)
+        state.step_written()
         self._reset_step()
-        if self._step >= self.options.steps:
-            self._done = True
+        if state.step >= self.options.steps:
+            state.done = True
             self._remove_hooks()
-        elif every > 1 and self._iteration == self._step_iteration and not self._closed:
+        elif every > 1 and state.iteration == state.step_iteration and not state.closed:
             # ended by the next step's first call, not by step(): nothing counts the steps to skip
-            self._done = True
+            state.done = True
             self._remove_hooks()
             _warn(f"tensordiff: every={every} counts step() calls, and none came: only the first step was recorded "
                   f"to {self.path}; call cap.step(loss) once per training step")
         elif every > 1:
-            self._resting = not self._due()
+            state.resting = not self._due()
 
 
 _OPEN: weakref.WeakSet[Recorder] = weakref.WeakSet()
@@ -524,7 +722,7 @@ class Deferred:
 
 
 class NullCapture:
-    """Stands in when capture is off: same methods, records nothing."""
+    """Stands in when capture is off: a ``CaptureHandle`` (with MindSpore's ``grads`` too) that records nothing."""
 
     path = None
 

@@ -347,7 +347,7 @@ class MergedCapture(ReaderBase):
         return out
 
     def _grad_shards(self, step: int) -> list[dict[str, Any]]:
-        """Per file (grid order) its step's ``grad_shards`` (megatron's distributed optimizer; capturing/torch.py):
+        """Per file (grid order) its step's ``grad_shards`` (megatron's distributed optimizer; capturing/torch/adapter.py):
         parameter -> [start, end, shape]; [] where the run has none."""
         out = []
         for d in range(self.dp):

@@ -4,7 +4,7 @@ One pass over the tensor in its own dtype with FP32 accumulation, results kept o
 tensor's device and brought to the host once per step:
 
 * CUDA, by default: one CUDA C kernel per tensor, compiled by NVRTC and launched through ctypes
-  (``torch_cuda_stats.py``: ~9 µs of host time a record on an H200, 2.4 TB/s on large BF16 tensors),
+  (``cuda_stats.py``: ~9 µs of host time a record on an H200, 2.4 TB/s on large BF16 tensors),
   writing its row of a per-step float64 device buffer.
 * CUDA with Triton (when NVRTC is not to be had, or ``TENSORDIFF_STATS_KERNEL=triton``): one fused
   kernel per tensor (a second, tiny one for tensors spread over many programs). No temporaries, no
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from .._warn import warn as _warn
-from ..stats import host_stats
-from .torch_cuda_stats import ENV_KERNEL, fast_stats
+from ..._warn import warn as _warn
+from ...stats import host_stats
+from .cuda_stats import ENV_KERNEL, fast_stats
 
 __all__ = ["StatsCollector", "cpu_stats", "reduce_stats_eager", "triton_available"]
 
@@ -187,7 +187,7 @@ class StatsCollector:
 
     def __init__(self) -> None:
         self._triton = triton_available()
-        # the NVRTC kernel launched through ctypes (torch_cuda_stats.py): None until the first CUDA tensor, False when
+        # the NVRTC kernel launched through ctypes (cuda_stats.py): None until the first CUDA tensor, False when
         # it is not to be had (Triton, then eager reductions, take over)
         self._fast: Any = None if torch.cuda.is_available() and _kernel_choice() == "nvrtc" else False
         self._chunks: dict[torch.device, list[torch.Tensor]] = {}  # float64 [ROWS, 6] result rows, kept across steps
@@ -209,7 +209,7 @@ class StatsCollector:
         return reduce_stats_eager(x)
 
     def _add_fast(self, t: torch.Tensor) -> tuple[torch.device, int] | None:
-        """The NVRTC kernel (``torch_cuda_stats.py``): one launch through ctypes, a few microseconds of host time."""
+        """The NVRTC kernel (``cuda_stats.py``): one launch through ctypes, a few microseconds of host time."""
         index = t.get_device()
         fast = self._fast
         if fast is None or index not in fast._devices:

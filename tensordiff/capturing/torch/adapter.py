@@ -28,22 +28,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._warn import warn as _warn
-from ..frameworks.torch import dtype_name, to_numpy
-from ..frameworks.torch_copies import HostCopier, HostCopy
-from ..frameworks.torch_stats import StatsCollector
-from . import torch_parallel as parallel
-from .backend import TensorBackend
-from .model_config import model_config_attr
-from .options import CaptureOptions, base_attrs, rank_path
-from .recorder import Recorder, optimizer_scalars
-from .torch_dp import LocalGrads, data_parallel_size
+from ..._warn import warn as _warn
+from ...frameworks.torch import dtype_name, to_numpy
+from ..backend import TensorBackend
+from ..model_config import model_config_attr
+from ..options import CaptureOptions, base_attrs, rank_path
+from ..recorder import Recorder
+from . import parallel
+from .copies import HostCopier, HostCopy
+from .dp import LocalGrads, data_parallel_size
+from .stats import StatsCollector
 
 
 class TorchTensors(TensorBackend):
     """Reads torch tensors for the recorder: fused statistics on the tensor's device, brought to the host once per
-    step (``frameworks/torch_stats.py``); full tensors staged on the device and moved to the host by a background
-    thread (``frameworks/torch_copies.py``)."""
+    step (``stats.py``); full tensors staged on the device and moved to the host by a background
+    thread (``copies.py``)."""
 
     def __init__(self) -> None:
         self._stats = StatsCollector()
@@ -172,50 +172,42 @@ class TorchCapture(Recorder):
 
     def _install_local_grads(self) -> None:
         dp = data_parallel_size(self.model)
-        if dp > 1:  # the gradients before the data-parallel reduction: kind grad_local (torch_dp.py)
+        if dp > 1:  # the gradients before the data-parallel reduction: kind grad_local (dp.py)
             try:
-                self._local = LocalGrads(self.model, self._params, dp, lambda: self.active and self._in_step,
-                                         self._fail)
+                self._local = LocalGrads(self.model, self._params, dp, lambda: self.state.recording, self.fail)
             except Exception as err:  # the rest of the capture goes on without them
                 with contextlib.suppress(Exception):  # warnings turned into errors (-W error) must not reach the run
                     _warn(f"tensordiff: gradients before the data-parallel reduction not recorded "
                                   f"({type(err).__name__}: {err}); the capture goes on")
 
     def _pre_hook(self, name: str, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-        self._on_call(name, args, kwargs)
+        self.on_call(name, args, kwargs)
 
     def _post_hook(self, name: str, module: torch.nn.Module, args: tuple, output: Any) -> None:
-        self._on_return(name, output)
+        self.on_return(name, output)
 
     def _accumulated_hook(self, p: torch.Tensor) -> None:
-        if self.active and self._in_step and p.grad is not None:
+        if self.state.recording and p.grad is not None:
             try:
                 self._grad_snapshots[id(p)] = p.grad.detach().clone()
             except Exception as err:
-                self._fail(err)
+                self.fail(err)
 
     def _optimizer_pre_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.active and self._in_step:
-            self._optimizer_scalars = optimizer_scalars(optimizer)  # the settings this step runs with
-        if self.active and self._in_step and not self._grads_taken:
-            try:
-                self._take_param_grads()
-            except Exception as err:
-                self._fail(err)
+        self.optimizer_step_begin(optimizer)
 
     def _optimizer_post_hook(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.active and self._in_step:
-            self._step_ready = True
+        self.optimizer_step_end()
 
-    def _reset_step(self) -> None:
-        super()._reset_step()
+    # the recorder's hooks -------------------------------------------------------
+    def reset_step_impl(self) -> None:
         self._grad_snapshots = {}
         self._grad_shards = {}
         local = getattr(self, "_local", None)
         if local is not None:
             local.forget()
 
-    def _param_grads(self, grads: Sequence[tuple[str, str, Any]]) -> None:
+    def param_grads_impl(self, grads: Sequence[tuple[str, str, Any]]) -> None:
         if self._local is not None:  # before the reduction, then after it (grad)
             # stored at every step unless --tensors none: a data-parallel mean of local gradients (the merged run's)
             # has no statistics without the tensors (store/merged.py)
@@ -226,7 +218,7 @@ class TorchCapture(Recorder):
             if self._local.sharded:  # after the reduction each rank holds only its shard of each: that part
                 self._sharded_grads(grads)
                 return
-        super()._param_grads(grads)
+        super().param_grads_impl(grads)
 
     def _sharded_grads(self, grads: Sequence[tuple[str, str, Any]]) -> None:
         """Megatron's distributed optimizer: each parameter's reduced gradient as far as this rank holds it, a 1-D
@@ -234,7 +226,6 @@ class TorchCapture(Recorder):
         attribute ``grad_shards`` says which part and the parameter's shape, and the merge of the DP ranks' files
         puts the parts together (store/merged.py)."""
         assert self._local is not None
-        self._grads_taken = True
         ids = {(mod, pname): id(p) for mod, pname, p in self._params}
         shards: dict[str, list[Any]] = {}
         for mod, pname, grad in grads:
@@ -246,19 +237,19 @@ class TorchCapture(Recorder):
                          grad.detach().reshape(-1)[lo:hi], track=False)
         self._grad_shards = shards
 
-    def _step_attrs(self) -> dict[str, Any]:
-        out = super()._step_attrs()
+    def step_attrs_impl(self) -> dict[str, Any]:
+        out = super().step_attrs_impl()
         if self._local is not None:
             out["grad_reduction"] = json.dumps(self._local.info(), sort_keys=True)
             if self._local.sharded and self._grad_shards:
                 out["grad_shards"] = json.dumps(self._grad_shards, sort_keys=True)
         return out
 
-    def _remove_framework_hooks(self) -> None:
+    def remove_hooks_impl(self) -> None:
         if self._local is not None:
             self._local.remove()
 
-    def _take_param_grads(self) -> None:
+    def take_param_grads_impl(self) -> None:
         grads = []
         for mod, pname, p in self._params:
             grad = getattr(p, "main_grad", None)

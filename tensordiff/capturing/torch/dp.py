@@ -20,7 +20,7 @@ Recorded only in a run with DP > 1, from one of three sources, picked from the m
 Each step's ``grad_reduction`` attribute (JSON) says which source it was and what is known of the reduction:
 ``{"by": "megatron DDP" | "torch DDP" | "the program, after backward (no DDP wrapper)", "dp": N,
 "buffer_dtype": ..., "scale": ..., "comm_hook": ...}``. Nothing here changes a gradient (copies only), raises into
-the run (a failure stops the capture, ``Recorder._fail``) or stays installed after the last captured step.
+the run (a failure stops the capture, ``Recorder.fail``) or stays installed after the last captured step.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from ..frameworks.torch import dtype_name
-from . import torch_parallel as parallel
+from ...frameworks.torch import dtype_name
+from . import parallel
 
 _MISSING = object()
 

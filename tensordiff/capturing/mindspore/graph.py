@@ -35,7 +35,6 @@ import hashlib
 import inspect
 import os
 import re
-import threading
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,9 +43,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, ops
 
-from ..errors import UsageError
-from ..stats import host_stats
-from .mindspore import MindSporeCapture, MindSporeTensors
+from ...errors import UsageError
+from ...stats import host_stats
+from .adapter import MindSporeCapture, MindSporeTensors
 
 _NO_GRAD = (ms.bool_,)  # outputs never passed through the gradient probe
 _GRAD_FLOATS = (ms.float32, ms.float16, ms.bfloat16, ms.float64)
@@ -340,7 +339,6 @@ class MindSporeGraphCapture(MindSporeCapture):
             raise UsageError(f"graph-mode capture runs on the CPU backend only (its probes are pyfunc ops); this run's "
                              f"device target is {target}: capture it in PyNative mode, or run the graph on the CPU")
         self._pattern = re.compile(cells) if cells else None
-        self._lock = threading.RLock()
         self._swapped: list[tuple[Any, type]] = []
         self._probed: list[tuple[str, tuple[str, ...]]] = []  # cell id -> (cell name, construct's argument names)
         self._owners: list[tuple[str, str]] = []  # the optimizer's parameters: (module, attribute)
@@ -385,7 +383,7 @@ class MindSporeGraphCapture(MindSporeCapture):
         c.__class__ = cls
         self._swapped.append((c, original))
 
-    def _remove_framework_hooks(self) -> None:
+    def remove_hooks_impl(self) -> None:
         if not self._swapped:
             return
         for c, original in reversed(self._swapped):
@@ -399,15 +397,14 @@ class MindSporeGraphCapture(MindSporeCapture):
     # probe callbacks (MindSpore's runtime threads) ------------------------------
     def _on_value(self, tag: int, x: np.ndarray) -> None:
         with self._lock:
-            if not self.active or not self._in_step:
+            if not self.state.recording:
                 return
             try:
                 cell = (tag >> 1) // STRIDE
                 module, names = self._probed[cell]
                 if self.optimizer is not None and cell == len(self._probed) - 1:
                     mod, pname = self._owners[(tag >> 1) % STRIDE]
-                    self._grads_taken = True
-                    self._record("param_grad", "grad", mod, 0, pname, self._classes.get(mod, ""), x, track=False)
+                    self._param_grads([(mod, pname, x)])
                     return
                 kind, slot, scalar = decode(tag, names)
                 if kind == "input" and not self.options.inputs:
@@ -423,11 +420,11 @@ class MindSporeGraphCapture(MindSporeCapture):
                 self._fwd_seqs[key].append(seq)
                 self._by_value[(key, value)].append(seq)
             except Exception as err:
-                self._fail(err)
+                self.fail(err)
 
     def _on_grad(self, tag: int, d: np.ndarray, x: np.ndarray) -> None:
         with self._lock:
-            if not self.active or not self._in_step or not self.options.grads:
+            if not self.state.recording or not self.options.grads:
                 return
             try:
                 module, names = self._probed[(tag >> 1) // STRIDE]
@@ -454,7 +451,7 @@ class MindSporeGraphCapture(MindSporeCapture):
                                    parent=module.rpartition(".")[0] if module else "", grad_of=of, track=False)
                 self._grad_values[seq] = _value_key(d)  # linked at the end of the step (_link_gradients)
             except Exception as err:
-                self._fail(err)
+                self.fail(err)
 
     def _same_bytes(self, value: tuple) -> int:
         """The seq of an earlier forward record of this step holding the same bytes (``value``: dtype, shape and a
@@ -471,44 +468,33 @@ class MindSporeGraphCapture(MindSporeCapture):
     def grads(self, grads: Any, params: Sequence[Any] | None = None) -> None:
         """Parameter gradients from ``value_and_grad``; ignored for a step whose optimizer probes recorded them."""
         with self._lock:
-            if not self._grads_taken:
+            if not self.state.grads_taken:
                 super().grads(grads, params)
 
-    def step(self, loss: Any = None, grads: Any = None, **scalars: Any) -> None:
-        self._synchronize()  # the graph's probes have all called back before the step is closed
-        with self._lock:
-            super().step(loss, grads=grads, **scalars)
-            if self.active and not self._in_step:
-                self._ensure_step()  # the next step's weights, read now (after the update)
-
-    def close(self) -> None:
-        self._synchronize()
-        with self._lock:
-            super().close()
-
-    def _synchronize(self) -> None:
-        """Wait for the graph in flight: reading a parameter waits for the graph that updates it (MindSpore's own
-        ``runtime.synchronize`` logs an error on the CPU)."""
+    def sync_impl(self) -> None:
+        """Wait for the graph in flight, so that its probes have all called back before a step ends or the capture
+        closes: reading a parameter waits for the graph that updates it (MindSpore's own ``runtime.synchronize``
+        logs an error on the CPU)."""
         if self._params and self.active:
             with contextlib.suppress(Exception):
                 self._params[0][2].asnumpy()
 
+    def after_step_impl(self) -> None:
+        if self.active and not self.state.in_step:
+            self._ensure_step()  # the next step's weights, read now (after the update)
+
     def _seq_has_activity(self) -> bool:
         return any(row["phase"] != "weights" for row in self._rows)
 
-    def _end_step(self) -> None:
-        if self._in_step and not self._seq_has_activity():
-            # a step opened for its weights that never ran (capture closed first): not a step of the run
-            self._in_step = False
-            self._reset_step()
-            return
+    def end_step_impl(self) -> bool:
+        if not self._seq_has_activity():
+            return False  # a step opened for its weights that never ran (capture closed first): not a step of the run
         self._set_enters()
         self._name_pass_through_gradients()
         self._link_gradients()
-        super()._end_step()
+        return True
 
-    def _reset_step(self) -> None:
-        super()._reset_step()
+    def reset_step_impl(self) -> None:
         # per (module, kind, slot): the calls recorded, their forward seqs, the gradients seen
         self._calls_of: dict[tuple[str, str, str], int] = defaultdict(int)
         self._fwd_seqs: dict[tuple[str, str, str], list[int]] = defaultdict(list)

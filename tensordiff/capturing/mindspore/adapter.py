@@ -15,7 +15,7 @@ What is hooked, and why:
   gradients are recorded before clipping, as megatron-core's are).
   Without an optimizer, pass the gradients from ``value_and_grad`` to ``step(grads=...)``.
 
-Graph mode runs no Python hooks: ``tensordiff.capture`` takes ``mindspore_graph.py``'s probes
+Graph mode runs no Python hooks: ``tensordiff.capture`` takes ``graph.py``'s probes
 there, and this class refuses it. Everything is removed after the last captured step or on exit.
 """
 
@@ -28,14 +28,14 @@ from typing import Any
 import mindspore as ms
 import numpy as np
 
-from ..errors import UsageError
-from ..frameworks.mindspore import check_pynative, dtype_name, host_view, to_numpy
-from ..stats import host_stats
-from .backend import TensorBackend
-from .mindspore_parallel import layout as parallel_layout
-from .model_config import model_config_attr
-from .options import CaptureOptions, base_attrs, rank_path
-from .recorder import Recorder
+from ...errors import UsageError
+from ...frameworks.mindspore import check_pynative, dtype_name, host_view, to_numpy
+from ...stats import host_stats
+from ..backend import TensorBackend
+from ..model_config import model_config_attr
+from ..options import CaptureOptions, base_attrs, rank_path
+from ..recorder import Recorder
+from .parallel import layout as parallel_layout
 
 _GRAD_DTYPES = (ms.float32, ms.float16, ms.bfloat16, ms.float64)
 
@@ -113,7 +113,8 @@ class MindSporeTensors(TensorBackend):
 
 
 class MindSporeCapture(Recorder):
-    """Records the first ``options.steps`` training steps of ``cell``. Use via :func:`tensordiff.capture`."""
+    """Records the first ``options.steps`` training steps of ``cell``. Use via :func:`tensordiff.capture`. Without
+    ``optimizer``, ``step(loss, grads)`` (or :meth:`grads`) takes the gradients ``value_and_grad`` returns."""
 
     framework = "mindspore"
 
@@ -165,14 +166,12 @@ class MindSporeCapture(Recorder):
             self._ensure_step()
             self._param_grads(self._pair_grads(grads, params))
         except Exception as err:
-            self._fail(err)
+            self.fail(err)
 
-    def step(self, loss: Any = None, grads: Any = None, **scalars: Any) -> None:
-        """End the step in flight, recording ``loss`` and ``grads`` (see :meth:`grads`) first, if given;
-        keyword scalars as in :meth:`Recorder.step`."""
+    def before_step_impl(self, grads: Any, scalars: dict[str, Any]) -> None:
+        """``step(loss, grads)``: the step's gradients (see :meth:`grads`) are recorded first."""
         if grads is not None:
             self.grads(grads)
-        super().step(loss, **scalars)
 
     # hooks --------------------------------------------------------------------
     def _install(self) -> None:
@@ -190,27 +189,26 @@ class MindSporeCapture(Recorder):
 
     def _make_pre_hook(self, name: str) -> Any:
         def pre_hook(cell: Any, args: tuple, kwargs: dict) -> None:
-            self._on_call(name, args, kwargs)
+            self.on_call(name, args, kwargs)
 
         return pre_hook
 
     def _make_post_hook(self, name: str) -> Any:
         def post_hook(cell: Any, args: tuple, output: Any) -> None:
-            self._on_return(name, output)
+            self.on_return(name, output)
 
         return post_hook
 
     def _grads_pre_hook(self, cell: Any, args: tuple) -> None:
-        if self.active and self._in_step and not self._grads_taken and args:
+        if self.state.wants_grads and args:
             try:
                 self._param_grads(self._pair_grads(args[0], list(self.optimizer.parameters)))
             except Exception as err:
-                self._fail(err)
+                self.fail(err)
         return None
 
     def _optimizer_post_hook(self, optimizer: Any, args: tuple, output: Any) -> None:
-        if self.active and self._in_step:
-            self._step_ready = True
+        self.optimizer_step_end()
         return None
 
     def _pair_grads(self, grads: Any, params: Sequence[Any] | None) -> list[tuple[str, str, Any]]:

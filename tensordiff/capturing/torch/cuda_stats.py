@@ -302,7 +302,7 @@ _FAST_LOCK = threading.Lock()
 def fast_stats(index: int) -> FastStats | None:
     """The launcher for device ``index``, ready and checked against a float64 reduction once; None (and why, in
     ``fast_stats_why()``) when NVRTC or the driver cannot give it. Whether to use it at all (``TENSORDIFF_STATS_KERNEL``)
-    is ``torch_stats._kernel_choice``'s to say."""
+    is ``stats._kernel_choice``'s to say."""
     global _FAST, _FAST_WHY
     if _FAST_WHY:
         return None
