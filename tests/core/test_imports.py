@@ -180,15 +180,3 @@ def test_the_framework_free_stages_load_without_torch_or_mindspore(module):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=dict(os.environ, PYTHONPATH=os.path.dirname(PACKAGE)))
     assert proc.returncode == 0, proc.stderr[-2000:]
-
-
-@pytest.mark.parametrize("package", ["tensordiff.capturing", "tensordiff.capturing.torch", "tensordiff.capturing.mindspore",
-                                     "tensordiff.frameworks"])
-def test_a_package_docstring_names_each_of_its_modules(package):
-    folder = os.path.dirname(MODULES[package])
-    with open(MODULES[package], encoding="utf-8") as fh:
-        doc = ast.get_docstring(ast.parse(fh.read())) or ""
-    names = [n[:-3] for n in os.listdir(folder) if n.endswith(".py") and n != "__init__.py"]
-    names += [n for n in os.listdir(folder) if os.path.isfile(os.path.join(folder, n, "__init__.py"))]
-    missing = sorted(n for n in names if f"``{n}" not in doc)
-    assert not missing, f"{package}'s docstring does not name {', '.join(missing)}"

@@ -1,7 +1,7 @@
 """The folder MindFormers' ``--register_path`` (``REGISTER_PATH``) names for ``auto_register``: it holds
-``tensordiff_capture.py``, which MindFormers copies into its module cache and imports. ``python -m
-tensordiff.capturing.mindformers_register`` prints the folder. Light on purpose (no MindSpore import): the
-launcher reads the names below."""
+``tensordiff_capture`` (the callback's module), which MindFormers copies into its module cache and imports.
+``python -m tensordiff.capturing.mindformers_register`` (``__main__``) prints the folder. Light on purpose (no
+MindSpore import): the launcher reads the names below."""
 
 import os
 
