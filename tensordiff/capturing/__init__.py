@@ -27,5 +27,5 @@
 * ``startup``: the folder ``tensordiff capture`` puts first on the program's PYTHONPATH, whose ``sitecustomize``
   quiets the frameworks' start-up chatter (``--framework-logs`` keeps it).
 
-Records go to ``tensordiff.store.CaptureWriter``.
+Records go to ``tensordiff.store.CaptureWriter``. README.md here says how to add a framework or a launcher.
 """
