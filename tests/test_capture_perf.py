@@ -136,10 +136,13 @@ def test_gpu_copy_is_taken_at_hook_time_and_off_the_training_thread():
 
 
 def _gpt_capture(tmp_path, name, **kw):
+    """One captured step of a tiny megatron-core GPT, on the GPU where there is one (megatron-core then puts its
+    buffers there: a CPU model on a CUDA host does not run)."""
     spec = GPTSpec(num_layers=2, hidden_size=64, vocab_size=128, seq_length=16, batch_size=2)
-    model = build_mcore_gpt(spec, seed=1)
+    device = "cuda" if CUDA else "cpu"
+    model = build_mcore_gpt(spec, seed=1).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens, labels, _ = make_batch(spec, seed=0)
+    tokens, labels, _ = (t.to(device) for t in make_batch(spec, seed=0))
     path = str(tmp_path / name)
     with tensordiff.capture(model, path, steps=1, optimizer=opt, **kw) as cap:
         loss = mcore_loss(model, tokens, labels)
