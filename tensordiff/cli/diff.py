@@ -8,14 +8,14 @@ from typing import Any
 from rich.text import Text
 
 from ..diff import noise as noises
-from ..diff.result import DEFAULT_JUMP, DEFAULT_REFERENCE_FACTOR, DiffOptions, with_defaults
+from ..diff.result import DEFAULT_JUMP, DEFAULT_REFERENCE_FACTOR, DiffOptions
 from ..diff.tolerance import DEFAULT_NOISE_FACTOR, Tolerances
 from ..explain import diagnose
 from ..explain.config import config_bearing
 from ..mapping import RenameRules
 from ..record import PHASES
 from ..report.diff import DiffReport
-from ._args import add_jobs, add_output, add_var, apply_jobs, check_numbers, console, parse_vars, write_json
+from ._args import add_jobs, add_output, add_var, apply_jobs, check_numbers, console, given, parse_vars, write_json
 
 
 def add_parsers(sub: Any) -> None:
@@ -69,16 +69,16 @@ def run(args: argparse.Namespace) -> int:
     apply_jobs(args)
     variables = parse_vars(args.var)
     mapping = RenameRules.load(args.mapping, variables) if args.mapping else None
-    tolerances = with_defaults(Tolerances, override=args.rtol, noise_factor=args.noise_factor)
+    tolerances = Tolerances(**given(override=args.rtol, noise_factor=args.noise_factor))
     if args.noise:
         tolerances.noise = noises.measure_noise(args.noise[0], args.noise[1], mapping=None)
     if args.noise_file:
         tolerances.noise = {**noises.load(args.noise_file), **tolerances.noise}
     reference_mapping = RenameRules.load(args.reference_mapping, variables) if args.reference_mapping else None
-    options = with_defaults(DiffOptions, mapping=mapping, tolerances=tolerances, order_fallback=not args.no_order,
-                            jump=args.jump, steps=args.step, reference=args.reference,
-                            reference_mapping=reference_mapping, reference_factor=args.reference_factor,
-                            auto_mapping=not args.no_auto_mapping, jobs=args.jobs, exact=not args.no_exact)
+    options = DiffOptions(**given(mapping=mapping, tolerances=tolerances, order_fallback=not args.no_order,
+                                  jump=args.jump, steps=args.step, reference=args.reference,
+                                  reference_mapping=reference_mapping, reference_factor=args.reference_factor,
+                                  auto_mapping=not args.no_auto_mapping, jobs=args.jobs, exact=not args.no_exact))
     result = diagnose(args.a, args.b, options, hints=not args.no_hints)
     report = DiffReport(result, max_rows=args.max_rows, phases=args.phase, first_only=args.first_divergence)
     out = console(args)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, Literal, get_args
 
 from ..errors import UsageError
 from ..mapping import RenameRules
@@ -33,14 +33,6 @@ EXIT_CODES: dict[str, int] = {"agree": 0, "diverged": 1, "inconclusive": 3}
 DEFAULT_JUMP = 3.0
 #: Three-way: B is off when its error against R exceeds this many times A's (``--reference-factor``).
 DEFAULT_REFERENCE_FACTOR = 3.0
-
-_Options = TypeVar("_Options")
-
-
-def with_defaults(cls: type[_Options], **given: Any) -> _Options:
-    """``cls(**given)``, a None standing for a value not given: the field's own default (a command line leaves its
-    options None when unset, so that each default is written once, on its dataclass)."""
-    return cls(**{name: value for name, value in given.items() if value is not None})
 
 
 @dataclass

@@ -112,16 +112,6 @@ CHECKS: tuple[Check, ...] = (
 CHECKED = tuple(c.cause for c in CHECKS if c.needs not in (TP_RANKS, PP_STAGES))
 
 
-def _tp_merged(capture: CaptureReader) -> bool:
-    """``capture`` is merged from tensor-parallel rank files."""
-    return capture.tp > 1
-
-
-def _pp_merged(capture: CaptureReader) -> bool:
-    """``capture`` is merged from pipeline stage files."""
-    return capture.pp > 1
-
-
 def _none_ran(reason: str) -> list[CheckStatus]:
     return [CheckStatus(cause, False, reason) for cause in CHECKED]
 
@@ -144,12 +134,12 @@ def _bound(check: Check, ca: CaptureReader, cb: CaptureReader,
     """``check`` as a function of the site alone; the reason it is not tested; or None where it does not apply
     (no merged side: it is not named)."""
     if check.needs == TP_RANKS:
-        merged = [c for c in (cb, ca) if _tp_merged(c)]
+        merged = [c for c in (cb, ca) if c.tp > 1]  # merged from tensor-parallel rank files
         if not merged:
             return None
         return check.fn if merged[0] is cb else partial(mirrored, check.fn)
     if check.needs == PP_STAGES:
-        return check.fn if any(_pp_merged(c) for c in (cb, ca)) else None
+        return check.fn if any(c.pp > 1 for c in (cb, ca)) else None  # merged from pipeline stage files
     if check.needs == DIFF and result is None:
         return "needs the whole diff"
     if check.needs in (DIFF, DIFF_IF_GIVEN):
