@@ -34,6 +34,8 @@ import time
 import warnings
 from typing import Any
 
+from tensordiff.explain.place import explanation
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore")
 
@@ -192,7 +194,7 @@ def _digest(result) -> str:
     for row in result.rows:
         m = row.metrics.as_dict() if row.metrics is not None else None
         h.update(repr((row.step, row.phase, row.verdict, row.note, row.tol, m)).encode())
-    h.update(repr(result.first.explanation if result.first is not None else None).encode())
+    h.update(repr(explanation(result.first) if result.first is not None else None).encode())
     return h.hexdigest()[:16]
 
 

@@ -7,6 +7,7 @@ pytest.importorskip("transformers")
 
 from examples.gpt import train
 from tensordiff.diff import DiffOptions, diff
+from tensordiff.explain.place import explanation
 from tensordiff.mapping import RenameRules
 
 
@@ -120,5 +121,5 @@ def test_megatron_vs_hf_gpt2_with_the_same_gelu_agrees(runs, tmp_path):
             opt.zero_grad()
             cap.step(loss)
     result = diff(runs("ref"), path, DiffOptions(mapping=RenameRules.load("mcore-hf-gpt2", {"heads": "4"})))
-    assert result.first is None, result.first and result.first.explanation
+    assert result.first is None, result.first and explanation(result.first)
     assert result.count("ok") > 150

@@ -347,48 +347,33 @@ def _incoming(row: Row, st: _Step, prev_step: _Step | None) -> tuple[float, list
     return _query(row, st, prev_step).full()
 
 
-def _locate(row: Row, st: _Step, prev_step: _Step | None, complete: bool = True,
-            nothing_compared: bool = False) -> tuple[str, str, dict[str, Any]]:
-    """(location, explanation sentence, structured where) for a diverged row of A. ``complete``: everything that came
-    in was compared (else "agree" is said only of what was)."""
+def _locate(row: Row, st: _Step, prev_step: _Step | None) -> tuple[str, str, dict[str, Any], dict[str, Any]]:
+    """(location, case, structured where, facts) for a diverged row of A: where the difference is introduced, which
+    of the cases below it is, and what ``explain.place`` needs to say why in words."""
     a = row.pair.a
     b = row.pair.b
     assert a is not None and b is not None
     mod = module_label(a.module)
-    on_b = f" (on B: {module_label(b.module)})" if b.module != a.module else ""
-    agree = "agree" if complete else "agree where they were compared"
     if a.phase == "forward" and a.kind == "input" and not dtypes.is_float(a.dtype) and not dtypes.is_float(b.dtype):
-        return ("in the inputs the runs were fed",
-                f"The runs were fed different inputs: {a.label} ({a.dtype}) differs from B's {b.label}; integer "
-                "inputs (token ids, labels, positions, masks) come from the batch, not from the model: check that both "
-                "sides load the same batch (tensordiff batch; tensordiff.batch.load).",
-                {"input": a.label, "module": a.module})
+        return ("in the inputs the runs were fed", "batch", {"input": a.label, "module": a.module},
+                {"dtype": a.dtype})
     if a.phase == "weights":
         if a.step == 0:
-            return (f"in {mod}.{a.slot} before the first step (the checkpoint)",
-                    f"The weights already differ before anything ran{on_b}: the two runs did not load the same checkpoint "
-                    f"(or converted it differently) for {mod}.{a.slot}.", {"module": a.module, "param": a.slot})
-        return (f"in the optimizer update of {mod}.{a.slot} after step {a.step - 1}",
-                f"Step {a.step - 1} ended with matching gradients for {mod}.{a.slot}, yet the weights differ at the start of "
-                f"step {a.step}: "
-                "the optimizer update differs (learning rate, weight decay, betas/epsilon, gradient clipping or loss scaling).",
-                {"module": a.module, "param": a.slot, "after_step": a.step - 1})
+            return (f"in {mod}.{a.slot} before the first step (the checkpoint)", "checkpoint",
+                    {"module": a.module, "param": a.slot}, {})
+        return (f"in the optimizer update of {mod}.{a.slot} after step {a.step - 1}", "optimizer_update",
+                {"module": a.module, "param": a.slot, "after_step": a.step - 1}, {})
     if a.phase == "loss":
-        return ("in the loss computation", "The model's outputs agree but the loss does not: the loss function or its "
-                "reduction differs (mean vs sum, masking, label shift).", {})
+        return ("in the loss computation", "loss", {}, {})
     if a.phase == "param_grad" and not _is_local(row) and (st.local_of(a) or ("",))[0] == "ok":
         reduced = [st.verdict[r.seq] for r in st.ordered if r.phase == "param_grad" and r.kind == "grad"
                    and r.seq in st.verdict]
         bad = sum(v == "diverged" for v in reduced)
         local_ok = sum(v == "ok" for v, _ in st.local.values())
-        return ("in the data-parallel gradient reduction",
-                f"{bad} of the {len(reduced)} parameter gradients differ after the data-parallel reduction while "
-                f"{local_ok} of the {len(st.local)} local gradients (before it) agree, {mod}.{a.slot}'s among them: "
-                "the reduction changes them (its dtype, sum vs mean, the ranks or parameters it covers), not the "
-                "backward pass.",
+        return ("in the data-parallel gradient reduction", "dp_reduction",
                 {"module": "", "reduction": True, "data_parallel": True, "param": f"{a.module}.{a.slot}",
                  "param_grads_differ": bad, "param_grads": len(reduced), "local_grads_agree": local_ok,
-                 "local_grads": len(st.local)})
+                 "local_grads": len(st.local)}, {})
     if a.phase == "param_grad":
         local = _is_local(row)
         grads = [st.verdict[r.seq] for r in st.ordered if r.phase == "param_grad" and r.seq in st.verdict
@@ -396,61 +381,31 @@ def _locate(row: Row, st: _Step, prev_step: _Step | None, complete: bool = True,
         backward = [st.verdict[r.seq] for r in st.ordered if r.phase == "backward" and r.seq in st.verdict]
         bad = sum(v == "diverged" for v in grads)
         if not local and len(grads) >= 2 and bad >= 0.9 * len(grads) and backward and "diverged" not in backward:
-            return ("in the gradient reduction",
-                    f"{bad} of the {len(grads)} parameter gradients differ while every activation gradient "
-                    f"{'agrees' if complete else 'agrees where compared'}: the gradients are reduced, scaled or "
-                    "accumulated differently after backward (the data-parallel all-reduce: sum vs mean, its dtype; "
-                    "gradient accumulation; a loss scale not undone), not computed differently by one module.",
-                    {"module": "", "reduction": True, "param_grads_differ": bad, "param_grads": len(grads)})
+            return ("in the gradient reduction", "grad_reduction",
+                    {"module": "", "reduction": True, "param_grads_differ": bad, "param_grads": len(grads)}, {})
         if local:
-            return (f"in the weight gradient of {mod}.{a.slot}",
-                    f"The activations and gradients around {mod} {agree}, but the local gradient of its parameter "
-                    f"{a.slot} (before the data-parallel reduction) does not{on_b}: the weight-gradient computation, "
-                    "its scaling or accumulation differs there.",
-                    {"module": a.module, "param": a.slot, "local": True})
-        return (f"in the weight gradient of {mod}.{a.slot}",
-                f"The activations and gradients around {mod} {agree}, but the gradient of its parameter {a.slot} does "
-                f"not{on_b}: "
-                "the weight-gradient computation, gradient scaling, accumulation or reduction differs there.",
-                {"module": a.module, "param": a.slot})
+            return (f"in the weight gradient of {mod}.{a.slot}", "local_weight_grad",
+                    {"module": a.module, "param": a.slot, "local": True}, {})
+        return (f"in the weight gradient of {mod}.{a.slot}", "weight_grad", {"module": a.module, "param": a.slot}, {})
     if a.phase == "forward" and a.kind == "output":
         children = [r for r in st.ordered if r.phase == "forward" and r.kind == "output" and a.enter <= r.seq < a.seq
                     and is_inside(r.module, a.module)]
         if not children:
-            return (f"in {mod}", f"The inputs of {mod} ({a.module_class}) {agree} and its output does not{on_b}: "
-                    "the module itself computes differently.",
-                    {"module": a.module})
+            return f"in {mod}", "module", {"module": a.module}, {"module_class": a.module_class}
         last = _child_of(a.module, children[-1].module)
-        return (f"inside {mod} after {_rel(last, a.module)}",
-                f"Every submodule of {mod} {'agrees' if complete else 'agrees where compared'}, the output of {mod} does "
-                f"not{on_b}: the difference comes from code in "
-                f"{mod}'s own "
-                f"forward after {_rel(last, a.module)} (a residual or bias add, a functional op).",
-                {"module": a.module, "after": last})
+        return (f"inside {mod} after {_rel(last, a.module)}", "after_child", {"module": a.module, "after": last},
+                {"after": _rel(last, a.module)})
     if a.phase == "forward" and a.kind == "input":
         parent = a.parent
         if a.enter >= 0 and not a.module and not parent:
-            return ("in the model input", f"The model input {a.slot} differs: the two runs were not fed the same "
-                                       "batch.", {"input": a.slot})
+            return "in the model input", "model_input", {"input": a.slot}, {}
         src = _source_output(a, st)
         if src is not None and st.verdict.get(src.seq) == "ok":  # the very same tensor in A, and B's agrees there
-            smod = module_label(src.module)
-            return (f"between {smod} and {mod}",
-                    f"In A, {mod}'s input.{a.slot} is the very output of {smod} ({src.module_class or '?'}); B's "
-                    f"output of {smod} agrees with A's, but what {mod} receives on B does not: B changes the tensor on "
-                    f"its way from {smod} to {mod} (a copy or a transfer between devices or pipeline stages, a "
-                    "reshape or layout change, an in-place update between the two modules).",
-                    {"module": a.module, "handed_over_from": src.module})
+            return (f"between {module_label(src.module)} and {mod}", "handover",
+                    {"module": a.module, "handed_over_from": src.module}, {"source_class": src.module_class})
         if src is not None:
-            smod = module_label(src.module)
-            return (f"in {smod}",
-                    f"{mod}'s input.{a.slot} is the output of {smod} ({src.module_class or '?'}), which differs while "
-                    + (f"what came into {smod} was not compared (no counterpart, or left out by the mapping): "
-                       if nothing_compared else
-                       f"what came into {smod} {'agrees' if complete else 'agrees where compared'}: ")
-                    + f"{smod} itself, or code before it that is not a module (attention scores and softmax, RoPE, "
-                    "masking, an activation), computes differently.",
-                    {"module": src.module})
+            return (f"in {module_label(src.module)}", "source_module", {"module": src.module},
+                    {"input_of": a.module, "source_class": src.module_class})
         start = st.enter_of(parent, a.seq) if parent else -1
         before = [r for r in st.ordered if r.phase == "forward" and r.kind == "output" and start <= r.seq < a.seq
                   and is_inside(r.module, parent) and not (r.module == a.module or is_inside(r.module, a.module))]
@@ -462,41 +417,28 @@ def _locate(row: Row, st: _Step, prev_step: _Step | None, complete: bool = True,
         else:
             loc = f"inside {plabel} before {_rel(a.module, parent)}"
             where = {"module": parent, "before": a.module}
-        agreed = 'agrees' if complete else 'agrees where compared'
         if before and _is_attention(parent, st):
             # attention computed as code (Hugging Face, SDPA): the scores, mask, softmax, RoPE and dropout between
             # the q/k/v projections and the output projection are no module of their own
             where["attention_core"] = True
             return (f"in the attention core of {plabel} (between {_rel(prev, parent)} and {_rel(a.module, parent)})",
-                    f"Everything up to this point {agreed}, but {mod}'s input.{a.slot}, the attention's output, does "
-                    f"not: it is made by {plabel}'s attention core, computed as code (RoPE on q and k, the scores and "
-                    "their scale, the mask, softmax, attention dropout), no module of its own.", where)
-        return (loc, f"Everything up to this point {agreed}, but {mod}'s "
-                f"input.{a.slot} does not: it is made by code inside "
-                f"{plabel} that is not a module of its own (an activation function, a bias add, a reshape or rotary embedding).",
-                where)
+                    "attention_core", where, {})
+        return loc, "between_modules", where, {}
     if a.phase == "backward":
         fwd = st.recs.get(a.grad_of)
         model_output = fwd is not None and fwd.kind == "output" and (
             fwd.module == "" or any(r.module == "" and r.kind == "output" and r.same_as == fwd.seq for r in st.ordered))
         if fwd is not None and model_output:
-            return ("in the loss's gradient (its reduction, scaling or labels)",
-                    f"The forward pass and the loss {agree}, but the gradient arriving at the model's output "
-                    f"{fwd.tensor_label} does not: the loss is reduced differently (mean vs sum, over tokens or "
-                    "micro-batches), scaled differently (a loss scale not undone) or masks other labels.",
-                    {"module": "", "loss": True})
+            return ("in the loss's gradient (its reduction, scaling or labels)", "loss_grad", {"module": "", "loss": True},
+                    {"output": fwd.tensor_label})
         if fwd is not None and fwd.kind == "input":
-            return (f"in the backward of {mod}",
-                    f"The gradient arriving at {mod}'s output {agree}; the gradient it passes to its input {a.slot} "
-                    f"does not{on_b}: {mod}'s backward differs.", {"module": a.module})
+            return f"in the backward of {mod}", "module_backward", {"module": a.module}, {}
         consumers = [r for r in st.ordered
                      if r.phase == "forward" and r.kind == "input" and fwd is not None and r.same_as == fwd.seq]
         if consumers:
             user = consumers[0].module
-            return (f"in the backward of {module_label(user)}",
-                    f"The gradient of {mod}'s output is the first to differ; that output feeds {module_label(user)}, "
-                    "whose backward (or other code using the same tensor) computes it differently.",
-                    {"module": user, "of_output": a.module})
+            return (f"in the backward of {module_label(user)}", "consumer_backward",
+                    {"module": user, "of_output": a.module}, {})
         parent = a.parent
         nxt = None
         if fwd is not None:
@@ -510,10 +452,8 @@ def _locate(row: Row, st: _Step, prev_step: _Step | None, complete: bool = True,
             loc = f"in the backward of code inside {plabel} between {_rel(a.module, parent)} and {_rel(nxt, parent)}"
         else:
             loc = f"in the backward of code inside {plabel} after {_rel(a.module, parent)}"
-        return (loc, f"Gradients {agree} until the gradient of {mod}'s output, which differs: the backward of code between "
-                "modules (a functional activation, a bias or residual add) differs there.",
-                {"module": parent, "between": [a.module, nxt]})
-    return (f"in {mod}", "", {"module": a.module})
+        return loc, "code_backward", {"module": parent, "between": [a.module, nxt]}, {}
+    return f"in {mod}", "", {"module": a.module}, {}
 
 
 def find_first_divergence(rows: list[Row], records_a: dict[int, list[Record]], jump: float,
@@ -616,49 +556,22 @@ def _make(row: Row, st: _Step, prev: _Step | None, incoming: tuple[float, list[R
     a, b = row.pair.a, row.pair.b
     assert a is not None and b is not None
     came_in, uncompared = incoming
-    location, sentence, where = _locate(row, st, prev, complete=not uncompared,
-                                        nothing_compared=came_in == NOTHING_COMPARED)
+    location, case, where, facts = _locate(row, st, prev)
     src = _b_source(b, records_b) if a.phase == "forward" and a.kind == "input" else None
     if src is not None:
-        sentence += (f" On B this tensor is the output of {module_label(src.module)} ({src.module_class}): "
-                     f"compare that {src.module_class} with what A computes in its place.")
         where = dict(where, b_module=src.module, b_module_class=src.module_class)
-    err = row.err
+    facts = dict(facts, judged=row.judged or a.dtype, exact=row.exact, nothing_compared=came_in == NOTHING_COMPARED,
+                 uncompared_records=len(uncompared))
     if row.ab is not None:  # three-way: B judged against the reference
-        head = (f"Step {a.step}, {a.phase}: B's {b.label} is {err:.3g} (relative L2) away from the reference, more than "
-                f"the limit {row.tol:.3g} set by A's own {row.ref_a:.3g} (A's {a.label}), while what came in was "
-                f"{came_in:.3g} away. ")
-    elif grew_to is not None:
+        facts["reference_a"] = row.ref_a
+    if grew_to is not None:
         later = grew_to.pair.a
         assert later is not None
-        head = (f"Step {a.step}, {a.phase}: {a.label} differs from B's {b.label} by relative L2 {err:.3g}, within the "
-                f"tolerance {row.tol:.3g} for {row.judged or a.dtype}, but made from inputs that are bitwise identical "
-                f"on both sides, and this difference grows to {grew_to.err:.3g} at {later.label} ({later.phase}), "
-                f"over its tolerance {grew_to.tol:.3g}: rounding starts small everywhere, a difference in the code "
-                "starts here. ")
-    elif row.exact:
-        head = (f"Step {a.step}, {a.phase}: {a.label} differs from B's {b.label} by relative L2 {err:.3g}, within the "
-                f"tolerance {row.tol:.3g} for {row.judged or a.dtype}, but both runs are one bitwise reproducible stack "
-                "and everything that came in (its inputs and weights) is bitwise identical: a difference of any size "
-                "here is a difference in the code (same-stack exactness; --no-exact turns it off). ")
-    else:
-        head = (f"Step {a.step}, {a.phase}: {a.label} differs from B's {b.label} "
-                f"(relative L2 {err:.3g} > tolerance {row.tol:.3g} for {row.judged or a.dtype}) "
-                + (f"while what came in differed by {came_in:.3g}. " if not uncompared else
-                   "while nothing that came in was compared. " if came_in == NOTHING_COMPARED else
-                   f"while what came in and was compared differed by {came_in:.3g}. "))
-    if uncompared:
-        names = sorted({r.label for r in uncompared})
-        head += (f"Not compared, so not known to agree: {len(uncompared)} of the records that came in "
-                 f"({', '.join(names[:3])}{' ...' if len(names) > 3 else ''}). ")
-    if introduced:
-        text = head + f"The difference is introduced {location}. " + sentence
-    else:
-        text = head + ("No single place introduces it: the error grows gradually to this point "
-                       f"(accumulated rounding; consider a noise floor with --noise). First exceeded {location}.")
+        facts["grew_to"] = {"label": later.label, "phase": later.phase, "rel_l2": grew_to.err,
+                            "tolerance": grew_to.tol}
     return FirstDivergence(
         step=a.step, phase=a.phase, module_a=a.module, module_b=b.module, kind=a.kind, slot=a.slot, call=a.call,
-        label_a=a.label, label_b=b.label, rel_l2=err, tolerance=row.tol,
+        label_a=a.label, label_b=b.label, rel_l2=row.err, tolerance=row.tol,
         incoming=math.nan if came_in == NOTHING_COMPARED else came_in, introduced=introduced,
-        location=location, explanation=text, where=where, uncompared=sorted({r.label for r in uncompared}),
+        location=location, case=case, where=where, facts=facts, uncompared=sorted({r.label for r in uncompared}),
     )

@@ -243,7 +243,8 @@ class DiffResult:
 
 @dataclass
 class FirstDivergence:
-    """Where the runs first part ways, and why (``divergence.find_first_divergence``)."""
+    """Where the runs first part ways (``divergence.find_first_divergence``): the place and, as data, what
+    ``explain.place`` turns into the sentence that says why (``tensordiff.explain.diagnose(...).explanation``)."""
 
     step: int
     phase: str
@@ -259,8 +260,14 @@ class FirstDivergence:
     incoming: float
     introduced: bool
     location: str
-    explanation: str
+    """The place in words: "in model.layers.0.mlp", "in the data-parallel gradient reduction", ..."""
+    case: str = ""
+    """Which kind of place ``location`` is (``divergence._locate``'s cases: "checkpoint", "optimizer_update",
+    "module", "attention_core", "loss_grad", ...): what ``explain.place`` says about it."""
     where: dict[str, Any] = field(default_factory=dict)
+    """The place as data (``module``, ``param``, ``between``, ...), as written to the JSON report."""
+    facts: dict[str, Any] = field(default_factory=dict)
+    """What else the explanation needs (a module's class, the dtype judged, where an origin's error grew to)."""
     uncompared: list[str] = field(default_factory=list)
     """Records that came into the diverged tensor but were not compared (unmatched, other shape, uncertain pair)."""
 
@@ -272,7 +279,7 @@ class FirstDivergence:
             "step": self.step, "phase": self.phase, "module_a": self.module_a, "module_b": self.module_b,
             "kind": self.kind, "slot": self.slot, "call": self.call, "tensor_a": self.label_a, "tensor_b": self.label_b,
             "rel_l2": num(self.rel_l2), "tolerance": self.tolerance, "incoming_rel_l2": num(self.incoming),
-            "introduced": self.introduced, "location": self.location, "explanation": self.explanation,
+            "introduced": self.introduced, "location": self.location,
             "where": self.where, "uncompared_incoming": self.uncompared,
         }
 

@@ -1,5 +1,7 @@
 """Stage 4, explain: why the runs part ways where the diff says they do.
 
+* ``place``: the first divergence in words: what was measured there and what kind of code each kind of place
+  (``FirstDivergence.case``: a module, the attention core, the loss's gradient, the optimizer update, ...) points at;
 * ``hints``: the common causes (activation, norm epsilon, RoPE, dtype, layout, bias, factor,
   checkpoint), each tested on the captured tensors at the first divergence and ranked by the
   share of the gap it explains (one module per cause);

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from ..diff.engine import diff
 from ..diff.result import DiffOptions, DiffResult
 from .hints import CheckStatus, Hint, find_hints
+from .place import explanation
 
 
 @dataclass
@@ -21,6 +22,12 @@ class Diagnosis(DiffResult):
     checks: list[CheckStatus] = field(default_factory=list)
     """Every cause, whether it could be tested at the first divergence and if not why (empty when hints were
     turned off or nothing diverged)."""
+
+    @property
+    def explanation(self) -> str:
+        """The first divergence in words (``place.explanation``): what was measured, where, and what kind of code
+        differs there; '' when nothing diverged."""
+        return explanation(self.first) if self.first is not None else ""
 
     @property
     def checked(self) -> tuple[str, ...]:

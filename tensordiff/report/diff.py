@@ -17,6 +17,8 @@ from .._text import plural
 from ..diff.result import DiffResult, Row, RowVerdict, phase_rows
 from ..explain.diagnosis import Diagnosis
 from ..explain.hints import CHECKED, CheckStatus
+from ..explain.place import as_dict as first_as_dict
+from ..explain.place import explanation
 from ..record import module_label
 from .theme import MAX_ROWS, Name, collapse, fmt, fmt_cos, table_width, wide
 
@@ -75,7 +77,7 @@ class DiffReport:
         if first is not None:
             style = "tensordiff.diverged"
             title = "First divergence" if first.introduced else "First divergence (accumulated, not introduced at one place)"
-            body = Name(Text(self._steps(first.explanation)))
+            body = Name(Text(self._steps(explanation(first))))
             yield Panel(body, title=title, title_align="left", border_style=style,
                         box=box.ASCII if console.legacy_windows else box.ROUNDED)
             yield from self._hints()
@@ -330,7 +332,7 @@ class DiffReport:
                         "not_recorded_b": sum(c.not_recorded_b for c in res.coverage.values()),
                         "accounted": _rule_counts(res.rows)},
             "exact": res.exact or None,
-            "first_divergence": res.first.as_dict() if res.first else None,
+            "first_divergence": first_as_dict(res.first) if res.first else None,
             "outcome": res.outcome, "exit_code": res.exit_code, "inconclusive_reasons": res.reasons,
             "findings": res.findings,
             "routing": [f.as_dict() for f in res.routing],

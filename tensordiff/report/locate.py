@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..config import ConfigDiff, Difference
+from ..explain.place import as_dict as first_as_dict
 from ..runs.compare import pct
 from ..runs.locate import LocatePlan
 from .diff import DiffReport
@@ -212,7 +213,7 @@ class LocateReport:
             first = self.result.first
             out["iterations"] = self.iterations()
             out["first_divergence"] = None if first is None else {
-                **first.as_dict(), "iteration": self.plan.iteration_of(first.step)}
+                **first_as_dict(first), "iteration": self.plan.iteration_of(first.step)}
             out["hints"] = diff.get("hints", [])
             out["outcome"] = "inconclusive" if self.unexplained_parting() else self.result.outcome
             if self.unexplained_parting():

@@ -14,6 +14,7 @@ from helpers import T, write_capture
 
 from tensordiff.cli import main
 from tensordiff.diff import DiffOptions, RenameRules, diff
+from tensordiff.explain.place import explanation
 
 RNG = np.random.default_rng(1)
 IDS = np.array([[1, 3, 2, 0]], dtype=np.int64)
@@ -122,7 +123,7 @@ def test_integer_inputs_that_differ_are_a_batch_problem(tmp_path):
     first = diff(a, b).first
     assert (first.phase, first.kind, first.module_a) == ("forward", "input", "")
     assert first.location == "in the inputs the runs were fed"
-    assert "The runs were fed different inputs: <model> input.0 (int64) differs" in first.explanation
+    assert "The runs were fed different inputs: <model> input.0 (int64) differs" in explanation(first)
 
 
 def test_a_loss_reduced_differently_is_named_the_loss(tmp_path):
@@ -131,7 +132,7 @@ def test_a_loss_reduced_differently_is_named_the_loss(tmp_path):
     first = diff(a, b).first
     assert (first.phase, first.module_a, first.kind) == ("backward", "fc", "grad_output")
     assert first.location == "in the loss's gradient (its reduction, scaling or labels)"
-    assert "the loss is reduced differently (mean vs sum" in first.explanation
+    assert "the loss is reduced differently (mean vs sum" in explanation(first)
 
 
 def test_an_input_that_was_never_compared_is_not_called_agreeing(tmp_path):
@@ -146,9 +147,9 @@ def test_an_input_that_was_never_compared_is_not_called_agreeing(tmp_path):
     first = diff(a, b).first
     assert first.module_a == "fc" and first.kind == "output"
     assert first.uncompared == ["fc input.0"]
-    assert "Not compared, so not known to agree: 1 of the records that came in (fc input.0)" in first.explanation
-    assert "agree where they were compared" in first.explanation
-    assert "The inputs of fc (Linear) agree and" not in first.explanation
+    assert "Not compared, so not known to agree: 1 of the records that came in (fc input.0)" in explanation(first)
+    assert "agree where they were compared" in explanation(first)
+    assert "The inputs of fc (Linear) agree and" not in explanation(first)
 
 
 def test_a_phase_one_side_did_not_record_is_inconclusive(tmp_path):

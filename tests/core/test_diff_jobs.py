@@ -16,6 +16,7 @@ from tensordiff.cli import main
 from tensordiff.diff import DiffOptions, diff
 from tensordiff.diff.engine import MAX_DEFAULT_JOBS, compare_jobs
 from tensordiff.errors import UsageError
+from tensordiff.explain.place import explanation
 from tensordiff.store import CaptureFile
 
 LAYERS = 6
@@ -61,7 +62,7 @@ def fingerprint(result) -> list:
     rows = [(r.step, r.phase, r.pair.a.label if r.pair.a else None, r.pair.b.label if r.pair.b else None, r.verdict,
              r.note, r.tol, r.judged, r.linked, r.metrics.as_dict() if r.metrics else None) for r in result.rows]
     first = result.first
-    return [rows, result.outcome, result.reasons, first.explanation if first else None,
+    return [rows, result.outcome, result.reasons, explanation(first) if first else None,
             {k: v.to_dict() if hasattr(v, "to_dict") else repr(v) for k, v in result.coverage.items()}]
 
 

@@ -23,6 +23,7 @@ from helpers import T, write_capture
 from tensordiff.cli import main
 from tensordiff.diff import DiffOptions, diff
 from tensordiff.errors import UsageError
+from tensordiff.explain.place import explanation
 
 RNG = np.random.default_rng(0)
 X = RNG.standard_normal((4, 3)).astype(np.float32)
@@ -114,8 +115,8 @@ def test_a_module_whose_inputs_agree_and_output_differs_is_named_as_introducing(
     assert first.introduced is True and first.incoming == 0.0
     assert first.rel_l2 == pytest.approx(1e-3 / 1.001, rel=1e-3) and first.tolerance == 1e-5
     assert first.location == "in block.fc2" and first.where == {"module": "block.fc2"}
-    assert "The difference is introduced in block.fc2" in first.explanation
-    assert "The inputs of block.fc2 (Linear) agree and its output does not" in first.explanation
+    assert "The difference is introduced in block.fc2" in explanation(first)
+    assert "The inputs of block.fc2 (Linear) agree and its output does not" in explanation(first)
     # what follows from it also differs, but is not what is named
     assert row(result, "forward", "", "output").verdict == "diverged"
     assert row(result, "backward", "block.fc2", "grad_input").verdict == "diverged"
@@ -146,7 +147,7 @@ def test_a_different_model_input_is_named_and_not_the_layers_that_inherit_it(tmp
     assert row(result, "forward", "block.fc2", "output").verdict == "diverged"
     assert (first.phase, first.module_a, first.kind, first.slot) == ("forward", "", "input", "0")
     assert first.introduced is True and first.location == "in the model input"
-    assert "were not fed the same batch" in first.explanation
+    assert "were not fed the same batch" in explanation(first)
 
 
 def test_gradual_growth_below_the_jump_is_reported_as_not_introduced(tmp_path):
@@ -157,8 +158,8 @@ def test_gradual_growth_below_the_jump_is_reported_as_not_introduced(tmp_path):
     assert (first.phase, first.module_a, first.kind) == ("forward", "block.fc1", "output")  # the first over tolerance
     assert first.introduced is False
     assert first.incoming == pytest.approx(6e-6, rel=0.05) and first.rel_l2 == pytest.approx(1.5e-5, rel=0.05)
-    assert "No single place introduces it" in first.explanation and "First exceeded in block.fc1" in first.explanation
-    assert "introduced in" not in first.explanation
+    assert "No single place introduces it" in explanation(first) and "First exceeded in block.fc1" in explanation(first)
+    assert "introduced in" not in explanation(first)
 
 
 def test_growth_from_a_difference_made_out_of_identical_inputs_is_named_where_it_was_made(tmp_path):
@@ -170,8 +171,8 @@ def test_growth_from_a_difference_made_out_of_identical_inputs_is_named_where_it
     assert row(result, "forward", "block.fc2", "input").verdict == "diverged"
     assert (first.phase, first.module_a, first.kind, first.introduced) == ("forward", "block.fc1", "output", True)
     assert first.incoming == 0.0 and first.rel_l2 == pytest.approx(8e-6, rel=0.05)
-    assert "made from inputs that are bitwise identical" in first.explanation
-    assert "grows to 1.1e-05 at block.fc2 input.0" in first.explanation
+    assert "made from inputs that are bitwise identical" in explanation(first)
+    assert "grows to 1.1e-05 at block.fc2 input.0" in explanation(first)
 
 
 @pytest.mark.parametrize("errors", [dict(x=1e-7, h1=8e-6, a=1.1e-5, y=1.2e-5),   # what came in was not identical
@@ -179,7 +180,7 @@ def test_growth_from_a_difference_made_out_of_identical_inputs_is_named_where_it
 def test_growth_without_such_an_origin_stays_accumulated(tmp_path, errors):
     _, first = first_of(tmp_path, with_errors(run_model(), **errors))
     assert (first.module_a, first.kind, first.introduced) == ("block.fc2", "input", False)
-    assert "No single place introduces it" in first.explanation
+    assert "No single place introduces it" in explanation(first)
 
 
 def test_weights_differing_at_step_0_name_the_checkpoint(tmp_path):
@@ -188,7 +189,7 @@ def test_weights_differing_at_step_0_name_the_checkpoint(tmp_path):
     assert (first.step, first.phase, first.module_a, first.kind, first.slot) == (0, "weights", "block.fc2", "param", "weight")
     assert first.introduced is True
     assert first.location == "in block.fc2.weight before the first step (the checkpoint)"
-    assert "did not load the same checkpoint" in first.explanation
+    assert "did not load the same checkpoint" in explanation(first)
     assert first.where == {"module": "block.fc2", "param": "weight"}
 
 
@@ -199,7 +200,7 @@ def test_an_input_made_by_code_between_modules_is_located_between_the_siblings(t
     assert first.introduced is True and first.incoming == 0.0
     assert first.location == "inside block between fc1 and fc2"
     assert first.where == {"module": "block", "between": ["block.fc1", "block.fc2"]}
-    assert "made by code inside block that is not a module of its own" in first.explanation
+    assert "made by code inside block that is not a module of its own" in explanation(first)
 
 
 def test_code_between_the_projections_of_an_attention_block_is_named_its_attention_core(tmp_path):
@@ -214,7 +215,7 @@ def test_code_between_the_projections_of_an_attention_block_is_named_its_attenti
     assert (first.module_a, first.kind) == ("block.fc2", "input")
     assert first.location == "in the attention core of block (between fc1 and fc2)"
     assert first.where == {"module": "block", "between": ["block.fc1", "block.fc2"], "attention_core": True}
-    assert "the attention's output" in first.explanation and "softmax" in first.explanation
+    assert "the attention's output" in explanation(first) and "softmax" in explanation(first)
 
 
 def test_different_optimizer_updates_are_named_after_the_step_with_matching_gradients(tmp_path):
@@ -272,3 +273,36 @@ def test_the_package_is_called_as_the_guide_writes_it(tmp_path):
     called = tensordiff.diff(a, b)
     assert (called.first.module_a, called.first.kind) == ("block.fc2", "output")
     assert called.exit_code == diff(a, b).exit_code == 1
+
+
+def test_every_case_the_locator_names_has_its_sentence_in_explain():
+    """``_locate``'s cases (read from its source) and ``explain.place.CAUSES`` are the same set: a new case without
+    a sentence, or a sentence no case reaches, fails here."""
+    import ast
+    import inspect
+
+    from tensordiff.diff import divergence
+    from tensordiff.explain.place import CAUSES
+
+    tree = ast.parse(inspect.getsource(divergence._locate))
+    cases = {node.value.elts[1].value for node in ast.walk(tree)
+             if isinstance(node, ast.Return) and isinstance(node.value, ast.Tuple)
+             and isinstance(node.value.elts[1], ast.Constant)}
+    assert cases - {""} == set(CAUSES)
+    assert {"module", "checkpoint", "attention_core", "loss_grad"} <= cases  # the scan read the returns
+
+
+def test_the_json_report_and_the_diagnosis_carry_the_sentence_the_panel_shows(tmp_path, capsys):
+    import json
+
+    from tensordiff.explain import diagnose
+
+    a, b = capture_pair(tmp_path, [step_records(run_model())], [step_records(run_model(fc2_factor=1.001))])
+    report = tmp_path / "r.json"
+    assert main(["diff", a, b, "--json", str(report), "--no-hints"]) == 1
+    first = json.loads(report.read_text())["first_divergence"]
+    said = diagnose(a, b, hints=False)
+    assert first["explanation"] == said.explanation == explanation(said.first)
+    assert first["explanation"].startswith("Step 0, forward: block.fc2 output.0 differs from B's block.fc2 output.0")
+    assert list(first)[list(first).index("location") + 1] == "explanation"
+    assert "block.fc2 (Linear)" in capsys.readouterr().out
