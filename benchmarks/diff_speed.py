@@ -21,6 +21,7 @@ largest tensor pair; the search linear in the rows of a step.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
@@ -134,6 +135,10 @@ def child(path_a: str, path_b: str, jobs: int, profile: bool) -> dict:
     from tensordiff.diff import DiffOptions, diff
     from tensordiff.diff.result import DiffOptions as _Options
 
+    with contextlib.suppress(ImportError):  # what `tensordiff diff` does in its process (older trees: nothing)
+        from tensordiff import _native
+
+        _native.keep_freed_memory()
     kw: dict[str, Any] = {"jobs": jobs} if "jobs" in _Options.__dataclass_fields__ else {}
     options = DiffOptions(**kw)
     rss0 = _rss_now()

@@ -21,7 +21,8 @@ replay) → ``report`` (tables, JSON). Beside it: ``ckpt`` (one checkpoint for b
 Leaves every stage may use: ``errors`` (one error class per kind of input), ``record`` (one captured tensor),
 ``dtypes`` (dtype names, narrow floats, ULPs), ``stats`` (a record's statistics), ``transforms`` (tensor layouts),
 ``mapping`` (pair files), ``_progress`` (the progress of long work: a bar on a terminal), ``_text``, ``_yaml``,
-``_regex``, ``_warn``, ``_watchdog``, ``_version``.
+``_regex``, ``_warn``, ``_watchdog``, ``_version``, ``_native`` (C loops for the diff's hot paths, compiled on first
+use).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from .. import _native
 from .. import _watchdog as watchdog
 from .._progress import ENV_QUIET
 from .._text import first_line
@@ -76,6 +77,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         supervised = watchdog.supervise()
         if supervised is not None:
             return supervised
+        _native.keep_freed_memory()  # a process of its own that reads captures: freed blocks reused, not faulted in
     try:
         _check_outputs(args)
         return int(args.run(args))

@@ -7,12 +7,14 @@ workers): sums are numpy reductions, which release the GIL, so pairs compare in 
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import numpy as np
 
-from .. import dtypes
+from .. import _native, dtypes
 from ..record import Record
 
 #: Elements per chunk: 4 Mi float64 values = 32 MiB per temporary.
@@ -123,6 +125,10 @@ def _compare_f32(a: np.ndarray, b: np.ndarray, judged: str, ulp_k: int) -> Metri
     n = fa.size
     if n == 0:
         return None
+    native = _native.lib()
+    if native is not None and dtypes.name_of(fa.dtype) in _native.DTYPE_CODES \
+            and dtypes.name_of(fb.dtype) in _native.DTYPE_CODES:
+        return _compare_native(native, np.ascontiguousarray(fa), np.ascontiguousarray(fb), judged, ulp_k)
     buf = _Buffers(n, fa.dtype != np.float32, fb.dtype != np.float32)
     a_sq = 0.0
     for start in range(0, n, CHUNK32):  # pass 1: ||a||, for max_rel's floor
@@ -163,6 +169,12 @@ def _compare_f32(a: np.ndarray, b: np.ndarray, judged: str, ulp_k: int) -> Metri
         np.maximum(t, buf.floor[:m], out=t)
         np.divide(d, t, out=t)
         max_rel = max(max_rel, float(np.maximum.reduce(t)))
+    return _f32_metrics(n, norm_a, diff_sq, b_sq, lambda: _dot(fa, fb, buf), max_abs, max_rel, within)
+
+
+def _f32_metrics(n: int, norm_a: float, diff_sq: float, b_sq: float, dot: Any, max_abs: float, max_rel: float,
+                 within: int) -> Metrics:
+    """The float32 paths' sums as ``Metrics`` (``dot``: a callable, summed only where the cosine needs it)."""
     norm_b = math.sqrt(b_sq)
     denom = max(norm_a, norm_b)
     rel = math.sqrt(diff_sq) / denom if denom > 0 else (0.0 if diff_sq == 0 else math.inf)
@@ -170,12 +182,31 @@ def _compare_f32(a: np.ndarray, b: np.ndarray, judged: str, ulp_k: int) -> Metri
         if min(norm_a, norm_b) >= 0.5 * denom:
             cosine = 1.0 - (diff_sq - (norm_a - norm_b) ** 2) / (2.0 * norm_a * norm_b)
         else:
-            cosine = _dot(fa, fb, buf) / (norm_a * norm_b)
+            cosine = dot() / (norm_a * norm_b)
         cosine = min(1.0, max(-1.0, cosine))
     else:
         cosine = 1.0 if norm_a == norm_b else 0.0
     return Metrics(rel_l2=rel, max_abs=max_abs, max_rel=max_rel, cosine=cosine, ulp_share=within / n,
                    nonfinite_mismatch=0, source="tensor")
+
+
+def _compare_native(native: Any, fa: np.ndarray, fb: np.ndarray, judged: str, ulp_k: int) -> Metrics | None:
+    """``_compare_f32`` in two passes of compiled C (``tensordiff._native``): ||a||, then everything else."""
+    n = fa.size
+    out = (ctypes.c_double * 6)()
+    code_a, code_b = _native.DTYPE_CODES[dtypes.name_of(fa.dtype)], _native.DTYPE_CODES[dtypes.name_of(fb.dtype)]
+    sumsq = native.td_sumsq_f32 if code_a == 0 else native.td_sumsq_bf16
+    if sumsq(fa.ctypes.data, n, out) != 0 or not math.isfinite(out[0]):
+        return None  # NaN/Inf: the float64 path
+    norm_a = math.sqrt(out[0])
+    bits = dtypes.MANTISSA_BITS[judged]
+    floor = max(1e-3 * norm_a / math.sqrt(n), 1e-30)
+    ulp_floor = ulp_k * 2.0 ** (dtypes._MIN_EXP[judged] - bits)
+    compare = getattr(native, f"td_compare_{code_a}_{code_b}")
+    if compare(fa.ctypes.data, fb.ctypes.data, n, floor, ulp_floor, ulp_k * 2.0 ** -bits, out) != 0:
+        return None
+    diff_sq, b_sq, dot, max_abs, max_rel, within = out
+    return _f32_metrics(n, norm_a, diff_sq, b_sq, lambda: dot, max_abs, max_rel, int(within))
 
 
 def _dot(fa: np.ndarray, fb: np.ndarray, buf: _Buffers) -> float:

@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import _native
+
 _isal: Any
 try:
     _isal = importlib.import_module("isal.isal_zlib")
@@ -163,6 +165,10 @@ def unshuffle(data: np.ndarray, itemsize: int, out: np.ndarray | None = None) ->
         return out
     planes = data.reshape(itemsize, n)
     m = out.size // itemsize
+    native = _native.lib()
+    if native is not None and data.flags.c_contiguous and out.flags.c_contiguous:
+        native.td_unshuffle(data.ctypes.data, n, itemsize, m, out.ctypes.data)  # one pass, GIL released
+        return out
     uint = _UINT.get(itemsize)
     if uint is None:
         lanes = out.reshape(-1, itemsize)

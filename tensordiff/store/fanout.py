@@ -22,6 +22,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+from .. import _native
 from .. import _progress as progress
 from ..errors import UsageError
 from .reader import CaptureFile
@@ -77,7 +78,7 @@ def executor_for(n_files: int) -> Iterator[Executor | None]:
     if jobs <= 1:
         yield None
         return
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    with ProcessPoolExecutor(max_workers=jobs, initializer=_native.keep_freed_memory) as pool:
         yield pool
 
 

@@ -19,7 +19,8 @@ import pytest
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tensordiff")
 
 #: Leaf modules every stage may use.
-CORE = {"_version", "errors", "_text", "_yaml", "_regex", "_watchdog", "_warn", "_progress", "dtypes", "record", "transforms",
+CORE = {"_version", "_native",
+        "errors", "_text", "_yaml", "_regex", "_watchdog", "_warn", "_progress", "dtypes", "record", "transforms",
         "mapping", "stats"}
 #: Stage -> the stages it may import (besides itself and the core).
 ALLOWED: dict[str, set[str]] = {
