@@ -35,8 +35,6 @@ import time
 import warnings
 from typing import Any
 
-from tensordiff.explain.place import explanation
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 warnings.filterwarnings("ignore")
 
@@ -199,6 +197,8 @@ def _digest(result) -> str:
     for row in result.rows:
         m = row.metrics.as_dict() if row.metrics is not None else None
         h.update(repr((row.step, row.phase, row.verdict, row.note, row.tol, m)).encode())
+    from tensordiff.explain.place import explanation
+
     h.update(repr(explanation(result.first) if result.first is not None else None).encode())
     return h.hexdigest()[:16]
 
@@ -207,7 +207,9 @@ def run_child(path_a: str, path_b: str, jobs: int, profile: bool) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", path_a, path_b, "--jobs", str(jobs)]
     if profile:
         cmd.append("--profile")
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # the tree first, then what the caller's path had (wheels installed with --target: isal, ml_dtypes)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
