@@ -1,7 +1,9 @@
-"""Small C loops for the diff's hot paths, compiled on first use with the system's C compiler and loaded with ctypes.
+"""Small C loops for hot paths, compiled on first use with the system's C compiler and loaded with ctypes.
 
-What numpy does in ~15 passes over each chunk (widen, subtract, square, sum, the ULP test, the floored ratio) is one
-pass here, and the byte planes of HDF5's shuffle filter are put back together in one pass. Built once per machine
+What numpy does in ~15 passes over each chunk of a diff (widen, subtract, square, sum, the ULP test, the floored
+ratio) is one pass here; the byte planes of HDF5's shuffle filter are put back together in one pass; a record's
+statistics on the host (``stats.host_stats``: min, max, sum, sum of squares, NaN and Inf counts) are one pass
+instead of six. Built once per machine
 into the user's cache (``$XDG_CACHE_HOME/tensordiff`` or ``~/.cache/tensordiff``, keyed by the source, the compiler
 and the CPU), by ``cc -O3 -march=native``: no wheel to build, nothing to install. Without a compiler, or when the
 build or its self-check fails, ``lib()`` is None and the callers keep their numpy paths (``TENSORDIFF_NATIVE=0``
@@ -86,6 +88,35 @@ COMPARE(td_compare_0_0, LOAD_F32, LOAD_F32)
 COMPARE(td_compare_0_1, LOAD_F32, LOAD_BF16)
 COMPARE(td_compare_1_0, LOAD_BF16, LOAD_F32)
 COMPARE(td_compare_1_1, LOAD_BF16, LOAD_BF16)
+
+/* A record's statistics by the rule of tensordiff/stats.py: out = [min, max, sum, l2^2, nan, inf], min, max and the
+   sums over the finite elements only (min and max 0 when there is none), sums in float64. */
+#define STATS(NAME, T, FINITE, ISNAN)                                                                        \
+void NAME(const T *x, int64_t n, double *out) {                                                              \
+    double s = 0, q = 0; T mn = 0, mx = 0; int64_t nan = 0, inf = 0, fin_seen = 0;                           \
+    for (int64_t b = 0; b < n; b += 4096) {                                                                  \
+        int64_t e = b + 4096 < n ? b + 4096 : n; double ps = 0, pq = 0; int64_t pn = 0, pi = 0, pf = 0;      \
+        T lo = 0, hi = 0; int have = 0;                                                                      \
+        for (int64_t i = b; i < e && !have; i++) if (FINITE(x[i])) { lo = hi = x[i]; have = 1; }             \
+        _Pragma("omp simd reduction(+:ps,pq,pn,pi,pf) reduction(min:lo) reduction(max:hi)")                  \
+        for (int64_t i = b; i < e; i++) {                                                                    \
+            T v = x[i]; int f = FINITE(v); T w = f ? v : (T)0; double d = (double)w;                         \
+            ps += d; pq += d * d; pf += f; pn += !f && ISNAN(v); pi += !f && !ISNAN(v);                       \
+            lo = (f && v < lo) ? v : lo; hi = (f && v > hi) ? v : hi;                                        \
+        }                                                                                                    \
+        s += ps; q += pq; nan += pn; inf += pi;                                                              \
+        if (have) { if (!fin_seen) { mn = lo; mx = hi; fin_seen = 1; }                                      \
+                    else { mn = lo < mn ? lo : mn; mx = hi > mx ? hi : mx; } }                               \
+        (void)pf;                                                                                            \
+    }                                                                                                        \
+    out[0] = (double)mn; out[1] = (double)mx; out[2] = s; out[3] = q; out[4] = (double)nan; out[5] = (double)inf; \
+}
+static inline int fin32(float v) { return (bits(v) & 0x7F800000u) != 0x7F800000u; }
+static inline int nan32(float v) { return (bits(v) & 0x7FFFFFFFu) > 0x7F800000u; }
+static inline int fin64(double v) { uint64_t u; memcpy(&u, &v, 8); return (u & 0x7FF0000000000000ull) != 0x7FF0000000000000ull; }
+static inline int nan64(double v) { uint64_t u; memcpy(&u, &v, 8); return (u & 0x7FFFFFFFFFFFFFFFull) > 0x7FF0000000000000ull; }
+STATS(td_stats_f32, float, fin32, nan32)
+STATS(td_stats_f64, double, fin64, nan64)
 
 /* HDF5's shuffle undone: planes[j * n + i] is byte j of element i; out gets the first m elements. */
 void td_unshuffle(const uint8_t *planes, int64_t n, int64_t itemsize, int64_t m, uint8_t *out) {
@@ -197,6 +228,9 @@ def _load() -> Any:
             fn = getattr(so, f"td_compare_{ca}_{cb}")
             fn.argtypes, fn.restype = [p, p, i64, f32, f32, f32, dp], ctypes.c_int
     so.td_unshuffle.argtypes, so.td_unshuffle.restype = [p, i64, i64, i64, p], None
+    for name in ("td_stats_f32", "td_stats_f64"):
+        fn = getattr(so, name)
+        fn.argtypes, fn.restype = [p, i64, dp], None
     _self_check(so)
     return so
 
@@ -216,6 +250,11 @@ def _self_check(so: Any) -> None:
     got = list(out)
     if any(abs(g - w) > 1e-12 * max(1.0, abs(w)) for g, w in zip(got, want)):
         raise RuntimeError(f"self-check: {got} != {want}")
+    v = np.array([np.nan, 2.0, -np.inf, -1.0, 0.5], np.float32)
+    for fn, arr in ((so.td_stats_f32, v), (so.td_stats_f64, v.astype(np.float64))):
+        fn(arr.ctypes.data, arr.size, out)
+        if list(out) != [-1.0, 2.0, 1.5, 5.25, 1.0, 1.0]:
+            raise RuntimeError(f"self-check: statistics {list(out)}")
     planes = np.arange(8, dtype=np.uint8)
     back = np.empty(8, np.uint8)
     so.td_unshuffle(planes.ctypes.data, 4, 2, 4, back.ctypes.data)

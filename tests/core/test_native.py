@@ -81,3 +81,31 @@ def test_switched_off_the_numpy_paths_answer(monkeypatch):
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 def test_glibcs_malloc_is_told_to_keep_freed_blocks():
     assert _native.keep_freed_memory() is True
+
+
+def _stat_cases():
+    rng = np.random.default_rng(7)
+    for n in (1, 5, 4095, 4097, 200_003):
+        for dtype in (np.float32, np.float64):
+            x = (rng.standard_normal(n) * 10.0 ** rng.integers(-20, 20)).astype(dtype)
+            yield x
+            y = x.copy()
+            y[rng.integers(0, n, max(1, n // 50))] = np.nan
+            y[rng.integers(0, n, max(1, n // 70))] = rng.choice([np.inf, -np.inf])
+            yield y
+    yield np.full(9000, np.nan, np.float32)                      # no finite value: min and max 0
+    yield np.array([np.inf, -np.inf, np.nan, 3.0], np.float64)    # one finite value, after the specials
+    yield np.array([-0.0, 0.0, 5e-45], np.float32)                  # signed zero, a subnormal
+
+
+@native
+@pytest.mark.parametrize("x", list(_stat_cases()), ids=lambda x: f"{x.dtype}-{x.size}")
+def test_the_compiled_statistics_follow_the_rule_as_numpy_does(monkeypatch, x):
+    from tensordiff.stats import host_stats
+
+    got = host_stats(x)
+    _numpy_path(monkeypatch)
+    want = host_stats(x)
+    assert got[0] == want[0] and got[1] == want[1] and got[4:] == want[4:]  # min, max, the counts: exact
+    assert got[2] == pytest.approx(want[2], rel=1e-12, abs=1e-12 * want[3])  # float64 sums in another order
+    assert got[3] == pytest.approx(want[3], rel=1e-12)
