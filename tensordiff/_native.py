@@ -1,7 +1,7 @@
 """Small C loops for hot paths, compiled on first use with the system's C compiler and loaded with ctypes.
 
 What numpy does in ~15 passes over each chunk of a diff (widen, subtract, square, sum, the ULP test, the floored
-ratio) is one pass here; the byte planes of HDF5's shuffle filter are put back together in one pass; a record's
+ratio) is one pass here; the byte planes of HDF5's shuffle filter are split and put back together in one pass each; a record's
 statistics on the host (``stats.host_stats``: min, max, sum, sum of squares, NaN and Inf counts) are one pass
 instead of six. Built once per machine
 into the user's cache (``$XDG_CACHE_HOME/tensordiff`` or ``~/.cache/tensordiff``, keyed by the source, the compiler
@@ -118,6 +118,24 @@ static inline int nan64(double v) { uint64_t u; memcpy(&u, &v, 8); return (u & 0
 STATS(td_stats_f32, float, fin32, nan32)
 STATS(td_stats_f64, double, fin64, nan64)
 
+/* HDF5's shuffle: byte j of element i to planes[j * n + i]. */
+void td_shuffle(const uint8_t *raw, int64_t n, int64_t itemsize, uint8_t *planes) {
+    if (itemsize == 2) {
+        const uint16_t *w = (const uint16_t *)raw; uint8_t *p0 = planes, *p1 = planes + n;
+        for (int64_t i = 0; i < n; i++) { p0[i] = (uint8_t)w[i]; p1[i] = (uint8_t)(w[i] >> 8); }
+    } else if (itemsize == 4) {
+        const uint32_t *w = (const uint32_t *)raw;
+        uint8_t *p0 = planes, *p1 = planes + n, *p2 = planes + 2 * n, *p3 = planes + 3 * n;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t v = w[i]; p0[i] = (uint8_t)v; p1[i] = (uint8_t)(v >> 8); p2[i] = (uint8_t)(v >> 16);
+            p3[i] = (uint8_t)(v >> 24);
+        }
+    } else {
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t j = 0; j < itemsize; j++) planes[j * n + i] = raw[i * itemsize + j];
+    }
+}
+
 /* HDF5's shuffle undone: planes[j * n + i] is byte j of element i; out gets the first m elements. */
 void td_unshuffle(const uint8_t *planes, int64_t n, int64_t itemsize, int64_t m, uint8_t *out) {
     if (itemsize == 2) {
@@ -228,6 +246,7 @@ def _load() -> Any:
             fn = getattr(so, f"td_compare_{ca}_{cb}")
             fn.argtypes, fn.restype = [p, p, i64, f32, f32, f32, dp], ctypes.c_int
     so.td_unshuffle.argtypes, so.td_unshuffle.restype = [p, i64, i64, i64, p], None
+    so.td_shuffle.argtypes, so.td_shuffle.restype = [p, i64, i64, p], None
     for name in ("td_stats_f32", "td_stats_f64"):
         fn = getattr(so, name)
         fn.argtypes, fn.restype = [p, i64, dp], None
@@ -260,3 +279,6 @@ def _self_check(so: Any) -> None:
     so.td_unshuffle(planes.ctypes.data, 4, 2, 4, back.ctypes.data)
     if back.tolist() != [0, 4, 1, 5, 2, 6, 3, 7]:
         raise RuntimeError("self-check: unshuffle")
+    so.td_shuffle(back.ctypes.data, 4, 2, planes.ctypes.data)
+    if planes.tolist() != list(range(8)):
+        raise RuntimeError("self-check: shuffle")

@@ -142,6 +142,10 @@ def shuffle(raw: np.ndarray, itemsize: int) -> np.ndarray:
     if itemsize == 1 or n <= 1:
         return flat
     out = _scratch("shuffled", flat.size).reshape(itemsize, n)
+    native = _native.lib()
+    if native is not None and flat.flags.c_contiguous and n * itemsize == flat.size:
+        native.td_shuffle(flat.ctypes.data, n, itemsize, out.ctypes.data)  # one pass, GIL released
+        return out.reshape(-1)
     uint = _UINT.get(itemsize)
     if uint is None:
         out[...] = flat.reshape(n, itemsize).T

@@ -61,12 +61,14 @@ def test_nan_and_inf_go_to_the_float64_path(special):
 
 @native
 @pytest.mark.parametrize("itemsize", [1, 2, 4, 8])
-def test_the_compiled_unshuffle_puts_the_bytes_back(monkeypatch, itemsize):
+def test_the_compiled_shuffle_and_unshuffle_give_numpys_bytes(monkeypatch, itemsize):
     raw = np.random.default_rng(itemsize).integers(0, 256, 4096 * itemsize + itemsize * 3, dtype=np.uint8)
     planes = codec.shuffle(raw, itemsize).copy()
     got = codec.unshuffle(planes, itemsize)
     partial = codec.unshuffle(planes, itemsize, out=np.empty(itemsize * 1000, np.uint8))  # an edge chunk
     _numpy_path(monkeypatch)
+    assert np.array_equal(planes, codec.shuffle(raw, itemsize))
+    assert planes[:4096 + 3].tolist() == raw[::itemsize].tolist()  # plane 0: every element's first byte
     assert np.array_equal(got, raw) and np.array_equal(got, codec.unshuffle(planes, itemsize))
     assert np.array_equal(partial, raw[:itemsize * 1000])
 
