@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import mmap
 import os
 import select
 import signal
@@ -44,6 +46,11 @@ from .writer import CaptureWriter, without_data
 
 _LEN = struct.Struct("<Q")
 PIECE = 32 << 20  # bytes of a tensor per frame, streamed after its step's records
+#: Tensors of at least this many bytes cross in shared memory (a file in ``SHM_DIR`` the child maps, then unlinks)
+#: instead of the pipe: one copy in this process, none in the child (the pipe: ~2 GB/s, and a copy on each side).
+SHM_MIN = 1 << 20
+SHM_DIR = "/dev/shm"
+SHM_ENV = "TENSORDIFF_WRITER_SHM"  # 0: every tensor through the pipe
 SMALL_BYTES = 1 << 20  # a step's tensors from a GPU up to this size never wait for room in the queue
 START_ENV = "TENSORDIFF_WRITER_START_TIMEOUT"  # seconds the child has to open the file (default 60; 0: never the child)
 _READY = b"ready\n"
@@ -73,6 +80,8 @@ class ProcessWriter(CaptureWriter):
             pass
         self._fallback = False
         self._attrs = attrs
+        self._shm = _shm_usable()
+        self._shm_count = 0
         # one frame at a time in the pipe: steps from the writer's thread, scalars from the threads that log them
         self._pipe_lock = threading.Lock()
         self._early: list[tuple[int, dict[str, float]]] = []  # scalars sent before the child answered
@@ -141,6 +150,43 @@ class ProcessWriter(CaptureWriter):
         code = self._proc.wait()
         return f"it ended with exit code {code}" if answered else f"no answer in {timeout:g} s"
 
+    def _to_shm(self, raw: np.ndarray) -> str:
+        """``raw`` written into a new file in ``SHM_DIR`` (its path), or '' where it goes through the pipe: small,
+        shared memory off or full (then off for the rest of the run)."""
+        if not self._shm or raw.nbytes < SHM_MIN:
+            return ""
+        self._shm_count += 1
+        path = os.path.join(SHM_DIR, f"tensordiff-{os.getpid()}-{id(self):x}-{self._shm_count}")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:
+            self._shm = False
+            return ""
+        try:
+            # the blocks first: a full tmpfs is an error here, never a SIGBUS in a mapping
+            os.posix_fallocate(fd, 0, raw.nbytes)
+            view = raw.reshape(-1).view(np.uint8).data
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:done + PIECE], done)  # GIL released while the kernel copies
+        except OSError:
+            self._shm = False
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return ""
+        os.close(fd)
+        return path
+
+    def _sweep_shm(self) -> None:
+        """The files the child did not take (it ended early): removed (the child unlinks each one it maps)."""
+        prefix = f"tensordiff-{os.getpid()}-{id(self):x}-"
+        with contextlib.suppress(OSError):
+            for name in os.listdir(SHM_DIR):
+                if name.startswith(prefix):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(SHM_DIR, name))
+
     def _close_file(self) -> None:
         self._ready()
         if self._fallback:
@@ -157,6 +203,8 @@ class ProcessWriter(CaptureWriter):
                 code = self._proc.wait(60.0)  # the child finishes what it received, even after this process is gone
         except subprocess.TimeoutExpired:
             return
+        if self._shm_count:
+            self._sweep_shm()
         if code != 0 and self.error is None:
 
             _warn(f"tensordiff: the writer process of {self.path} ended with exit code {code}; the steps "
@@ -232,19 +280,27 @@ class ProcessWriter(CaptureWriter):
             texts, numbers, table = _pack_rows(rows)
             if table is not None:
                 arrays.insert(0, (-1, table))  # sent as the step's array -1
+            shared = {seq: self._to_shm(raw) for seq, raw in arrays if seq >= 0}
             head = {"t": "step", "step": step, "fields": list(rows[0]) if rows else [], "text_fields": texts,
                     "number_fields": numbers,
                     "rows": rows if table is None else [[row[key] for key in texts] for row in rows],
                     "attrs": attrs, "later": data["later"],
-                    "arrays": [[seq, raw.dtype.str, list(raw.shape)] for seq, raw in arrays]}
+                    "arrays": [[seq, raw.dtype.str, list(raw.shape)] + ([shared[seq]] if shared.get(seq) else [])
+                               for seq, raw in arrays]}
             self._pipe.write(_frame(head))
-            for _, raw in arrays:
-                if raw.nbytes:
+            for seq, raw in arrays:
+                if raw.nbytes and not shared.get(seq):
                     self._pipe.write(raw.reshape(-1).view(np.uint8).data)  # released GIL while the pipe takes it
             self._pipe.flush()
         else:  # its tensors that were still on their way to the host: the writer's thread, a piece at a time
             for seq, array in data.items():
                 raw = _raw(array)
+                path = self._to_shm(raw)  # outside the lock: scalars and the next step's records go on meanwhile
+                if path:
+                    with self._pipe_lock:
+                        self._send(_frame({"t": "shm", "step": step, "seq": seq, "dtype": raw.dtype.str,
+                                           "shape": list(raw.shape), "path": path}))
+                    continue
                 flat = raw.reshape(-1).view(np.uint8)
                 for start in range(0, max(flat.nbytes, 1), PIECE):
                     piece = flat[start:start + PIECE]
@@ -307,6 +363,26 @@ def _raw(array: Any) -> np.ndarray:
     if callable(array):  # a copy on its way to the host (capturing/recorder.py Deferred): waits for it
         array = array()
     return dtypes.to_storage(np.ascontiguousarray(array))[0]
+
+
+def _shm_usable() -> bool:
+    """Shared memory for the handover: ``SHM_DIR`` a writable folder (Linux) and not switched off."""
+    return os.environ.get(SHM_ENV, "1") != "0" and os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+def _map(path: str, dtype: str, shape: list[int]) -> np.ndarray | None:
+    """The child: the array the parent wrote into ``path``, mapped (no copy), the file unlinked at once (the mapping
+    keeps its pages until the array is freed); None where it cannot be read."""
+    try:
+        with open(path, "rb") as fh:
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    arr = np.frombuffer(mm, dtype=np.dtype(dtype))
+    return arr.reshape(shape) if arr.size == math.prod(shape) else None
 
 
 def _read_exact(f: BinaryIO, n: int) -> bytes | None:
@@ -385,20 +461,35 @@ def main() -> int:
                 if entry is None or not entry.read_piece(f, msg):
                     return 3  # cut short (or out of order): the steps before it are complete
                 continue
+            if kind == "shm":
+                entry = open_steps.get(step)
+                arr = _map(msg["path"], msg["dtype"], msg["shape"])
+                if entry is not None and arr is not None:
+                    entry.arrived(int(msg["seq"]), arr)
+                continue
             if kind == "end":
                 entry = open_steps.pop(step, None)
                 if entry is not None:
                     entry.submit(writer)
                 continue
             data: dict[int, np.ndarray] = {}
-            for seq, dtype, shape in msg["arrays"]:
+            unread: list[int] = []  # in shared memory, but its file could not be read
+            for seq, dtype, shape, *shared in msg["arrays"]:
+                if shared:  # in shared memory: mapped (a file that cannot be read keeps the tensor's statistics)
+                    mapped = _map(shared[0], dtype, shape)
+                    if mapped is not None:
+                        data[int(seq)] = mapped
+                    else:
+                        unread.append(int(seq))
+                    continue
                 arr = np.empty(shape, dtype=np.dtype(dtype))
                 if not _read_into(f, arr.reshape(-1).view(np.uint8).data):
                     return 3  # cut short: the step is not written, the ones before it are complete
                 data[int(seq)] = arr
             rows = _unpack_rows(msg, data.pop(-1, None))
-            entry = _Open(step, rows, msg["attrs"], data, msg.get("later") or [])
-            if entry.later:
+            later = msg.get("later") or []
+            entry = _Open(step, rows, msg["attrs"], data, [*later, *unread])  # unread: written as lost
+            if later:
                 open_steps[step] = entry
             else:
                 entry.submit(writer)
@@ -427,9 +518,12 @@ class _Open:
         if at + n > flat.nbytes or not _read_into(f, flat[at:at + n].data):
             return False
         if at + n >= flat.nbytes:
-            self.data[seq] = self.partial.pop(seq)
-            self.later.discard(seq)
+            self.arrived(seq, self.partial.pop(seq))
         return True
+
+    def arrived(self, seq: int, arr: np.ndarray) -> None:
+        self.data[seq] = arr
+        self.later.discard(seq)
 
     def submit(self, writer: CaptureWriter) -> None:
         rows, attrs = self.rows, self.attrs
