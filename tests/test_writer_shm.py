@@ -81,3 +81,17 @@ def test_switched_off_nothing_goes_through_shared_memory(tmp_path, shm, monkeypa
     w = _write(str(tmp_path / "c.h5"))
     assert w._shm_count == 0
     np.testing.assert_array_equal(_read(str(tmp_path / "c.h5"))[1], ARRAYS[1])
+
+
+def test_a_nearly_full_shared_memory_is_left_alone_and_the_pipe_takes_over(tmp_path, shm, monkeypatch):
+    real = os.statvfs
+
+    class Nearly:
+        def __init__(self, st):
+            self.f_frsize, self.f_blocks = 4096, 1 << 20   # 4 GiB
+            self.f_bavail = (1 << 18) + 100                 # a quarter free and 400 KB: not for a 2.4 MB tensor
+
+    monkeypatch.setattr(os, "statvfs", lambda p: Nearly(real(p)))
+    w = _write(str(tmp_path / "d.h5"))
+    assert w._shm_count == 0 and w._shm is True  # not switched off: room may come back
+    np.testing.assert_array_equal(_read(str(tmp_path / "d.h5"))[0], ARRAYS[0])

@@ -47,9 +47,12 @@ from .writer import CaptureWriter, without_data
 _LEN = struct.Struct("<Q")
 PIECE = 32 << 20  # bytes of a tensor per frame, streamed after its step's records
 #: Tensors of at least this many bytes cross in shared memory (a file in ``SHM_DIR`` the child maps, then unlinks)
-#: instead of the pipe: one copy in this process, none in the child (the pipe: ~2 GB/s, and a copy on each side).
+#: instead of the pipe: one copy in this process, none in the child (the pipe: ~2 GB/s, and a copy on each side);
+#: while a quarter of ``SHM_DIR`` (at most ``SHM_KEEP_FREE``) stays free (else the pipe, which holds a writer that
+#: falls behind to its pace).
 SHM_MIN = 1 << 20
 SHM_DIR = "/dev/shm"
+SHM_KEEP_FREE = 4 << 30
 SHM_ENV = "TENSORDIFF_WRITER_SHM"  # 0: every tensor through the pipe
 SMALL_BYTES = 1 << 20  # a step's tensors from a GPU up to this size never wait for room in the queue
 START_ENV = "TENSORDIFF_WRITER_START_TIMEOUT"  # seconds the child has to open the file (default 60; 0: never the child)
@@ -154,6 +157,12 @@ class ProcessWriter(CaptureWriter):
         """``raw`` written into a new file in ``SHM_DIR`` (its path), or '' where it goes through the pipe: small,
         shared memory off or full (then off for the rest of the run)."""
         if not self._shm or raw.nbytes < SHM_MIN:
+            return ""
+        try:  # the pipe throttles a writer that falls behind, shared memory does not: leave some of it free
+            st = os.statvfs(SHM_DIR)
+            if st.f_bavail * st.f_frsize < raw.nbytes + min(st.f_blocks * st.f_frsize // 4, SHM_KEEP_FREE):
+                return ""
+        except OSError:
             return ""
         self._shm_count += 1
         path = os.path.join(SHM_DIR, f"tensordiff-{os.getpid()}-{id(self):x}-{self._shm_count}")
