@@ -90,24 +90,38 @@ COMPARE(td_compare_1_0, LOAD_BF16, LOAD_F32)
 COMPARE(td_compare_1_1, LOAD_BF16, LOAD_BF16)
 
 /* A record's statistics by the rule of tensordiff/stats.py: out = [min, max, sum, l2^2, nan, inf], min, max and the
-   sums over the finite elements only (min and max 0 when there is none), sums in float64. */
+   sums over the finite elements only (min and max 0 when there is none), sums in float64. A fast pass first, for
+   tensors without NaN/Inf (nearly all): plain min, max and sums, and a count of the non-finite; only when that count
+   is not 0, the careful pass. */
 #define STATS(NAME, T, FINITE, ISNAN)                                                                        \
 void NAME(const T *x, int64_t n, double *out) {                                                              \
-    double s = 0, q = 0; T mn = 0, mx = 0; int64_t nan = 0, inf = 0, fin_seen = 0;                           \
+    double s = 0, q = 0; T mn = x[0], mx = x[0]; int64_t special = 0;                                        \
     for (int64_t b = 0; b < n; b += 4096) {                                                                  \
-        int64_t e = b + 4096 < n ? b + 4096 : n; double ps = 0, pq = 0; int64_t pn = 0, pi = 0, pf = 0;      \
+        int64_t e = b + 4096 < n ? b + 4096 : n; double ps = 0, pq = 0; T lo = mn, hi = mx; int32_t sp = 0;  \
+        _Pragma("omp simd reduction(+:ps,pq,sp) reduction(min:lo) reduction(max:hi)")                       \
+        for (int64_t i = b; i < e; i++) {                                                                    \
+            T v = x[i]; double d = (double)v; ps += d; pq += d * d;                                          \
+            lo = v < lo ? v : lo; hi = v > hi ? v : hi; sp += !FINITE(v);                                    \
+        }                                                                                                    \
+        s += ps; q += pq; mn = lo; mx = hi; special += sp;                                                   \
+    }                                                                                                        \
+    if (!special) {                                                                                          \
+        out[0] = (double)mn; out[1] = (double)mx; out[2] = s; out[3] = q; out[4] = 0; out[5] = 0; return;    \
+    }                                                                                                        \
+    s = 0; q = 0; mn = 0; mx = 0; int64_t nan = 0, inf = 0, fin_seen = 0;                                    \
+    for (int64_t b = 0; b < n; b += 4096) {                                                                  \
+        int64_t e = b + 4096 < n ? b + 4096 : n; double ps = 0, pq = 0; int64_t pn = 0, pi = 0;              \
         T lo = 0, hi = 0; int have = 0;                                                                      \
         for (int64_t i = b; i < e && !have; i++) if (FINITE(x[i])) { lo = hi = x[i]; have = 1; }             \
-        _Pragma("omp simd reduction(+:ps,pq,pn,pi,pf) reduction(min:lo) reduction(max:hi)")                  \
+        _Pragma("omp simd reduction(+:ps,pq,pn,pi) reduction(min:lo) reduction(max:hi)")                     \
         for (int64_t i = b; i < e; i++) {                                                                    \
             T v = x[i]; int f = FINITE(v); T w = f ? v : (T)0; double d = (double)w;                         \
-            ps += d; pq += d * d; pf += f; pn += !f && ISNAN(v); pi += !f && !ISNAN(v);                       \
+            ps += d; pq += d * d; pn += !f && ISNAN(v); pi += !f && !ISNAN(v);                               \
             lo = (f && v < lo) ? v : lo; hi = (f && v > hi) ? v : hi;                                        \
         }                                                                                                    \
         s += ps; q += pq; nan += pn; inf += pi;                                                              \
         if (have) { if (!fin_seen) { mn = lo; mx = hi; fin_seen = 1; }                                      \
                     else { mn = lo < mn ? lo : mn; mx = hi > mx ? hi : mx; } }                               \
-        (void)pf;                                                                                            \
     }                                                                                                        \
     out[0] = (double)mn; out[1] = (double)mx; out[2] = s; out[3] = q; out[4] = (double)nan; out[5] = (double)inf; \
 }
