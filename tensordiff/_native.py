@@ -1,13 +1,16 @@
 """Small C loops for hot paths, compiled on first use with the system's C compiler and loaded with ctypes.
 
-What numpy does in ~15 passes over each chunk of a diff (widen, subtract, square, sum, the ULP test, the floored
-ratio) is one pass here; the byte planes of HDF5's shuffle filter are split and put back together in one pass each; a record's
-statistics on the host (``stats.host_stats``: min, max, sum, sum of squares, NaN and Inf counts) are one pass
-instead of six. Built once per machine
-into the user's cache (``$XDG_CACHE_HOME/tensordiff`` or ``~/.cache/tensordiff``, keyed by the source, the compiler
-and the CPU), by ``cc -O3 -march=native``: no wheel to build, nothing to install. Without a compiler, or when the
-build or its self-check fails, ``lib()`` is None and the callers keep their numpy paths (``TENSORDIFF_NATIVE=0``
-chooses them on purpose); the results are the same to float64 rounding.
+* the diff's compare of float32/bfloat16 pairs: every metric in two passes, where numpy takes ~15 a chunk (widen,
+  subtract, square, sum, the ULP test, the floored ratio);
+* HDF5's shuffle filter: the byte planes split and put back together in one pass each;
+* a record's statistics on the host (``stats.host_stats``: min, max, sum, sum of squares, NaN and Inf counts): one
+  pass instead of six.
+
+Built once per machine into the user's cache (``$XDG_CACHE_HOME/tensordiff`` or ``~/.cache/tensordiff``, keyed by
+the source, the compiler and the CPU) by ``cc -O3 -march=native``: no wheel to build, nothing to install. Without a
+compiler, or when the build or its self-check fails, ``lib()`` is None and the callers keep their numpy paths
+(``TENSORDIFF_NATIVE=0`` chooses them on purpose); the results are the same to float64 rounding. A training process
+that captures builds it at its first CPU record on a machine that has no cached build yet (~0.5 s, once).
 """
 
 from __future__ import annotations
