@@ -111,7 +111,7 @@ class TrainingCapture(TorchCapture):
             self._skip_depth -= 1
             return
         super()._post_hook(name, module, args, output)
-        if name == "" and not self.call_depth and self.state.recording and self.step_loss is None:
+        if name == "" and not self.call_depth and self.state.recording and not self.loss_recorded:
             try:
                 loss = _scalar_loss(output)
             except Exception as err:

@@ -37,8 +37,9 @@ class TensorBackend(ABC):
         """Start the reduction of [min, max, sum, l2, nan, inf] (on the tensor's device); a handle for ``host_stats``."""
 
     @abstractmethod
-    def host_stats(self, pending: list[Any]) -> list[Sequence[float]]:
-        """Bring the started reductions to the host, with as few device syncs as possible."""
+    def host_stats(self, pending: list[Any]) -> np.ndarray | Sequence[Sequence[float]]:
+        """Bring the started reductions to the host, with as few device syncs as possible: [min, max, sum, l2, nan,
+        inf] for each of ``pending``, in order (a float64 [n, 6] array, or n rows of 6 numbers)."""
 
     @abstractmethod
     def copy(self, t: Any) -> Any:

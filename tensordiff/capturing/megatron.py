@@ -248,7 +248,7 @@ class MegatronCapture(ProgramCapture):
             scalars["grad_norm"] = grad_norm
         scalars.update(optimizer_scalars(optimizer))
         cap.set_iteration(iteration)  # counted from 1, as Megatron-LM's log does: its scalars land where the log's N is
-        if cap.step_loss is not None and loss is not None:  # the model returned the loss itself: recorded already
+        if cap.loss_recorded and loss is not None:  # the model returned the loss itself: recorded already
             scalars = {"loss": loss, **scalars}
             loss = None
         cap.step(loss, **scalars)

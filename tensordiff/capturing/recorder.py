@@ -28,6 +28,7 @@ from .._text import first_line
 from .._warn import warn as _warn
 from ..record import flatten
 from ..store.format import shape_text
+from ..store.rows import StepRows
 from ..store.writer import CaptureWriter
 from ..store.writer_process import ProcessWriter
 from .backend import TensorBackend
@@ -185,7 +186,9 @@ class Recorder:
         self._handles: list[Any] = []
         self._tensor_handles: list[Any] = []
         self._optimizer_scalars: dict[str, float] = {}  # the optimizer's settings of the step in flight
-        self._loss: float | None = None
+        self._loss: float | None = None  # the step's loss, once read from its tensor (``_loss_t``)
+        self._loss_t: Any = None
+        self._written_loss: float | None = None  # the loss of the step ``_end_step`` handed over last
         self._default_size_limit()
         self._reset_step()
 
@@ -262,8 +265,15 @@ class Recorder:
 
     @property
     def step_loss(self) -> float | None:
-        """The loss recorded for the step in flight, if one was."""
+        """The loss recorded for the step in flight, if one was (reading it waits for the device)."""
+        if self._loss is None and self._loss_t is not None:
+            self._loss = self._t.scalar(self._loss_t)
         return self._loss
+
+    @property
+    def loss_recorded(self) -> bool:
+        """Whether the step in flight has its loss (``step_loss`` without waiting for the device)."""
+        return self._loss_t is not None
 
     @property
     def call_depth(self) -> int:
@@ -289,7 +299,8 @@ class Recorder:
         try:
             self._ensure_step()
             t = self._t.loss_tensor(value)
-            self._loss = self._t.scalar(t)
+            # its value is read with the step's statistics (``_end_step``): the device may still be computing it
+            self._loss, self._loss_t = None, t
             self._record("loss", "loss", "loss", 0, "value", "Loss", t, full=True, track=False)
         except Exception as err:
             self.fail(err)
@@ -308,24 +319,30 @@ class Recorder:
             self.after_step_impl()
 
     def _end_training_step(self, loss: Any, scalars: dict[str, Any]) -> None:
+        """The step ends, then its scalars are logged: the step's records are packed while the device may still be
+        computing, and its statistics, its loss and the scalars given as tensors are read after one wait for it."""
         state = self._state
         scalars = {**self._optimizer_scalars, **scalars}
         self._optimizer_scalars = {}
         if loss is not None:
             self.loss(loss)
-            scalars = {"loss": self._loss if self._loss is not None else loss, **scalars}
-        if scalars:
-            self.log(state.iteration, **scalars)
+        at = state.iteration
         state.iteration += 1
+        self._written_loss = None
+        ended = False
         if state.resting:  # every=N: count the step, wake up for the next one due
             state.resting = not self._due()
-            return
-        if not self.active:
-            return
-        try:
-            self._end_step()
-        except Exception as err:
-            self.fail(err)
+        elif self.active and state.in_step:
+            try:
+                self._end_step()
+                ended = True
+            except Exception as err:
+                self.fail(err)
+        if loss is not None:
+            value = self._written_loss if ended else self.step_loss
+            scalars = {"loss": value if value is not None else loss, **scalars}
+        if scalars:
+            self.log(at, **scalars)
 
     def log(self, step: int | None = None, **values: Any) -> None:
         """Append per-step scalars (numbers or one-element tensors), e.g. ``cap.log(val_loss=v)``.
@@ -457,7 +474,7 @@ class Recorder:
         # inputs whose gradient is hooked, per open call (its enter seq): (tensor ref, version, hook)
         self._watched: dict[int, list[tuple[Any, int, Any]]] = {}
         self._calls: dict[str, int] = defaultdict(int)
-        self._loss = None
+        self._loss, self._loss_t = None, None
         self._state.clear_step()
         self._t0 = time.perf_counter()
         self.reset_step_impl()
@@ -521,10 +538,9 @@ class Recorder:
         self._stack.append((name, call, enter, parent))
         if self.options.inputs:
             cls = self._classes.get(name, "")
-            for value in (list(args), kwargs):
-                for slot, t in flatten(value, "", self._t.is_tensor):
-                    self._record("forward", "input", name, call, slot, cls, t, enter=enter, parent=parent,
-                                 grad_kind="grad_input", same_as=self._parameter_link(t))
+            for slot, t in _tensors(args, kwargs, self._t.is_tensor):
+                self._record("forward", "input", name, call, slot, cls, t, enter=enter, parent=parent,
+                             grad_kind="grad_input", same_as=self._parameter_link(t))
 
     def _end_call(self, name: str, output: Any) -> None:
         """A module/cell returns: its outputs."""
@@ -537,7 +553,8 @@ class Recorder:
         _, call, enter, parent = self._stack.pop()
         self._rehook_modified_inputs(enter)
         cls = self._classes.get(name, "")
-        for slot, t in flatten(output, "", self._t.is_tensor):
+        is_tensor = self._t.is_tensor
+        for slot, t in (("0", output),) if is_tensor(output) else flatten(output, "", is_tensor):
             self._record("forward", "output", name, call, slot or "0", cls, t, enter=enter, parent=parent,
                          grad_kind="grad_output")
 
@@ -571,15 +588,18 @@ class Recorder:
     def _record(self, phase: str, kind: str, module: str, call: int, slot: str, module_class: str, t: Any, *,
                 enter: int = -1, parent: str = "", grad_of: int = -1, grad_kind: str = "", track: bool = True,
                 full: bool | None = None, same_as: int = -1) -> int:
+        # called ~1,000 times a step from inside the model's hooks: kept to plain stores and lookups
         seq = self._seq
-        self._seq += 1
-        dtype, shape = self._t.describe(t)
+        self._seq = seq + 1
+        backend = self._t
+        dtype, shape = backend.describe(t)
         if dtype is None:
             self._late[seq] = t
         numel = math.prod(shape)
+        text = _SHAPES.get(shape)
         row: dict[str, Any] = {
             "seq": seq, "phase": phase, "module": module, "call": call, "kind": kind, "slot": slot,
-            "module_class": module_class, "dtype": dtype, "shape": _shape_text(shape),
+            "module_class": module_class, "dtype": dtype, "shape": text if text is not None else _shape_text(shape),
             "min": 0.0, "max": 0.0, "mean": 0.0, "l2": 0.0, "nan": 0, "inf": 0, "numel": numel,
             "has_data": 0, "same_as": -1, "grad_of": grad_of, "enter": enter, "parent": parent,
         }
@@ -587,33 +607,34 @@ class Recorder:
         if same_as >= 0:  # the adapter knows it is a tensor recorded before (graph mode: the same bytes)
             row["same_as"] = same_as
             return seq
-        seen = self._seen.get(id(t)) if track else None
-        if seen is not None and seen[0]() is t and seen[1] == self._t.version(t):
-            row["same_as"] = seen[2]
-            return seq
-        self._pending.append((seq, self._t.stats(t)))
+        if track:
+            seen = self._seen.get(id(t))
+            if seen is not None and seen[0]() is t and seen[1] == backend.version(t):
+                row["same_as"] = seen[2]
+                return seq
+        self._pending.append((seq, backend.stats(t)))
         if full is None:
             full = self._full and self.options.full_tensor_selected(module, numel * _itemsize(dtype))
         if full:
-            self._data[seq] = self._t.copy(t)
+            self._data[seq] = backend.copy(t)
             row["has_data"] = 1
         if track:
-            with contextlib.suppress(TypeError):  # not weak-referenceable: no links for it
-                self._seen[id(t)] = (weakref.ref(t), self._t.version(t), seq)
-            if self.options.grads and grad_kind:
+            try:
+                ref = weakref.ref(t)
+            except TypeError:  # not weak-referenceable: no links for it
+                ref = None
+            version = backend.version(t)
+            if ref is not None:
+                self._seen[id(t)] = (ref, version, seq)
+            if grad_kind and self.options.grads:
                 fwd = {"seq": seq, "module": module, "call": call, "slot": slot, "module_class": module_class,
                        "enter": enter, "parent": parent, "grad_kind": grad_kind}
-                step_id = self._state.step_id
-
-                def hook(grad: Any, step_id: int = step_id, fwd: dict = fwd) -> None:
-                    self._grad_hook(step_id, fwd, grad)
-
-                handle = self._t.hook_grad(t, hook)
+                hook = partial(self._grad_hook, self._state.step_id, fwd)
+                handle = backend.hook_grad(t, hook)
                 if handle is not None:
                     self._tensor_handles.append(handle)
-                    if kind == "input" and enter >= 0:
-                        with contextlib.suppress(TypeError):
-                            self._watched.setdefault(enter, []).append((weakref.ref(t), self._t.version(t), hook))
+                    if kind == "input" and enter >= 0 and ref is not None:
+                        self._watched.setdefault(enter, []).append((ref, version, hook))
         return seq
 
     def _end_step(self) -> None:
@@ -631,28 +652,21 @@ class Recorder:
         rows = self._rows
         for seq, t in self._late.items():
             rows[seq]["dtype"] = self._t.late_dtype(t)
-        values = self._t.host_stats([s for _, s in self._pending])
-        for (seq, _), stat in zip(self._pending, values):  # ~1,400 rows a step at 1B: kept to plain stores
-            row = rows[seq]
-            mn, mx, total, l2, nan, inf = stat
-            numel = row["numel"]
-            row["min"] = float(mn)
-            row["max"] = float(mx)
-            row["mean"] = float(total) / numel if numel else 0.0
-            row["l2"] = float(l2)
-            row["nan"] = int(nan)
-            row["inf"] = int(inf)
-        for row in rows:
-            if row["same_as"] >= 0:
-                src = rows[row["same_as"]]
-                for key in _LINKED:
-                    row[key] = src[key]
+        packed = StepRows.pack(rows)  # now, while the device may still be computing the step
+        if rows and packed is None:
+            raise RuntimeError("the step's records do not all have the same fields")
+        if packed is not None:
+            self._writer.prepare(packed)
         # resolved on the writer's thread: a copy still on its way to the host never holds up the training step
         data = {seq: Deferred(partial(self._t.to_numpy, t), self._t.copy_nbytes(t), partial(self._t.copy_ready, t))
                 for seq, t in self._data.items()}
+        values = self._t.host_stats([s for _, s in self._pending])  # waits for the device
+        if packed is not None:
+            _fill_stats(packed, [seq for seq, _ in self._pending], values)
         attrs: dict[str, Any] = {"wall_time": time.perf_counter() - self._t0}
-        if self._loss is not None:
-            attrs["loss"] = self._loss
+        loss = self._written_loss = self.step_loss
+        if loss is not None:
+            attrs["loss"] = loss
         if state.interrupted:
             attrs["interrupted"] = state.interrupted
         attrs.update(self.step_attrs_impl())
@@ -662,7 +676,8 @@ class Recorder:
         # tensors (the step keeps their statistics and says so: tensors_lost)
         every = self.options.every
         # every=N: stored under its training step number (0, N, 2N, ...), so that runs and diff line steps up
-        self._writer.submit(state.step if every == 1 else state.step_iteration, rows, data, attrs)
+        self._writer.submit(state.step if every == 1 else state.step_iteration, packed if packed is not None else rows,
+                            data, attrs)
         state.step_written()
         self._reset_step()
         if state.step >= self.options.steps:
@@ -679,6 +694,48 @@ class Recorder:
 
 
 _OPEN: weakref.WeakSet[Recorder] = weakref.WeakSet()
+
+
+def _fill_stats(rows: StepRows, seqs: list[int], values: Any) -> None:
+    """The step's statistics into its packed rows (row i is the record of seq i): ``values`` holds [min, max, sum,
+    l2, nan, inf] of the records ``seqs`` (mean = sum / numel); a link (``same_as``) takes its record's."""
+    table, col = rows.table, rows.number_fields.index
+    if seqs:
+        v = np.asarray(values, dtype=np.float64).reshape(len(seqs), 6)
+        at = np.asarray(seqs, dtype=np.intp)
+        numel = table[at, col("numel")]
+        mean = np.divide(v[:, 2], numel, out=np.zeros(len(at)), where=numel > 0)
+        for name, got in zip(STAT_KEYS, (v[:, 0], v[:, 1], mean, v[:, 3], v[:, 4], v[:, 5])):
+            table[at, col(name)] = got
+    same = table[:, col("same_as")]
+    links = np.flatnonzero(same >= 0)
+    if not links.size:
+        return
+    src = same[links].astype(np.intp)
+    for _ in range(len(table)):  # a link to a link (an adapter's): followed to the record
+        further = table[src, col("same_as")]
+        hop = further >= 0
+        if not hop.any():
+            break
+        src[hop] = further[hop].astype(np.intp)
+    for name in _LINKED:
+        table[links, col(name)] = table[src, col(name)]
+
+_SLOTS = tuple(str(i) for i in range(64))
+
+
+def _tensors(args: Sequence[Any], kwargs: dict, is_tensor: Callable[[Any], bool]) -> list[tuple[str, Any]]:
+    """``flatten`` of a call's positional then keyword arguments ('0', '1.0', 'key', ...), with a fast path for
+    the usual call: positional tensors and plain values."""
+    out: list[tuple[str, Any]] = []
+    for i, value in enumerate(args):
+        if is_tensor(value):
+            out.append((_SLOTS[i] if i < 64 else str(i), value))
+        elif isinstance(value, (list, tuple, dict)):
+            out.extend(flatten(value, str(i), is_tensor))
+    if kwargs:
+        out.extend(flatten(kwargs, "", is_tensor))
+    return out
 
 
 _SHAPES: dict[tuple[int, ...], str] = {}

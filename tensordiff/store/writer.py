@@ -42,6 +42,7 @@ from .format import (
     attr_value,
     step_group_name,
 )
+from .rows import StepRows, as_dicts, without_data
 
 #: Environment variables that set the writer's options when the caller does not.
 THREADS_ENV = "TENSORDIFF_WRITE_THREADS"
@@ -56,6 +57,7 @@ GUARD_BYTES = 4 << 20
 #: still write the metadata of the steps it has (a full disk inside HDF5's flush can crash the process).
 RESERVE_BYTES = 8 << 20
 POLICIES = ("wait", "drop")
+Rows = list[dict[str, Any]] | StepRows  # a step's records, as dicts or packed
 COMPRESSIONS = ("gzip", "none")
 
 
@@ -145,10 +147,15 @@ class CaptureWriter:
         """Run ``handler`` in the main thread as soon as it lets go of the queue."""
         self._deferred.append(handler)
 
-    def submit(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any]) -> None:
-        """Hand a step over; ``data`` maps a row to its array, or to a callable with ``nbytes`` giving it (resolved
-        on the writer's thread, so a copy still on its way to the host never holds up training). A ``durable``
-        writer returns once the step is written (``ProcessWriter``: handed to its process)."""
+    def prepare(self, rows: Rows) -> None:
+        """What can be done for a step's rows before their statistics are in (the device may still be computing
+        them): ``ProcessWriter`` encodes the text fields of packed rows."""
+
+    def submit(self, step: int, rows: Rows, data: dict[int, Any], attrs: dict[str, Any]) -> None:
+        """Hand a step over (its rows as dicts, or packed: ``rows.StepRows``); ``data`` maps a row to its array, or to
+        a callable with ``nbytes`` giving it (resolved on the writer's thread, so a copy still on its way to the host
+        never holds up training). A ``durable`` writer returns once the step is written (``ProcessWriter``: handed to
+        its process)."""
         if self.error is not None or self._closed:
             return
         nbytes = sum(int(a.nbytes) for a in data.values())
@@ -166,8 +173,8 @@ class CaptureWriter:
                 self._cv.wait()  # the step is flushed when this returns: a SIGKILL after it cannot lose it
         self._said_dropped(step, behind)
 
-    def _admit(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any],
-               nbytes: int) -> tuple[list[dict[str, Any]], dict[int, Any], dict[str, Any], int, int]:
+    def _admit(self, step: int, rows: Rows, data: dict[int, Any], attrs: dict[str, Any],
+               nbytes: int) -> tuple[Rows, dict[int, Any], dict[str, Any], int, int]:
         """Room in the queue for ``nbytes`` of full tensors (the caller holds the condition): the ``drop`` policy
         takes the tensors out of a step that does not fit (the bytes the writer is behind by, else 0), ``wait``
         waits."""
@@ -391,7 +398,8 @@ class CaptureWriter:
         if self._thread is None or not (self._steps or self._scalar_jobs):  # else a flush follows soon
             self._file.flush()
 
-    def _write(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any]) -> None:
+    def _write(self, step: int, rows: Rows, data: dict[int, Any], attrs: dict[str, Any]) -> None:
+        rows = as_dicts(rows)
         self._check_room(step, sum(int(a.nbytes) for a in data.values()), len(rows))
         grp = self._file.create_group(step_group_name(step))
         index = np.zeros(len(rows), dtype=INDEX_DTYPE)
@@ -459,14 +467,8 @@ def _filters(ds: h5py.Dataset) -> list[int]:
     return [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
 
 
-def without_data(rows: list[dict[str, Any]], seqs: Any) -> list[dict[str, Any]]:
-    """``rows`` with the full tensors of ``seqs`` gone: rows that held one (or linked to one) say ``has_data`` 0
-    (their statistics stay)."""
-    return [dict(row, has_data=0) if row["seq"] in seqs or row["same_as"] in seqs else row for row in rows]
-
-
-def _without_tensors(rows: list[dict[str, Any]], data: dict[int, np.ndarray],
-                     attrs: dict[str, Any]) -> tuple[list[dict[str, Any]], dict[int, np.ndarray], dict[str, Any]]:
+def _without_tensors(rows: Rows, data: dict[int, np.ndarray],
+                     attrs: dict[str, Any]) -> tuple[Rows, dict[int, np.ndarray], dict[str, Any]]:
     """The step with its full tensors dropped: rows that held one (or linked to one) say ``has_data`` 0."""
     return without_data(rows, data), {}, {**attrs, "tensors_dropped": len(data)}
 

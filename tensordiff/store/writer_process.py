@@ -42,7 +42,8 @@ import numpy as np
 from .. import _progress as progress
 from .. import dtypes
 from .._warn import warn as _warn
-from .writer import CaptureWriter, without_data
+from .rows import StepRows, without_data
+from .writer import CaptureWriter, Rows
 
 _LEN = struct.Struct("<Q")
 PIECE = 32 << 20  # bytes of a tensor per frame, streamed after its step's records
@@ -67,8 +68,11 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def _frame(obj: dict[str, Any]) -> bytes:
+def _frame(obj: dict[str, Any], encoded: dict[str, bytes] | None = None) -> bytes:
+    """``obj`` as a frame: its JSON's length, then its JSON; ``encoded``: more fields, their values JSON already."""
     body = json.dumps(obj, default=_jsonable).encode("utf-8")
+    if encoded:
+        body = body[:-1] + b"".join(b", " + json.dumps(key).encode() + b": " + value for key, value in encoded.items()) + b"}"
     return _LEN.pack(len(body)) + body
 
 
@@ -253,7 +257,11 @@ class ProcessWriter(CaptureWriter):
         self._pipe.write(frame)
         self._pipe.flush()
 
-    def submit(self, step: int, rows: list[dict[str, Any]], data: dict[int, Any], attrs: dict[str, Any]) -> None:
+    def prepare(self, rows: Rows) -> None:
+        if isinstance(rows, StepRows):
+            rows.texts_json()
+
+    def submit(self, step: int, rows: Rows, data: dict[int, Any], attrs: dict[str, Any]) -> None:
         """The step's records, statistics and host-side tensors into the pipe now (this thread); tensors copied from an
         accelerator (``ready()`` false) to the writer's thread, which streams them after."""
         if self.error is not None or self._closed:
@@ -278,25 +286,27 @@ class ProcessWriter(CaptureWriter):
                 self._enqueue((step, None, later, {}, nbytes))
         self._said_dropped(step, behind)
 
-    def _write(self, step: int, rows: list[dict[str, Any]] | None, data: dict[Any, Any], attrs: dict[str, Any]) -> None:
+    def _write(self, step: int, rows: Rows | None, data: dict[Any, Any], attrs: dict[str, Any]) -> None:
         if self._fallback:
             CaptureWriter._write(self, step, rows, data, attrs)  # type: ignore[arg-type]
             return
         if rows is not None:  # the step itself: the calling thread, holding the pipe's lock
             arrays = [(seq, _raw(array)) for seq, array in data["now"].items()]
             # this runs on the training thread: the rows' text fields as JSON lists, their numbers as one float64
-            # array after the frame (JSON's float formatting was most of the cost)
-            texts, numbers, table = _pack_rows(rows)
-            if table is not None:
-                arrays.insert(0, (-1, table))  # sent as the step's array -1
+            # array after the frame (JSON's float formatting was most of the cost); the recorder packs them itself
+            packed = rows if isinstance(rows, StepRows) else StepRows.pack(rows)
+            if packed is not None:
+                arrays.insert(0, (-1, packed.table))  # sent as the step's array -1
             shared = {seq: self._to_shm(raw) for seq, raw in arrays if seq >= 0}
-            head = {"t": "step", "step": step, "fields": list(rows[0]) if rows else [], "text_fields": texts,
-                    "number_fields": numbers,
-                    "rows": rows if table is None else [[row[key] for key in texts] for row in rows],
+            head = {"t": "step", "step": step, "fields": packed.fields if packed is not None else [],
+                    "text_fields": packed.text_fields if packed is not None else [],
+                    "number_fields": packed.number_fields if packed is not None else [],
                     "attrs": attrs, "later": data["later"],
                     "arrays": [[seq, raw.dtype.str, list(raw.shape)] + ([shared[seq]] if shared.get(seq) else [])
                                for seq, raw in arrays]}
-            self._pipe.write(_frame(head))
+            if packed is None:
+                head["rows"] = rows
+            self._pipe.write(_frame(head, {"rows": packed.texts_json()} if packed is not None else None))
             for seq, raw in arrays:
                 if raw.nbytes and not shared.get(seq):
                     self._pipe.write(raw.reshape(-1).view(np.uint8).data)  # released GIL while the pipe takes it
@@ -325,39 +335,10 @@ class ProcessWriter(CaptureWriter):
             raise OSError(f"the writer process ended (exit code {self._proc.returncode})")
 
 
-_NUMBERS = {"seq", "call", "min", "max", "mean", "l2", "nan", "inf", "numel", "has_data", "same_as", "grad_of", "enter"}
-_INTS = _NUMBERS - {"min", "max", "mean", "l2"}
-
-
-def _pack_rows(rows: list[dict[str, Any]]) -> tuple[list[str], list[str], np.ndarray | None]:
-    """The rows' text fields, number fields, and their numbers as a float64 [rows, fields] table (None: rows of
-    another shape, sent as they are). Integers up to 2**53 are exact in float64."""
-    if not rows:
-        return [], [], None
-    fields = list(rows[0])
-    numbers = [key for key in fields if key in _NUMBERS]
-    texts = [key for key in fields if key not in _NUMBERS]
-    try:
-        table = np.array([[row[key] for key in numbers] for row in rows], dtype=np.float64)
-        if any(len(row) != len(fields) for row in rows):
-            raise KeyError
-    except (KeyError, TypeError, ValueError):
-        return [], [], None
-    return texts, numbers, table
-
-
 def _unpack_rows(msg: dict[str, Any], table: np.ndarray | None) -> list[dict[str, Any]]:
-    texts, numbers = msg.get("text_fields") or [], msg.get("number_fields") or []
-    if table is None:
+    if table is None:  # rows of another shape, sent as they are
         return list(msg["rows"])
-    fields = msg.get("fields") or texts + numbers
-    ints = [key in _INTS for key in numbers]
-    out = []
-    for text, values in zip(msg["rows"], table.tolist()):
-        got = dict(zip(texts, text))
-        got.update((key, int(v) if is_int else v) for key, is_int, v in zip(numbers, ints, values))
-        out.append({key: got[key] for key in fields})  # the recorder's order of fields
-    return out
+    return StepRows(msg["fields"], msg["text_fields"], msg["rows"], msg["number_fields"], table).dicts()
 
 
 def _is_ready(array: Any) -> bool:
@@ -535,7 +516,8 @@ class _Open:
         self.later.discard(seq)
 
     def submit(self, writer: CaptureWriter) -> None:
-        rows, attrs = self.rows, self.attrs
+        rows: Rows = self.rows
+        attrs = self.attrs
         if self.later:
             lost = set(self.later)
             rows = without_data(rows, lost)

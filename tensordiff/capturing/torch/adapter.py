@@ -48,17 +48,18 @@ class TorchTensors(TensorBackend):
     def __init__(self) -> None:
         self._stats = StatsCollector()
         self._copier = HostCopier()
+        self.stats = self._stats.add  # type: ignore[method-assign]  # called per record: one Python frame less
 
     def is_tensor(self, value: Any) -> bool:
         return isinstance(value, torch.Tensor)
 
     def describe(self, t: torch.Tensor) -> tuple[str, tuple[int, ...]]:
-        return dtype_name(t.dtype), tuple(t.shape)
+        return dtype_name(t.dtype), t.shape  # torch.Size is a tuple
 
     def stats(self, t: torch.Tensor) -> Any:
         return self._stats.add(t)
 
-    def host_stats(self, pending: list[Any]) -> list[Sequence[float]]:
+    def host_stats(self, pending: list[Any]) -> np.ndarray:
         return self._stats.collect(pending)
 
     def copy(self, t: torch.Tensor) -> HostCopy:
@@ -85,9 +86,15 @@ class TorchTensors(TensorBackend):
             return None
 
     def hook_grad(self, t: torch.Tensor, fn: Any) -> Any:
-        if t.requires_grad and t.grad_fn is not None and torch.is_grad_enabled():
-            return t.register_hook(fn)
-        return None
+        """A pre-hook on the node that will compute ``t``'s gradient, reading that gradient (its ``output_nr``) and
+        returning None (nothing changed). A tensor hook (``t.register_hook``) calls the same function on the same
+        node with the same gradient, but costs ~20 µs of host time the first time on a tensor (its hook dictionary
+        and handle, in Python) against ~3 µs here: at ~400 hooked activations a step, a tenth of a small model's
+        step. As with a tensor hook, one registered before ``t`` is modified in place stays on the old node."""
+        node = t.grad_fn
+        if node is None or not t.requires_grad or not torch.is_grad_enabled():
+            return None
+        return node.register_prehook(partial(_nth_grad, t.output_nr, fn))
 
     def loss_tensor(self, value: Any) -> torch.Tensor:
         return value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float64)
@@ -103,6 +110,11 @@ class TorchTensors(TensorBackend):
                     up = torch.randint(0, 2, p.shape, generator=g).to(p.device).bool()
                     toward = torch.where(up, torch.full_like(p, math.inf), torch.full_like(p, -math.inf))
                     p.copy_(torch.where(p == 0, p, torch.nextafter(p, toward)))  # zeros stay zeros (no denormals)
+
+
+def _nth_grad(index: int, fn: Any, grad_outputs: Sequence[Any]) -> None:
+    """A node pre-hook (``hook_grad``): ``fn`` given the gradient of the node's output ``index``."""
+    fn(grad_outputs[index] if index < len(grad_outputs) else None)
 
 
 def _distributed_attrs(model: torch.nn.Module) -> dict[str, Any]:

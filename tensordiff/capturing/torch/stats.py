@@ -27,8 +27,10 @@ import contextlib
 import math
 import os
 from collections.abc import Sequence
+from itertools import chain
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..._warn import warn as _warn
@@ -174,13 +176,6 @@ def cpu_stats(t: torch.Tensor) -> tuple[float, float, float, float, float, float
     return host_stats(x.numpy())
 
 
-def _no_finite(values: list[float]) -> list[float]:
-    """A device row of a tensor with no finite value: min and max 0, as the host rule has them."""
-    if not math.isfinite(values[0]) or not math.isfinite(values[1]):
-        values[0] = values[1] = 0.0
-    return values
-
-
 class StatsCollector:
     """The statistics of one step's tensors: ``add(t)`` starts a reduction and returns a handle,
     ``collect(handles)`` brings them all to the host (one sync per device)."""
@@ -190,8 +185,9 @@ class StatsCollector:
         # the NVRTC kernel launched through ctypes (cuda_stats.py): None until the first CUDA tensor, False when
         # it is not to be had (Triton, then eager reductions, take over)
         self._fast: Any = None if torch.cuda.is_available() and _kernel_choice() == "nvrtc" else False
-        self._chunks: dict[torch.device, list[torch.Tensor]] = {}  # float64 [ROWS, 6] result rows, kept across steps
-        self._used: dict[torch.device, int] = {}
+        # float64 [ROWS, 6] result rows by device index, kept across steps; rows used this step
+        self._chunks: dict[int, list[torch.Tensor]] = {}
+        self._used: dict[int, int] = {}
         self._parts: dict[tuple[torch.device, int], torch.Tensor] = {}  # per-stream scratch for partial rows
         self._programs: dict[torch.device, int] = {}
 
@@ -208,7 +204,7 @@ class StatsCollector:
             return self._add_triton(x)
         return reduce_stats_eager(x)
 
-    def _add_fast(self, t: torch.Tensor) -> tuple[torch.device, int] | None:
+    def _add_fast(self, t: torch.Tensor) -> tuple[int, int] | None:
         """The NVRTC kernel (``cuda_stats.py``): one launch through ctypes, a few microseconds of host time."""
         index = t.get_device()
         fast = self._fast
@@ -222,35 +218,34 @@ class StatsCollector:
             return None
         if not t.is_contiguous():
             t = t.contiguous()  # freed after the launch: the allocator reuses it in stream order
-        device = t.device
-        row = self._used.get(device, 0)
-        chunks = self._chunks.get(device)
+        row = self._used.get(index, 0)
+        chunks = self._chunks.get(index)
         if chunks is None:
-            chunks = self._chunks[device] = []
+            chunks = self._chunks[index] = []
         if row // ROWS >= len(chunks):
-            chunks.append(torch.empty((ROWS, 6), dtype=torch.float64, device=device))
-        self._used[device] = row + 1
-        local = row % ROWS
+            chunks.append(torch.empty((ROWS, 6), dtype=torch.float64, device=t.device))
+        self._used[index] = row + 1
         try:
-            fast.launch(t, index, chunks[row // ROWS].data_ptr(), local)
+            fast.launch(t, index, chunks[row // ROWS].data_ptr(), row % ROWS)
         except Exception as err:  # the driver refused the launch: Triton or eager reductions from here on
-            self._used[device] = row  # the row stays free
+            self._used[index] = row  # the row stays free
             self._fast = False
             with contextlib.suppress(Exception):
                 _warn(f"tensordiff: the NVRTC statistics kernel could not be launched ({err}); using "
                       f"{'Triton' if self._triton else 'eager reductions'} instead")
             return None
-        return device, row
+        return index, row
 
-    def _add_triton(self, x: torch.Tensor) -> tuple[torch.device, int]:
+    def _add_triton(self, x: torch.Tensor) -> tuple[int, int]:
         if not x.is_contiguous():
             x = x.contiguous()
         device = x.device
-        row = self._used.get(device, 0)
-        chunks = self._chunks.setdefault(device, [])
+        index = x.get_device()
+        row = self._used.get(index, 0)
+        chunks = self._chunks.setdefault(index, [])
         if row // ROWS >= len(chunks):
             chunks.append(torch.empty((ROWS, 6), dtype=torch.float64, device=device))
-        self._used[device] = row + 1
+        self._used[index] = row + 1
         out = chunks[row // ROWS]
         local = row % ROWS
         n = x.numel()
@@ -266,7 +261,7 @@ class StatsCollector:
                                                           device=device)
                 _stats_kernel[(programs,)](x, part, out, local, n, BLOCK=BLOCK, FINAL=False, num_warps=8)
                 _finish_kernel[(1,)](part, out, local, programs, PARTS=triton.next_power_of_2(programs), num_warps=4)
-        return device, row
+        return index, row
 
     def _max_programs(self, device: torch.device) -> int:
         if device not in self._programs:
@@ -274,27 +269,39 @@ class StatsCollector:
             self._programs[device] = min(1024, 4 * sms)
         return self._programs[device]
 
-    def collect(self, handles: Sequence[Any]) -> list[Sequence[float]]:
-        """The rows of ``handles`` on the host, in order; the per-step buffers are reused by the next step."""
-        out: list[Sequence[float]] = [[]] * len(handles)
+    def collect(self, handles: Sequence[Any]) -> np.ndarray:
+        """[min, max, sum, l2, nan, inf] of each of ``handles`` on the host: a float64 [len(handles), 6] array (one
+        wait for each device); the per-step buffers are reused by the next step."""
+        n = len(handles)
+        if not self._used and not any(isinstance(h, torch.Tensor) for h in handles):  # all computed on the CPU
+            return np.fromiter(chain.from_iterable(handles), dtype=np.float64, count=6 * n).reshape(n, 6)
+        out = np.zeros((n, 6), dtype=np.float64)
+        on_host: list[int] = []
         eager: dict[torch.device, list[int]] = {}
+        on_device: dict[int, tuple[list[int], list[int]]] = {}  # device index -> (positions, rows)
         for i, h in enumerate(handles):
-            if isinstance(h, torch.Tensor):
+            if type(h) is tuple and len(h) == 2:
+                at = on_device.get(h[0])
+                if at is None:
+                    at = on_device[h[0]] = ([], [])
+                at[0].append(i)
+                at[1].append(h[1])
+            elif isinstance(h, torch.Tensor):
                 eager.setdefault(h.device, []).append(i)
-            elif isinstance(h, list | tuple) and len(h) == 6:  # computed on the CPU already
-                out[i] = h
+            else:  # computed on the CPU already
+                on_host.append(i)
+        if on_host:
+            out[on_host] = [handles[i] for i in on_host]
         for indices in eager.values():
-            host = torch.stack([handles[i] for i in indices]).cpu().numpy()
-            for i, values in zip(indices, host):
-                out[i] = _no_finite(values.tolist())
-        if self._used:
-            rows = {}
-            for device, used in self._used.items():
-                chunks = self._chunks[device][: (used + ROWS - 1) // ROWS]
-                torch.cuda.synchronize(device)  # the kernels ran on whichever stream the hooks were called on
-                rows[device] = torch.cat(chunks).cpu().numpy()[:used].tolist()  # one list of rows: no numpy per row
-            for i, h in enumerate(handles):
-                if isinstance(h, tuple) and len(h) == 2:
-                    out[i] = _no_finite(rows[h[0]][h[1]])
+            out[indices] = torch.stack([handles[i] for i in indices]).cpu().numpy()
+        for index, used in self._used.items():
+            chunks = self._chunks[index][: (used + ROWS - 1) // ROWS]
+            torch.cuda.synchronize(index)  # the kernels ran on whichever stream the hooks were called on
+            host = torch.cat(chunks).cpu().numpy()[:used]
+            at = on_device.get(index)
+            if at is not None:
+                out[at[0]] = host[at[1]]
         self._used = {}
+        none = ~(np.isfinite(out[:, 0]) & np.isfinite(out[:, 1]))  # no finite value: min and max 0, as on the host
+        out[none, :2] = 0.0
         return out
