@@ -4,7 +4,9 @@
   subtract, square, sum, the ULP test, the floored ratio);
 * HDF5's shuffle filter: the byte planes split and put back together in one pass each;
 * a record's statistics on the host (``stats.host_stats``: min, max, sum, sum of squares, NaN and Inf counts): one
-  pass instead of six.
+  pass instead of six;
+* the launch of capture's CUDA statistics kernel (``cuda_stats.py``): one foreign call with the kernel's arguments,
+  ~1 µs of host time less a record than setting ctypes' argument buffers under a lock.
 
 Built once per machine into the user's cache (``$XDG_CACHE_HOME/tensordiff`` or ``~/.cache/tensordiff``, keyed by
 the source, the compiler and the CPU) by ``cc -O3 -march=native``: no wheel to build, nothing to install. Without a
@@ -153,6 +155,16 @@ void td_shuffle(const uint8_t *raw, int64_t n, int64_t itemsize, uint8_t *planes
     }
 }
 
+/* One launch of capture's CUDA statistics kernel (capturing/torch/cuda_stats.py) through the driver's cuLaunchKernel,
+   given by address: its six arguments on this stack, no driver header or library needed to build this file. */
+typedef int (*td_launch_fn)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void *,
+                            void **, void **);
+int td_cuda_launch(void *launch, void *kernel, uint64_t x, int64_t n, uint64_t out, uint64_t part, uint64_t counter,
+                   int32_t row, uint32_t blocks, uint32_t threads, void *stream) {
+    void *params[6] = {&x, &n, &out, &part, &counter, &row};
+    return ((td_launch_fn)launch)(kernel, blocks, 1, 1, threads, 1, 1, 0, stream, params, 0);
+}
+
 /* HDF5's shuffle undone: planes[j * n + i] is byte j of element i; out gets the first m elements. */
 void td_unshuffle(const uint8_t *planes, int64_t n, int64_t itemsize, int64_t m, uint8_t *out) {
     if (itemsize == 2) {
@@ -267,6 +279,9 @@ def _load() -> Any:
     for name in ("td_stats_f32", "td_stats_f64"):
         fn = getattr(so, name)
         fn.argtypes, fn.restype = [p, i64, dp], None
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    so.td_cuda_launch.argtypes = [p, p, u64, i64, u64, u64, u64, ctypes.c_int32, u32, u32, p]
+    so.td_cuda_launch.restype = ctypes.c_int
     _self_check(so)
     return so
 

@@ -78,3 +78,30 @@ def test_fail_stops_the_capture_and_removes_every_hook(tmp_path):
     model(torch.randn(2, 4)).sum().backward()  # the model runs as if never captured
     cap.close()
     assert cap.state.closed
+
+
+def test_the_loss_is_read_at_the_end_of_its_step(tmp_path):
+    """``loss()`` records the loss and reads its value with the step's statistics (one wait for the device): the
+    value stored is the one given, whatever the program does to its tensor before ``step()``."""
+    from tensordiff.store import CaptureFile
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = str(tmp_path / "c.h5")
+    values = []
+    with tensordiff.capture(model, path, steps=2, optimizer=opt) as cap:
+        for _ in range(3):
+            loss = model(torch.randn(2, 4)).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            values.append(float(loss.detach()))
+            cap.loss(loss)
+            assert cap.loss_recorded and cap.step_loss == pytest.approx(values[-1]) or not cap.active
+            with torch.no_grad():
+                loss.mul_(10.0)  # after loss(): the step keeps the value it was given
+            cap.step(grad_norm=torch.tensor(2.5))
+    with CaptureFile(path) as c:
+        assert [c.step_attrs(s)["loss"] for s in c.steps] == pytest.approx(values[:2], rel=1e-6)
+        scalars = c.scalars()
+        assert [scalars["grad_norm"][i] for i in range(3)] == [2.5, 2.5, 2.5]

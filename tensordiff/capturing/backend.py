@@ -79,7 +79,8 @@ class TensorBackend(ABC):
 
     @abstractmethod
     def loss_tensor(self, value: Any) -> Any:
-        """The loss as a detached framework tensor (``value`` may be a tensor or a number)."""
+        """The loss as a detached framework tensor (``value`` may be a tensor or a number) that the model's later
+        in-place changes do not reach: its value is read at the end of the step."""
 
     @abstractmethod
     def scalar(self, t: Any) -> float:

@@ -111,3 +111,27 @@ def test_the_compiled_statistics_follow_the_rule_as_numpy_does(monkeypatch, x):
     assert got[0] == want[0] and got[1] == want[1] and got[4:] == want[4:]  # min, max, the counts: exact
     assert got[2] == pytest.approx(want[2], rel=1e-12, abs=1e-12 * want[3])  # float64 sums in another order
     assert got[3] == pytest.approx(want[3], rel=1e-12)
+
+
+@native
+def test_cuda_launch_hands_the_kernel_its_arguments():
+    """``td_cuda_launch`` (capture's statistics kernel launched through the driver, ``cuda_stats.py``) calls the launch
+    function it is given with the grid, the stream and the six kernel arguments in order, and returns its result."""
+    import ctypes
+
+    seen = {}
+    proto = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, *[ctypes.c_uint] * 7, ctypes.c_void_p,
+                             ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+
+    def launch(kernel, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        kinds = (ctypes.c_uint64, ctypes.c_int64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int32)
+        seen.update(kernel=kernel, grid=(gx, gy, gz), block=(bx, by, bz), shared=shared, stream=stream, extra=extra,
+                    args=[ctypes.cast(params[i], ctypes.POINTER(kind)).contents.value for i, kind in enumerate(kinds)])
+        return 7
+
+    fn = proto(launch)
+    got = _native.lib().td_cuda_launch(ctypes.cast(fn, ctypes.c_void_p).value, 0xABC, 2**40 + 5, -3, 2**33, 0, 99,
+                                       -1, 12, 256, 0xDEF)
+    assert got == 7
+    assert seen == {"kernel": 0xABC, "grid": (12, 1, 1), "block": (256, 1, 1), "shared": 0, "stream": 0xDEF,
+                    "extra": None, "args": [2**40 + 5, -3, 2**33, 0, 99, -1]}

@@ -97,7 +97,9 @@ class TorchTensors(TensorBackend):
         return node.register_prehook(partial(_nth_grad, t.output_nr, fn))
 
     def loss_tensor(self, value: Any) -> torch.Tensor:
-        return value.detach() if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float64)
+        if isinstance(value, torch.Tensor):  # a copy: its value is read at the end of the step, after the device's work
+            return value.detach().clone()
+        return torch.tensor(float(value), dtype=torch.float64)
 
     def scalar(self, t: torch.Tensor) -> float:
         return float(t.double().mean())

@@ -27,9 +27,12 @@ from typing import Any
 
 import torch
 
+from ... import _native
+
 __all__ = ["FastStats", "fast_stats"]
 
 ENV_KERNEL = "TENSORDIFF_STATS_KERNEL"  # nvrtc (default), triton, eager
+ENV_LAUNCH = "TENSORDIFF_STATS_LAUNCH"  # native (default: the compiled launcher where there is one), ctypes
 THREADS = 256
 PER_BLOCK = 8192  # elements a block takes at least before another block is added
 
@@ -56,11 +59,6 @@ __device__ __forceinline__ void put(Acc& a, float v) {
 
 template <int KIND> __device__ __forceinline__ float conv(unsigned int h) {
   return KIND == 0 ? bf16_to_f(h) : f16_to_f(h);
-}
-
-template <int KIND> __device__ __forceinline__ void put2(Acc& a, unsigned int w) {
-  put(a, conv<KIND>(w & 0xffffu));
-  put(a, conv<KIND>(w >> 16));
 }
 
 __device__ __forceinline__ void warp_fold(double& mn, double& mx, double& s, double& q, double& nan, double& bad) {
@@ -93,14 +91,28 @@ __device__ __forceinline__ void fold(double& mn, double& mx, double& s, double& 
   __syncthreads();
 }
 
-template <int KIND>
-__device__ __forceinline__ void stats(const void* xp, long long n, double* out, double* part, unsigned int* counter,
-                                      int row) {
-  __shared__ double sh[32 * 6];
-  __shared__ bool last;
-  Acc a = {TD_INF, -TD_INF, 0.0f, 0.0f, 0u, 0u};
-  long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  long long step = (long long)gridDim.x * blockDim.x;
+// a value into a thread's accumulators: CAREFUL, by the rule (finite values only, NaN and Inf counted); else the
+// fast way for a share with no NaN or Inf (plain min, max, sums), ``nf`` turning NaN at the first one there is
+template <bool CAREFUL> __device__ __forceinline__ void take(Acc& a, float v, float& nf) {
+  if (CAREFUL) {
+    put(a, v);
+  } else {
+    a.mn = fminf(a.mn, v);
+    a.mx = fmaxf(a.mx, v);
+    a.s += v;
+    a.q = fmaf(v, v, a.q);
+    nf += v - v;  // 0 for a finite value, NaN for NaN and +-Inf (IEEE: NVRTC without fast math keeps it)
+  }
+}
+
+template <int KIND, bool CAREFUL> __device__ __forceinline__ void take2(Acc& a, unsigned int w, float& nf) {
+  take<CAREFUL>(a, conv<KIND>(w & 0xffffu), nf);
+  take<CAREFUL>(a, conv<KIND>(w >> 16), nf);
+}
+
+// one thread's grid-stride share of the tensor
+template <int KIND, bool CAREFUL>
+__device__ __forceinline__ void share(const void* xp, long long n, long long tid, long long step, Acc& a, float& nf) {
   long long done = 0;
   if (KIND == 2) {
     const float* x = (const float*)xp;
@@ -109,11 +121,11 @@ __device__ __forceinline__ void stats(const void* xp, long long n, double* out, 
       const float4* v = (const float4*)x;
       for (long long i = tid; i < nv; i += step) {
         float4 f = __ldcs(v + i);
-        put(a, f.x); put(a, f.y); put(a, f.z); put(a, f.w);
+        take<CAREFUL>(a, f.x, nf); take<CAREFUL>(a, f.y, nf); take<CAREFUL>(a, f.z, nf); take<CAREFUL>(a, f.w, nf);
       }
       done = nv << 2;
     }
-    for (long long i = done + tid; i < n; i += step) put(a, x[i]);
+    for (long long i = done + tid; i < n; i += step) take<CAREFUL>(a, x[i], nf);
   } else {
     const unsigned short* x = (const unsigned short*)xp;
     if ((((unsigned long long)x) & 15ull) == 0ull) {
@@ -121,11 +133,28 @@ __device__ __forceinline__ void stats(const void* xp, long long n, double* out, 
       const uint4* v = (const uint4*)x;
       for (long long i = tid; i < nv; i += step) {
         uint4 u = __ldcs(v + i);
-        put2<KIND>(a, u.x); put2<KIND>(a, u.y); put2<KIND>(a, u.z); put2<KIND>(a, u.w);
+        take2<KIND, CAREFUL>(a, u.x, nf); take2<KIND, CAREFUL>(a, u.y, nf);
+        take2<KIND, CAREFUL>(a, u.z, nf); take2<KIND, CAREFUL>(a, u.w, nf);
       }
       done = nv << 3;
     }
-    for (long long i = done + tid; i < n; i += step) put(a, conv<KIND>(x[i]));
+    for (long long i = done + tid; i < n; i += step) take<CAREFUL>(a, conv<KIND>(x[i]), nf);
+  }
+}
+
+template <int KIND>
+__device__ __forceinline__ void stats(const void* xp, long long n, double* out, double* part, unsigned int* counter,
+                                      int row) {
+  __shared__ double sh[32 * 6];
+  __shared__ bool last;
+  Acc a = {TD_INF, -TD_INF, 0.0f, 0.0f, 0u, 0u};
+  long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  long long step = (long long)gridDim.x * blockDim.x;
+  float nf = 0.0f;
+  share<KIND, false>(xp, n, tid, step, a, nf);
+  if (nf != nf) {  // a NaN or an Inf in this thread's share: the share again, by the rule
+    a = {TD_INF, -TD_INF, 0.0f, 0.0f, 0u, 0u};
+    share<KIND, true>(xp, n, tid, step, a, nf);
   }
   int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   double mn = a.mn, mx = a.mx, s = a.s, q = a.q, nan = a.nan, bad = a.bad;
@@ -234,6 +263,7 @@ class _Device:
             if cuda.cuModuleGetFunction(ctypes.byref(fn), module, name.encode()):
                 raise _Failed(f"cuModuleGetFunction({name}) failed")
             self.functions[dtype] = fn
+        self.addresses = {dtype: fn.value for dtype, fn in self.functions.items()}
         self.max_blocks = min(1024, 4 * props.multi_processor_count)
         self.device = torch.device("cuda", index)
         self.scratch: dict[int, tuple[int, int, Any]] = {}  # stream -> (part ptr, counter ptr, tensor kept alive)
@@ -265,6 +295,10 @@ class FastStats:
         self._part, self._counter, self._row = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_int32()
         args = (self._x, self._n, self._out, self._part, self._counter, self._row)
         self._params = (ctypes.c_void_p * 6)(*[ctypes.addressof(a) for a in args])
+        # the compiled launcher (tensordiff/_native.py): the same call with the arguments on its own stack
+        native = _native.lib() if os.environ.get(ENV_LAUNCH, "") != "ctypes" else None
+        self._native = native.td_cuda_launch if native is not None else None
+        self._launch_at = ctypes.cast(launch, ctypes.c_void_p).value
         try:
             self._raw_stream = torch._C._cuda_getCurrentRawStream  # what Triton's launcher reads too
         except AttributeError:  # pragma: no cover - other torch builds
@@ -282,6 +316,12 @@ class FastStats:
         blocks = min(dev.max_blocks, (n + PER_BLOCK - 1) // PER_BLOCK)
         stream = self._raw_stream(index)
         part, counter = dev.scratch_for(stream) if blocks > 1 else (0, 0)
+        if self._native is not None:
+            err = self._native(self._launch_at, dev.addresses[t.dtype], t.data_ptr(), n, out_ptr, part, counter, row,
+                               blocks, THREADS, stream)
+            if err:
+                raise RuntimeError(f"cuLaunchKernel failed (CUDA error {err})")
+            return
         with self._lock:  # the argument buffers are shared (forward and backward hooks run on different threads)
             self._x.value = t.data_ptr()
             self._n.value = n
