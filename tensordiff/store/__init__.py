@@ -3,7 +3,8 @@
 * ``format``: the HDF5 layout (``/steps/NNNNNN/index`` rows, ``data/<seq>`` tensors, ``/scalars``);
 * ``writer``: ``CaptureWriter``, fed by the recorder, writing off the training thread (``writer_process``: in a
   process of its own, so HDF5 and deflate never hold the training process's GIL; ``codec``: shuffle + deflate per
-  chunk off HDF5's lock, for writing and reading);
+  chunk off HDF5's lock, for writing and reading; ``rows``: ``StepRows``, a step's records packed as the recorder
+  hands them over);
 * ``validate``: a capture file checked before the reader trusts it (attributes, steps, index rows, links);
 * ``base``: ``CaptureReader``, the contract every reader below keeps (what the rest of tensordiff types against), and
   ``ReaderBase``, the defaults of the capabilities a reader lacks (one rank, no copies, no inconsistencies);
