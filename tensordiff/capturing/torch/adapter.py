@@ -4,8 +4,9 @@ What is hooked, and why:
 
 * forward pre-hooks (with kwargs) on every module: call index, module nesting, inputs;
 * forward hooks: outputs;
-* tensor hooks on every recorded non-leaf tensor that requires grad: its gradient,
-  in the order backward produces it. Full module backward hooks are not used: they
+* gradient hooks on every recorded non-leaf tensor that requires grad (a pre-hook on the
+  autograd node that computes its gradient): its gradient, in the order backward
+  produces it. Full module backward hooks are not used: they
   wrap outputs in views and break models that modify outputs in place
   (Megatron's cross-entropy does), which would crash the run being observed;
 * optimizer step pre/post hooks (when an optimizer is given): parameter gradients
@@ -87,10 +88,9 @@ class TorchTensors(TensorBackend):
 
     def hook_grad(self, t: torch.Tensor, fn: Any) -> Any:
         """A pre-hook on the node that will compute ``t``'s gradient, reading that gradient (its ``output_nr``) and
-        returning None (nothing changed). A tensor hook (``t.register_hook``) calls the same function on the same
-        node with the same gradient, but costs ~20 µs of host time the first time on a tensor (its hook dictionary
-        and handle, in Python) against ~3 µs here: at ~400 hooked activations a step, a tenth of a small model's
-        step. As with a tensor hook, one registered before ``t`` is modified in place stays on the old node."""
+        returning None (nothing changed). A tensor hook (``t.register_hook``) runs on the same node with the same
+        gradient, but builds the tensor's hook dictionary and handle in Python first (~1 µs more a record). As with
+        a tensor hook, one registered before ``t`` is modified in place stays on the old node."""
         node = t.grad_fn
         if node is None or not t.requires_grad or not torch.is_grad_enabled():
             return None

@@ -3,14 +3,16 @@
 Capture on a GPU is host-bound: a 1B-parameter step has ~1,400 records, and Triton's Python launcher costs
 ~15-25 µs of host time per launch before the kernel is queued (docs/performance.md). This module compiles one small
 CUDA C kernel with NVRTC (the runtime compiler that CUDA builds of torch ship; no CUDA toolkit needed) when the
-first CUDA tensor is reduced, loads it through the driver API, and launches it with ``cuLaunchKernel`` through
-ctypes with argument buffers prepared once: a launch is a handful of attribute stores and one foreign call.
+first CUDA tensor is reduced, loads it through the driver API, and launches it with ``cuLaunchKernel``: through
+the compiled launcher of ``tensordiff/_native.py`` (one foreign call, the arguments on its stack) where there is
+one, else through ctypes with argument buffers prepared once (``TENSORDIFF_STATS_LAUNCH=ctypes`` chooses that).
 
 One launch a tensor, whatever its size: each block reduces a grid-stride share in FP32 (16-byte vector loads where
 the tensor is aligned), folds its threads' values in float64, and the last block to finish (an atomic counter per
-stream) folds the blocks' rows in float64 into the tensor's row of the per-step result buffer. Per element: one
-finiteness test, min, max, sum and a fused multiply-add; NaN and Inf counted. The rule is ``tensordiff/stats.py``'s:
-min, max, sum and l2 over the finite values.
+stream) folds the blocks' rows in float64 into the tensor's row of the per-step result buffer. Per element, a fast
+pass: min, max, sum and a fused multiply-add, and ``v - v`` summed (NaN once the share holds a NaN or an Inf); a
+thread whose share held one reduces it again by the rule: finiteness tested, NaN and Inf counted. The rule is
+``tensordiff/stats.py``'s: min, max, sum and l2 over the finite values.
 
 If NVRTC, the driver or the kernel fails anywhere (no NVRTC library, an old driver, a check at first use that
 disagrees with the eager reduction), ``available()`` is False and capture uses the Triton kernel, then eager
