@@ -17,6 +17,10 @@ recorder's entry points wrapped in timers, each part's host milliseconds a step 
   the writer process); the rest is the rows filled in and the step's bookkeeping.
 
 ``records``: the records of a step; ``us/record``: (captured - plain) / records.
+
+``--full``: the first captured step stores every tensor (``tensors="first"``, the kernels compiled before it); its
+parts are printed on their own, with ``clones`` (starting the device copies of the stored tensors, inside the
+hooks' times), then the medians of the steps after it.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ def main() -> int:
     p.add_argument("--size", choices=sorted(GPU_SIZES), default="125m")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--full", action="store_true", help="the first captured step stores every tensor")
     args = p.parse_args()
     for key, value in dict(layers=4, hidden=256, seq=128, batch=4, vocab=8192).items():
         setattr(args, key, value)
@@ -108,16 +113,27 @@ def main() -> int:
         return _timed(acc, "  collect", collect)(self, handles)
 
     StatsCollector.collect = waited_collect
+    from tensordiff.capturing.torch.copies import HostCopier
+
+    copy = HostCopier.copy
+    HostCopier.copy = _timed(acc, "  clones", copy)
     with tempfile.TemporaryDirectory() as tmp:
+        if args.full and job.cuda:
+            from tensordiff.capturing.torch.cuda_stats import fast_stats
+
+            fast_stats(0)  # compiled and checked now, not in the step measured
         cap = tensordiff.capture(job.model, os.path.join(tmp, "c.h5"), steps=args.steps + 1, optimizer=job.opt,
-                                 tensors="none")
+                                 tensors="first" if args.full else "none")
         writer = cap._writer
         writer.submit = _timed(acc, "  submit", writer.submit)
-        job.step(0)  # the kernel's compile and the first step's setup
-        cap.step()
-        job.sync()
+        if not args.full:
+            job.step(0)  # the kernel's compile and the first step's setup
+            cap.step()
+            job.sync()
         captured, cap_host, parts = run(cap, acc)
+        t_close = time.perf_counter()
         cap.close()
+        close_s = time.perf_counter() - t_close
         from tensordiff.store import CaptureFile
 
         with CaptureFile(os.path.join(tmp, "c.h5")) as c:
@@ -125,21 +141,32 @@ def main() -> int:
     for name, fn in originals.items():
         setattr(Recorder, name, fn)
     StatsCollector.collect = collect
+    HostCopier.copy = copy
     for row in parts:
         row["calls"] = row.get("calls", 0.0) + row.pop("calls+weights", 0.0) - row.get("weights", 0.0)
     med = statistics.median
-    plain_ms, cap_ms = med(plain) * 1e3, med(captured) * 1e3
+    plain_ms = med(plain) * 1e3
     print(job.describe)
-    print(f"plain step {plain_ms:.1f} ms (host enqueues for {med(plain_host) * 1e3:.1f} ms of it); captured "
-          f"{cap_ms:.1f} ms ({cap_ms / plain_ms:.2f}x; host {med(cap_host) * 1e3:.1f} ms before cap.step)")
-    print(f"records a step {records}: {(cap_ms - plain_ms) * 1e3 / max(records, 1):.1f} us a record added")
-    keys = ["weights", "calls", "grad hooks", "param grads", "end step", "  gpu wait", "  collect", "  submit"]
-    total = 0.0
-    for key in keys:
-        ms = med([row.get(key, 0.0) for row in parts]) * 1e3
-        total += ms if not key.startswith(" ") else 0.0
-        print(f"  {key:12s} {ms:8.2f} ms")
-    print(f"  {'sum':12s} {total:8.2f} ms")
+    print(f"plain step {plain_ms:.1f} ms (host enqueues for {med(plain_host) * 1e3:.1f} ms of it); records a step "
+          f"{records}")
+    keys = ["weights", "calls", "grad hooks", "param grads", "end step", "  gpu wait", "  collect", "  submit",
+            "  clones"]
+    groups = [("the full step", captured[:1], cap_host[:1], parts[:1]), ("the steps after it", captured[1:],
+              cap_host[1:], parts[1:])] if args.full else [("captured", captured, cap_host, parts)]
+    for title, whole, host, rows in groups:
+        if not whole:
+            continue
+        cap_ms = med(whole) * 1e3
+        print(f"{title}: {cap_ms:.1f} ms ({cap_ms / plain_ms:.2f}x; host {med(host) * 1e3:.1f} ms before cap.step); "
+              f"{(cap_ms - plain_ms) * 1e3 / max(records, 1):.1f} us a record added")
+        total = 0.0
+        for key in keys:
+            ms = med([row.get(key, 0.0) for row in rows]) * 1e3
+            total += ms if not key.startswith(" ") else 0.0
+            print(f"  {key:12s} {ms:8.2f} ms")
+        print(f"  {'sum':12s} {total:8.2f} ms")
+    if args.full:
+        print(f"close() after the last step: {close_s:.1f} s (the file written)")
     return 0
 
 
