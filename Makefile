@@ -48,11 +48,13 @@ wikitext2: setup
 # module fixtures made once), the slowest files handed out first (tests/conftest.py SLOW_FIRST). TEST_JOBS=0: one
 # process, in file order
 TEST_JOBS ?= 2
+# the readers' fuzzing (tests/core/test_fuzz_readers.py) as a sample here: test-core runs it whole (60 cases a test)
+FUZZ_EXAMPLES ?= 20
 locate: setup
 	$(PY) examples/locate/run.py
 
 test: setup
-	$(PY) -m pytest -q --durations=15 $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder)
+	TENSORDIFF_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q --durations=15 $(if $(filter-out 0,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder)
 
 # ruff (style, imports, bugs) on everything; mypy on the package (configured in pyproject.toml)
 lint: setup
