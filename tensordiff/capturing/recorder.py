@@ -596,10 +596,9 @@ class Recorder:
         if dtype is None:
             self._late[seq] = t
         numel = math.prod(shape)
-        text = _SHAPES.get(shape)
         row: dict[str, Any] = {
             "seq": seq, "phase": phase, "module": module, "call": call, "kind": kind, "slot": slot,
-            "module_class": module_class, "dtype": dtype, "shape": text if text is not None else _shape_text(shape),
+            "module_class": module_class, "dtype": dtype, "shape": _shape_text(shape),
             "min": 0.0, "max": 0.0, "mean": 0.0, "l2": 0.0, "nan": 0, "inf": 0, "numel": numel,
             "has_data": 0, "same_as": -1, "grad_of": grad_of, "enter": enter, "parent": parent,
         }
