@@ -188,7 +188,6 @@ class Recorder:
         self._optimizer_scalars: dict[str, float] = {}  # the optimizer's settings of the step in flight
         self._loss: float | None = None  # the step's loss, once read from its tensor (``_loss_t``)
         self._loss_t: Any = None
-        self._written_loss: float | None = None  # the loss of the step ``_end_step`` handed over last
         self._default_size_limit()
         self._reset_step()
 
@@ -328,18 +327,17 @@ class Recorder:
             self.loss(loss)
         at = state.iteration
         state.iteration += 1
-        self._written_loss = None
-        ended = False
+        ended, written = False, None
         if state.resting:  # every=N: count the step, wake up for the next one due
             state.resting = not self._due()
         elif self.active and state.in_step:
             try:
-                self._end_step()
+                written = self._end_step()
                 ended = True
             except Exception as err:
                 self.fail(err)
         if loss is not None:
-            value = self._written_loss if ended else self.step_loss
+            value = written if ended else self.step_loss
             scalars = {"loss": value if value is not None else loss, **scalars}
         if scalars:
             self.log(at, **scalars)
@@ -636,13 +634,14 @@ class Recorder:
                         self._watched.setdefault(enter, []).append((ref, version, hook))
         return seq
 
-    def _end_step(self) -> None:
+    def _end_step(self) -> float | None:
+        """Hand the open step to the writer; the loss it was written with (None: none, or no step written)."""
         state = self._state
         if not state.in_step:
-            return
+            return None
         if not self.end_step_impl():
             self.restart_step()
-            return
+            return None
         if not state.grads_taken:
             self.take_param_grads()
         for handle in self._tensor_handles:
@@ -663,7 +662,7 @@ class Recorder:
         if packed is not None:
             _fill_stats(packed, [seq for seq, _ in self._pending], values)
         attrs: dict[str, Any] = {"wall_time": time.perf_counter() - self._t0}
-        loss = self._written_loss = self.step_loss
+        loss = self.step_loss
         if loss is not None:
             attrs["loss"] = loss
         if state.interrupted:
@@ -690,6 +689,7 @@ class Recorder:
                   f"to {self.path}; call cap.step(loss) once per training step")
         elif every > 1:
             state.resting = not self._due()
+        return loss
 
 
 _OPEN: weakref.WeakSet[Recorder] = weakref.WeakSet()

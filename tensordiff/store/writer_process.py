@@ -298,15 +298,15 @@ class ProcessWriter(CaptureWriter):
             if packed is not None:
                 arrays.insert(0, (-1, packed.table))  # sent as the step's array -1
             shared = {seq: self._to_shm(raw) for seq, raw in arrays if seq >= 0}
-            head = {"t": "step", "step": step, "fields": packed.fields if packed is not None else [],
-                    "text_fields": packed.text_fields if packed is not None else [],
-                    "number_fields": packed.number_fields if packed is not None else [],
-                    "attrs": attrs, "later": data["later"],
+            head = {"t": "step", "step": step, "attrs": attrs, "later": data["later"],
                     "arrays": [[seq, raw.dtype.str, list(raw.shape)] + ([shared[seq]] if shared.get(seq) else [])
                                for seq, raw in arrays]}
-            if packed is None:
+            if packed is None:  # rows of another shape, sent as they are
                 head["rows"] = rows
-            self._pipe.write(_frame(head, {"rows": packed.texts_json()} if packed is not None else None))
+                self._pipe.write(_frame(head))
+            else:
+                head.update(fields=packed.fields, text_fields=packed.text_fields, number_fields=packed.number_fields)
+                self._pipe.write(_frame(head, {"rows": packed.texts_json()}))
             for seq, raw in arrays:
                 if raw.nbytes and not shared.get(seq):
                     self._pipe.write(raw.reshape(-1).view(np.uint8).data)  # released GIL while the pipe takes it
